@@ -1,0 +1,38 @@
+# Two commands for a fresh machine with Python 3.11: `make demo` and `make test`.
+# Each creates .venv when it is missing and installs the project with the pinned versions of
+# constraints.txt (torch's CPU build, so no multi-GB CUDA wheels).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+EXTRAS := test,dev,s3,gcs,plot
+
+.PHONY: demo test test-fast lint format install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --progress-bar off -c constraints.txt -e '.[$(EXTRAS)]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python jobs/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) demo-output .pytest_cache .ruff_cache

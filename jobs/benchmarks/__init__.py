@@ -1,0 +1,1 @@
+"""One module per `jobs/benchmark.py` subcommand; each exposes `main(argv) -> dict`."""

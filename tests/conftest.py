@@ -1,0 +1,51 @@
+"""Shared fixtures: one local Ray for the whole session, markers, and the tiny synthetic shard set.
+
+Tests form a pyramid: most need neither Ray nor these fixtures; the Ray ones share `ray_session`,
+which declares more logical CPUs than the machine has, so that Ray Data read tasks and Ray Train
+workers never wait on each other for CPU slots on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Logical CPUs for the shared local Ray: training workers (1 each) plus Ray Data tasks must all fit.
+RAY_NUM_CPUS = 8
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance shared by every test that needs Ray (started on first use)."""
+    import ray
+
+    # Ray Data's progress bars are noise in test logs.
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    if not ray.is_initialized():
+        ray.init(
+            address="local",
+            num_cpus=RAY_NUM_CPUS,
+            include_dashboard=False,
+            object_store_memory=2 * 1024**3,
+            log_to_driver=False,
+        )
+    from ray.data import DataContext
+
+    DataContext.get_current().enable_progress_bars = False
+    yield ray
+    ray.shutdown()
