@@ -1,0 +1,181 @@
+"""ViT configuration: one frozen dataclass in the paper's vocabulary, and the table of named variants.
+
+A config is plain data: `to_dict()` / `from_dict()` round-trip through JSON, which is how the
+training job stores it beside every checkpoint and the final export (`config.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+POOLS = ("cls", "gap")
+HEADS = ("pretrain", "finetune")
+
+# The original ViT scales pixels to [-1, 1]: (x - 0.5) / 0.5 over [0, 1] pixels.
+VIT_MEAN = (0.5, 0.5, 0.5)
+VIT_STD = (0.5, 0.5, 0.5)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """Everything that decides a ViT's shapes and its computation; nothing about training."""
+
+    name: str = "vit_b16"
+    image_size: int = 224  # square input side, in pixels; a multiple of patch_size
+    patch_size: int = 16
+    num_channels: int = 3
+    embed_dim: int = 768  # D, the width of every token
+    depth: int = 12  # number of encoder blocks
+    num_heads: int = 12
+    mlp_dim: int = 3072  # hidden width of each block's MLP
+    num_classes: int = 1000  # 0: no classifier, forward() returns the (pre-)logits features
+    pool: str = "cls"  # "cls": the [CLS] token; "gap": mean of the patch tokens
+    head: str = "pretrain"  # "pretrain": Linear -> tanh -> Linear; "finetune": one zero-init Linear
+    representation_size: int | None = None  # hidden width of the pretraining head; None: embed_dim
+    qkv_bias: bool = True
+    norm_eps: float = 1e-6
+    # Input normalization over [0, 1] pixels, applied inside the model to uint8 patches.
+    mean: tuple[float, ...] = VIT_MEAN
+    std: tuple[float, ...] = VIT_STD
+
+    def __post_init__(self) -> None:
+        # JSON gives lists; keep the dataclass hashable and comparable.
+        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
+        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        self.validate()
+
+    # --- derived sizes ---------------------------------------------------------------------------
+    @property
+    def grid_size(self) -> int:
+        """Patches along each side of the image."""
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        """N, the number of patch tokens (the sequence has 1 + N tokens with [CLS])."""
+        return self.grid_size**2
+
+    @property
+    def patch_dim(self) -> int:
+        """P*P*C, the length of one flattened patch."""
+        return self.patch_size**2 * self.num_channels
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def pre_logits_dim(self) -> int:
+        """Width of what the classifier reads: the pretraining head's hidden layer, or embed_dim."""
+        if self.head == "pretrain":
+            return self.representation_size or self.embed_dim
+        return self.embed_dim
+
+    # --- checks ----------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise a one-line ValueError that says what to change."""
+        sizes = ("image_size", "patch_size", "num_channels", "embed_dim", "depth", "num_heads", "mlp_dim")
+        for field in sizes:
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.image_size % self.patch_size:
+            lower = self.image_size // self.patch_size * self.patch_size
+            raise ValueError(
+                f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}; "
+                f"use a multiple of {self.patch_size} (e.g. {max(lower, self.patch_size)})"
+            )
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}; "
+                f"pick num_heads among the divisors of {self.embed_dim}"
+            )
+        if self.num_classes < 0:
+            raise ValueError(f"num_classes must be >= 0 (0 means no classifier), got {self.num_classes}")
+        if self.pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+        if self.head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+        if self.representation_size is not None and self.representation_size <= 0:
+            raise ValueError(f"representation_size must be positive or None, got {self.representation_size}")
+        if len(self.mean) != self.num_channels or len(self.std) != self.num_channels:
+            raise ValueError(
+                f"mean and std need one value per channel ({self.num_channels}), "
+                f"got {len(self.mean)} and {len(self.std)}"
+            )
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"std must be positive, got {self.std}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+
+    # --- plain data ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field (tuples become lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ViTConfig:
+        """Inverse of `to_dict`; unknown keys are an error (a config from another tool or version)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ValueError(f"unknown ViTConfig field(s) {unknown}; valid fields: {sorted(fields)}")
+        return cls(**data)
+
+    def replace(self, **overrides: Any) -> ViTConfig:
+        """A copy with some fields replaced; unknown field names are an error."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"unknown ViTConfig field(s) {unknown}; valid fields: {sorted(fields)}")
+        return dataclasses.replace(self, **overrides)
+
+
+def _variant(name: str, patch_size: int, width: int, depth: int, mlp: int, heads: int) -> ViTConfig:
+    return ViTConfig(
+        name=name, patch_size=patch_size, embed_dim=width, depth=depth, mlp_dim=mlp, num_heads=heads
+    )
+
+
+# (width D, depth, MLP, heads). Sources: B, L, H from Dosovitskiy et al. 2021 ("An Image Is Worth
+# 16x16 Words"), Table 1; Ti and S from Touvron et al. 2021 (DeiT), Table 1, as used by Steiner et
+# al. 2021 (AugReg); g and G from Zhai et al. 2022 ("Scaling Vision Transformers"), Table 2.
+# Parameter counts: the papers' figures (B/16 86M, L/16 304M, H/14 632M, g/14 1011M, G/14 1843M)
+# count the encoder without a classification head (here 85.8M, 303.3M, 630.8M, 1011.2M, 1842.8M);
+# with a 1000-class linear head the counts equal torchvision's exactly (B/16: 86,567,656).
+VARIANTS: dict[str, ViTConfig] = {
+    cfg.name: cfg
+    for cfg in (
+        _variant("vit_ti16", 16, 192, 12, 768, 3),  # DeiT
+        _variant("vit_s16", 16, 384, 12, 1536, 6),  # DeiT
+        _variant("vit_b16", 16, 768, 12, 3072, 12),  # ViT paper
+        _variant("vit_b32", 32, 768, 12, 3072, 12),  # ViT paper
+        _variant("vit_l16", 16, 1024, 24, 4096, 16),  # ViT paper
+        _variant("vit_l32", 32, 1024, 24, 4096, 16),  # ViT paper
+        _variant("vit_h14", 14, 1280, 32, 5120, 16),  # ViT paper
+        _variant("vit_g14", 14, 1408, 40, 6144, 16),  # Zhai et al.
+        _variant("vit_G14", 14, 1664, 48, 8192, 16),  # Zhai et al.
+        # Small enough to train on 2 CPU workers in seconds: the tests' and the demo's model.
+        ViTConfig(
+            name="vit_tiny_test",
+            image_size=32,
+            patch_size=8,
+            embed_dim=64,
+            depth=2,
+            num_heads=4,
+            mlp_dim=128,
+            num_classes=10,
+        ),
+    )
+}
+
+
+def get_config(name: str, **overrides: Any) -> ViTConfig:
+    """The named variant's config with some fields replaced (image_size, num_classes, pool, head, ...)."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(VARIANTS)}")
+    return VARIANTS[name].replace(**overrides)

@@ -1,0 +1,284 @@
+"""Load ViT weights from timm, torchvision and transformers into vitray's layout.
+
+    sd = convert_state_dict(torch.load("vit_b_16.pth"), "torchvision")
+    model = VisionTransformer(config_from_state_dict(sd))
+    model.load_state_dict(sd)
+
+The converted model computes the same function as the source model on the source's input: a
+float image batch ``(B, C, H, W)``, normalized as that model expects. For vitray's uint8 path the
+conversion also stores the normalization constants the source's published models were trained with
+(override them with ``mean=`` / ``std=`` for a checkpoint trained otherwise):
+
+- timm: mean = std = 0.5 ([-1, 1] scaling; the original and AugReg ViTs). DeiT and some other timm
+  ViTs use ImageNet mean/std instead: pass it.
+- torchvision: ImageNet mean/std, which all of torchvision's ViT weights use.
+- hf (transformers ViTModel / ViTForImageClassification): mean = std = 0.5, as in google/vit-*.
+
+What each library calls the parts, and the two layout changes:
+- the patch projection is a Conv2d ``(D, C, P, P)``; vitray's Linear over (p1, p2, c) takes it
+  permuted to ``(D, P, P, C)`` and flattened;
+- transformers keeps Q, K and V as three Linears; they are stacked into one fused ``(3D, D)`` QKV
+  (timm and torchvision already store them fused in that order).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from vit.config import IMAGENET_MEAN, IMAGENET_STD, VARIANTS, VIT_MEAN, VIT_STD, ViTConfig
+
+SOURCES = ("timm", "torchvision", "hf")
+
+# Normalization the source's published weights expect, and its LayerNorm eps.
+SOURCE_NORMALIZATION = {
+    "timm": (VIT_MEAN, VIT_STD),
+    "torchvision": (IMAGENET_MEAN, IMAGENET_STD),
+    "hf": (VIT_MEAN, VIT_STD),
+}
+SOURCE_NORM_EPS = {"timm": 1e-6, "torchvision": 1e-6, "hf": 1e-12}
+
+_BLOCK_PARTS = r"(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)"
+_HF_LAYER = r"^(?:encoder\.layer|layers)\.(\d+)\."
+
+# (pattern, replacement) per source; the first pattern that matches a key renames it.
+RENAMES: dict[str, list[tuple[str, str]]] = {
+    "timm": [
+        (r"^cls_token$", "cls_token"),
+        (r"^pos_embed$", "pos_embed"),
+        (r"^patch_embed\.proj\.", "patch_embed.proj."),
+        (rf"^blocks\.(\d+)\.{_BLOCK_PARTS}\.", r"blocks.\1.\2."),
+        (r"^norm\.", "norm."),
+        (r"^pre_logits\.fc\.", "head.pre_logits."),  # older timm: the representation layer
+        (r"^head\.", "head.fc."),
+    ],
+    "torchvision": [
+        (r"^class_token$", "cls_token"),
+        (r"^encoder\.pos_embedding$", "pos_embed"),
+        (r"^conv_proj\.", "patch_embed.proj."),
+        (r"^encoder\.layers\.encoder_layer_(\d+)\.ln_1\.", r"blocks.\1.norm1."),
+        (r"^encoder\.layers\.encoder_layer_(\d+)\.ln_2\.", r"blocks.\1.norm2."),
+        (r"^encoder\.layers\.encoder_layer_(\d+)\.self_attention\.in_proj_", r"blocks.\1.attn.qkv."),
+        (r"^encoder\.layers\.encoder_layer_(\d+)\.self_attention\.out_proj\.", r"blocks.\1.attn.proj."),
+        # MLP as nn.Sequential (Linear, GELU, Dropout, Linear, Dropout); before 0.13: linear_1/linear_2
+        (r"^encoder\.layers\.encoder_layer_(\d+)\.mlp\.(?:0|linear_1)\.", r"blocks.\1.mlp.fc1."),
+        (r"^encoder\.layers\.encoder_layer_(\d+)\.mlp\.(?:3|linear_2)\.", r"blocks.\1.mlp.fc2."),
+        (r"^encoder\.ln\.", "norm."),
+        (r"^heads\.pre_logits\.", "head.pre_logits."),
+        (r"^heads\.head\.", "head.fc."),
+    ],
+    # Keys after an optional leading "vit." (ViTForImageClassification); both the names of
+    # published checkpoints (encoder.layer.N.attention.attention.query) and those of transformers 5
+    # (layers.N.attention.q_proj). Q, K, V keep separate names here and are fused afterwards.
+    "hf": [
+        (r"^embeddings\.cls_token$", "cls_token"),
+        (r"^embeddings\.position_embeddings$", "pos_embed"),
+        (r"^embeddings\.patch_embeddings\.projection\.", "patch_embed.proj."),
+        (_HF_LAYER + r"layernorm_before\.", r"blocks.\1.norm1."),
+        (_HF_LAYER + r"layernorm_after\.", r"blocks.\1.norm2."),
+        (r"^encoder\.layer\.(\d+)\.attention\.attention\.(query|key|value)\.", r"blocks.\1.attn.\2."),
+        (r"^layers\.(\d+)\.attention\.q_proj\.", r"blocks.\1.attn.query."),
+        (r"^layers\.(\d+)\.attention\.k_proj\.", r"blocks.\1.attn.key."),
+        (r"^layers\.(\d+)\.attention\.v_proj\.", r"blocks.\1.attn.value."),
+        (r"^encoder\.layer\.(\d+)\.attention\.output\.dense\.", r"blocks.\1.attn.proj."),
+        (r"^layers\.(\d+)\.attention\.o_proj\.", r"blocks.\1.attn.proj."),
+        (r"^encoder\.layer\.(\d+)\.intermediate\.dense\.", r"blocks.\1.mlp.fc1."),
+        (r"^encoder\.layer\.(\d+)\.output\.dense\.", r"blocks.\1.mlp.fc2."),
+        (r"^layers\.(\d+)\.mlp\.(fc1|fc2)\.", r"blocks.\1.mlp.\2."),
+        (r"^layernorm\.", "norm."),
+        (r"^pooler\.dense\.", "head.pre_logits."),  # ViTModel's pooler: dense + tanh on [CLS]
+        (r"^classifier\.", "head.fc."),
+    ],
+}
+
+# Every key of a vitray state dict, for the final check.
+VITRAY_KEY = re.compile(
+    rf"^(cls_token|pos_embed|patch_embed\.(mean|std)|patch_embed\.proj\.(weight|bias)"
+    rf"|blocks\.\d+\.{_BLOCK_PARTS}\.(weight|bias)|norm\.(weight|bias)|head\.(pre_logits|fc)\.(weight|bias))$"
+)
+
+
+def convert_state_dict(
+    state_dict: dict[str, torch.Tensor],
+    source: str,
+    *,
+    mean: tuple[float, ...] | None = None,
+    std: tuple[float, ...] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A timm / torchvision / transformers ("hf") ViT state dict -> a vitray state dict.
+
+    Keys vitray's ViT has no place for (layer scale, register tokens, a norm after pooling, ...)
+    are a one-line error rather than silently dropped: the result would compute something else.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"unknown source {source!r}; choose one of {SOURCES}")
+    sd = dict(state_dict)
+    if source == "hf":
+        sd = {k.removeprefix("vit."): v for k, v in sd.items()}
+        sd.pop("embeddings.mask_token", None)  # masked-image-modeling input, unused for images
+        if "classifier.weight" in sd:
+            # ViTForImageClassification classifies the [CLS] token directly, never through a pooler.
+            sd = {k: v for k, v in sd.items() if not k.startswith("pooler.")}
+    if source == "timm" and any(k.startswith("fc_norm.") for k in sd):
+        raise ValueError(
+            "this timm model normalizes after pooling (fc_norm, global_pool='avg'); vitray's ViT "
+            "normalizes the tokens before pooling, so it cannot compute the same function"
+        )
+
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}  # new key -> source key, to name the source's keys in errors
+    unmatched = []
+    for key, value in sd.items():
+        new_key = _rename(key, RENAMES[source])
+        if new_key is None:
+            unmatched.append(key)
+        else:
+            out[new_key], origin[new_key] = value, key
+    if source == "hf":
+        _fuse_qkv(out)
+    unmatched += [origin.get(k, k) for k in out if not VITRAY_KEY.match(k)]
+    if unmatched:
+        raise ValueError(
+            f"cannot convert {len(unmatched)} key(s) of this {source} state dict, e.g. {unmatched[:4]}: "
+            "vitray's ViT has no such part (layer scale, register tokens, ...); is it a plain ViT?"
+        )
+    for key in ("cls_token", "pos_embed", "patch_embed.proj.weight"):
+        if key not in out:
+            raise ValueError(f"this {source} state dict has no {key}; is it a ViT state dict?")
+
+    conv = out["patch_embed.proj.weight"]
+    channels = conv.shape[1] if conv.dim() == 4 else 3
+    if conv.dim() == 4:  # Conv2d (D, C, P, P) -> Linear over (p1, p2, c): (D, P*P*C)
+        out["patch_embed.proj.weight"] = conv.permute(0, 2, 3, 1).reshape(conv.shape[0], -1)
+    dim = out["cls_token"].shape[-1]
+    out["cls_token"] = out["cls_token"].reshape(dim)  # (1, 1, D) -> (D,)
+    pos_embed = out["pos_embed"].reshape(-1, dim)  # (1, T, D) -> (T, D)
+    if math.isqrt(pos_embed.shape[0]) ** 2 == pos_embed.shape[0]:
+        # No position for [CLS] (timm's no_embed_class): adding a zero row computes the same.
+        pos_embed = torch.cat([pos_embed.new_zeros(1, dim), pos_embed])
+    out["pos_embed"] = pos_embed
+
+    default_mean, default_std = SOURCE_NORMALIZATION[source]
+    if channels != len(default_mean):  # not RGB: the [-1, 1] scaling per channel
+        default_mean, default_std = (0.5,) * channels, (0.5,) * channels
+    mean = mean if mean is not None else default_mean
+    std = std if std is not None else default_std
+    out["patch_embed.mean"] = torch.tensor(mean, dtype=torch.float32)
+    out["patch_embed.std"] = torch.tensor(std, dtype=torch.float32)
+    return out
+
+
+def _rename(key: str, rules: list[tuple[str, str]]) -> str | None:
+    for pattern, replacement in rules:
+        new_key, count = re.subn(pattern, replacement, key)
+        if count:
+            return new_key
+    return None
+
+
+def _fuse_qkv(sd: dict[str, torch.Tensor]) -> None:
+    """blocks.N.attn.{query,key,value}.{weight,bias} -> blocks.N.attn.qkv.{weight,bias}, stacked q;k;v.
+
+    An incomplete triple stays as it is, and fails the final key check.
+    """
+    for key in [k for k in sd if ".attn.query." in k]:
+        parts = [key, key.replace(".query.", ".key."), key.replace(".query.", ".value.")]
+        if all(p in sd for p in parts):
+            sd[key.replace(".query.", ".qkv.")] = torch.cat([sd.pop(p) for p in parts], dim=0)  # (3D, ...)
+
+
+def config_from_state_dict(
+    state_dict: dict[str, torch.Tensor], source: str | None = None, **overrides: Any
+) -> ViTConfig:
+    """The ViTConfig a vitray state dict (e.g. from `convert_state_dict`) was made for.
+
+    Shapes give everything but three fields: ``num_heads`` (taken from the matching `VARIANTS`
+    entry, else a head width of 64), ``pool`` ("cls") and ``norm_eps`` (the source's default:
+    1e-12 for "hf", else 1e-6). Pass ``overrides`` for any field that should differ.
+    """
+    sd = state_dict
+    if "cls_token" not in sd or "patch_embed.proj.weight" not in sd or "blocks.0.mlp.fc1.weight" not in sd:
+        raise ValueError(
+            "not a vitray ViT state dict (no cls_token / patch_embed / blocks); convert it first"
+        )
+    dim = sd["cls_token"].shape[-1]
+    depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    mlp_dim = sd["blocks.0.mlp.fc1.weight"].shape[0]
+    mean = _decimals(sd["patch_embed.mean"]) if "patch_embed.mean" in sd else VIT_MEAN
+    std = _decimals(sd["patch_embed.std"]) if "patch_embed.std" in sd else VIT_STD
+    channels = len(mean)
+    patch_size = math.isqrt(sd["patch_embed.proj.weight"].shape[1] // channels)
+    num_patches = sd["pos_embed"].reshape(-1, dim).shape[0] - 1
+    grid = math.isqrt(num_patches)
+    if grid * grid != num_patches and "image_size" not in overrides:
+        raise ValueError(f"{num_patches} position embeddings are not a square grid; pass image_size=")
+    pre_logits = sd.get("head.pre_logits.weight")
+    fc = sd.get("head.fc.weight")
+    fields: dict[str, Any] = {
+        "image_size": grid * patch_size,
+        "patch_size": patch_size,
+        "num_channels": channels,
+        "embed_dim": dim,
+        "depth": depth,
+        "mlp_dim": mlp_dim,
+        "num_classes": fc.shape[0] if fc is not None else 0,
+        "head": "pretrain" if pre_logits is not None else "finetune",
+        "representation_size": pre_logits.shape[0] if pre_logits is not None else None,
+        "qkv_bias": "blocks.0.attn.qkv.bias" in sd,
+        "norm_eps": SOURCE_NORM_EPS.get(source or "", 1e-6),
+        "mean": mean,
+        "std": std,
+    }
+    match = next(
+        (
+            v
+            for v in VARIANTS.values()
+            if (v.embed_dim, v.depth, v.mlp_dim, v.patch_size) == (dim, depth, mlp_dim, patch_size)
+        ),
+        None,
+    )
+    fields["name"] = match.name if match else "vit_custom"
+    fields["num_heads"] = match.num_heads if match else max(1, dim // 64)
+    fields.update(overrides)
+    return ViTConfig(**fields)
+
+
+def _decimals(values: torch.Tensor) -> tuple[float, ...]:
+    # float32 buffers hold 0.485 as 0.48500001...; 7 significant digits give back the decimal.
+    return tuple(float(f"{v:.7g}") for v in values.float().tolist())
+
+
+def config_from_hf(hf_config: Any, **overrides: Any) -> ViTConfig:
+    """A ViTConfig from a transformers ViTConfig (or its config.json dict); heads come from the weights.
+
+    Fields with no transformers counterpart follow the conversion: a fine-tuning head when the
+    model has a classifier (pass ``num_classes``), [CLS] pooling, mean = std = 0.5.
+    """
+    c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    if c.get("hidden_act", "gelu") != "gelu":
+        raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported; vitray's ViT uses exact GELU")
+    image_size, patch_size = c.get("image_size", 224), c.get("patch_size", 16)
+    if not isinstance(image_size, int) or not isinstance(patch_size, int):
+        raise ValueError(f"only square images and patches are supported, got {image_size} / {patch_size}")
+    channels = c.get("num_channels", 3)
+    fields = {
+        "name": "vit_custom",
+        "image_size": image_size,
+        "patch_size": patch_size,
+        "num_channels": channels,
+        "embed_dim": c["hidden_size"],
+        "depth": c["num_hidden_layers"],
+        "num_heads": c["num_attention_heads"],
+        "mlp_dim": c["intermediate_size"],
+        "qkv_bias": c.get("qkv_bias", True),
+        "norm_eps": c.get("layer_norm_eps", 1e-12),
+        "head": "finetune",
+        "num_classes": 0,
+        "mean": (0.5,) * channels,
+        "std": (0.5,) * channels,
+    }
+    fields.update(overrides)
+    return ViTConfig(**fields)

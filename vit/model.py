@@ -1,0 +1,284 @@
+"""Vision Transformer (Dosovitskiy et al. 2021, "An Image Is Worth 16x16 Words"), in one file.
+
+    x -> PatchEmbed -> [CLS] + patches + pos_embed -> depth x Block -> LayerNorm -> pool -> Head
+
+Input is either uint8 patches ``(B, N, P*P*C)`` in the layout of `vit.patchify` (what the data
+pipeline sends; the model normalizes them) or a float image batch ``(B, C, H, W)`` that is already
+normalized (the torchvision / timm / transformers convention), which the model patchifies itself.
+
+Staged forward: `forward_features` -> tokens ``(B, 1+N, D)``, `embed` -> ``(B, D)``, `forward` ->
+logits. Every layer takes ``device=``, so the model builds on the meta device; `init_weights` is
+separate from construction so a sharded meta model can be materialized and initialized in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vit.config import ViTConfig, get_config
+from vit.patchify import patchify
+from vit.pos_embed import resample_pos_embed
+
+
+class PatchEmbed(nn.Module):
+    """Patches -> tokens: a Linear over the flattened patch, with the input normalization inside.
+
+    The Linear over ``k = (p1, p2, c)`` equals a Conv2d(kernel=stride=P) whose weight ``(D, C, P, P)``
+    is permuted to ``(D, P, P, C)``. mean/std are buffers, so exported weights carry their preprocessing.
+    """
+
+    def __init__(self, config: ViTConfig, device: torch.device | str | None = None):
+        super().__init__()
+        self.patch_size = config.patch_size
+        self.num_channels = config.num_channels
+        self.proj = nn.Linear(config.patch_dim, config.embed_dim, device=device)
+        self.register_buffer("mean", torch.tensor(config.mean, device=device))  # (C,)
+        self.register_buffer("std", torch.tensor(config.std, device=device))  # (C,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.uint8 and x.dim() == 3:  # (B, N, P*P*C), channels innermost
+            b, n, k = x.shape
+            if k != self.proj.in_features:
+                raise ValueError(
+                    f"patches hold {k} values each, but this model takes {self.patch_size}x{self.patch_size}"
+                    f"x{self.num_channels} = {self.proj.in_features}; patchify with patch_size {self.patch_size}"
+                )
+            scale = 1.0 / (255.0 * self.std)  # uint8 -> [0, 1] -> (x - mean) / std in one multiply-add
+            shift = -self.mean / self.std
+            x = x.reshape(b, n, k // self.num_channels, self.num_channels).float() * scale + shift
+            x = x.reshape(b, n, k)
+        elif x.is_floating_point() and x.dim() == 4:  # (B, C, H, W), already normalized
+            x = patchify(x.permute(0, 2, 3, 1), self.patch_size)  # (B, N, P*P*C)
+        else:
+            raise ValueError(
+                f"expected uint8 patches (B, N, P*P*C) or a float image batch (B, C, H, W), "
+                f"got a {x.dtype} tensor of shape {tuple(x.shape)}"
+            )
+        # Match the weight's dtype: under FSDP mixed precision the Linear holds bf16 weights.
+        return self.proj(x.to(self.proj.weight.dtype))  # (B, N, D)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with one fused QKV projection and PyTorch's SDPA kernels."""
+
+    def __init__(self, config: ViTConfig, device: torch.device | str | None = None):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=config.qkv_bias, device=device)
+        self.proj = nn.Linear(config.embed_dim, config.embed_dim, device=device)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, d = x.shape
+        qkv = self.qkv(x).view(b, t, 3, self.num_heads, d // self.num_heads)  # (B, T, 3, H, hd)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, hd)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self._qkv(x)
+        # Flash / memory-efficient kernels on GPU; scale is the default 1/sqrt(hd).
+        x = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, hd)
+        x = x.transpose(1, 2).reshape(b, t, d)  # (B, T, D)
+        return self.proj(x)
+
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
+        """The softmax attention weights ``(B, H, T, T)``, computed explicitly (slow; for inspection)."""
+        q, k, _ = self._qkv(x)
+        return (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(dim=-1)
+
+
+class MLP(nn.Module):
+    """Linear -> GELU -> Linear, D -> mlp_dim -> D."""
+
+    def __init__(self, config: ViTConfig, device: torch.device | str | None = None):
+        super().__init__()
+        self.fc1 = nn.Linear(config.embed_dim, config.mlp_dim, device=device)
+        self.act = nn.GELU()  # exact (erf) GELU, as in the paper and in timm / torchvision / transformers
+        self.fc2 = nn.Linear(config.mlp_dim, config.embed_dim, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-LN encoder block: LN -> MSA -> residual, LN -> MLP -> residual."""
+
+    def __init__(self, config: ViTConfig, device: torch.device | str | None = None):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.embed_dim, eps=config.norm_eps, device=device)
+        self.attn = Attention(config, device)
+        self.norm2 = nn.LayerNorm(config.embed_dim, eps=config.norm_eps, device=device)
+        self.mlp = MLP(config, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Head(nn.Module):
+    """Pretraining: Linear -> tanh -> Linear (one hidden layer). Fine-tuning: one Linear."""
+
+    def __init__(self, config: ViTConfig, device: torch.device | str | None = None):
+        super().__init__()
+        self.pre_logits = None
+        if config.head == "pretrain":
+            self.pre_logits = nn.Linear(config.embed_dim, config.pre_logits_dim, device=device)
+        self.fc = None
+        if config.num_classes > 0:
+            self.fc = nn.Linear(config.pre_logits_dim, config.num_classes, device=device)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        # LeCun-normal hidden layer and a zero classifier, as in the original ViT code.
+        if self.pre_logits is not None:
+            _lecun_normal_(self.pre_logits)
+        if self.fc is not None:
+            nn.init.zeros_(self.fc.weight)
+            nn.init.zeros_(self.fc.bias)
+
+    def forward(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.pre_logits is not None:
+            x = torch.tanh(self.pre_logits(x))  # (B, R)
+        if pre_logits or self.fc is None:
+            return x
+        return self.fc(x)  # (B, num_classes)
+
+
+class VisionTransformer(nn.Module):
+    """ViT: ``forward_features`` -> ``(B, 1+N, D)``, ``embed`` -> ``(B, D)``, ``forward`` -> logits.
+
+    Parameter names (``patch_embed.proj``, ``cls_token``, ``pos_embed``, ``blocks.N.{norm1, attn.qkv,
+    attn.proj, norm2, mlp.fc1, mlp.fc2}``, ``norm``, ``head.{pre_logits, fc}``) are what checkpoints,
+    exports and `vit.convert_state_dict` use.
+    """
+
+    def __init__(self, config: ViTConfig, *, device: torch.device | str | None = None):
+        super().__init__()
+        self.config = config
+        d = config.embed_dim
+        self.patch_embed = PatchEmbed(config, device)
+        # Stored without a leading batch axis: FSDP shards dim 0, so these split across ranks too.
+        self.cls_token = nn.Parameter(torch.empty(d, device=device))  # (D,)
+        self.pos_embed = nn.Parameter(torch.empty(1 + config.num_patches, d, device=device))  # (1+N, D)
+        self.blocks = nn.ModuleList(Block(config, device) for _ in range(config.depth))
+        self.norm = nn.LayerNorm(d, eps=config.norm_eps, device=device)
+        self.head = Head(config, device)
+        # Weights made for another image size or patch grid: resample pos_embed as they load.
+        self.register_load_state_dict_pre_hook(_resample_pos_embed_on_load)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Reference initialization, in place (works on FSDP2's DTensor parameters; no-op on meta).
+
+        As in the original ViT code: Linear weights Xavier-uniform (QKV as three D x D matrices),
+        biases zero, patch embedding and pretraining hidden layer LeCun-normal, [CLS] zero, position
+        embeddings normal(0.02), classifier zero, LayerNorm ones/zeros, normalization buffers from
+        the config. (The original draws MLP biases from normal(1e-6); zero is the same in practice.)
+        """
+        c = self.config
+        pe = self.patch_embed
+        pe.mean.copy_(torch.tensor(c.mean, device=pe.mean.device))
+        pe.std.copy_(torch.tensor(c.std, device=pe.std.device))
+        _lecun_normal_(pe.proj)
+        nn.init.zeros_(self.cls_token)
+        nn.init.normal_(self.pos_embed, std=0.02)
+        for block in self.blocks:
+            bound = math.sqrt(6.0 / (2 * c.embed_dim))  # Xavier-uniform of one D x D slice of QKV
+            nn.init.uniform_(block.attn.qkv.weight, -bound, bound)
+            if block.attn.qkv.bias is not None:
+                nn.init.zeros_(block.attn.qkv.bias)
+            for linear in (block.attn.proj, block.mlp.fc1, block.mlp.fc2):
+                nn.init.xavier_uniform_(linear.weight)
+                nn.init.zeros_(linear.bias)
+            block.norm1.reset_parameters()
+            block.norm2.reset_parameters()
+        self.norm.reset_parameters()
+        self.head.reset_parameters()
+
+    # --- staged forward --------------------------------------------------------------------------
+    def prepare_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """Input -> the encoder's input sequence ``(B, 1+N, D)``: [CLS] and patch tokens plus pos_embed."""
+        x = self.patch_embed(x)  # (B, N, D)
+        b, n, d = x.shape
+        if n != self.config.num_patches:
+            c = self.config
+            raise ValueError(
+                f"got {n} patches, but the model was built for {c.num_patches} "
+                f"(image_size {c.image_size}, patch_size {c.patch_size}); resize the input or "
+                "build the model with that image_size (its position embeddings are resampled on load)"
+            )
+        cls = self.cls_token.view(1, 1, d).expand(b, -1, -1)  # (B, 1, D)
+        return torch.cat([cls, x], dim=1) + self.pos_embed  # (B, 1+N, D)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 patches ``(B, N, P*P*C)`` or float images ``(B, C, H, W)`` -> tokens ``(B, 1+N, D)``."""
+        x = self.prepare_tokens(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens ``(B, 1+N, D)`` -> ``(B, D)``: the [CLS] token, or the mean of the patch tokens."""
+        return tokens[:, 0] if self.config.pool == "cls" else tokens[:, 1:].mean(dim=1)
+
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Tokens ``(B, 1+N, D)`` -> logits ``(B, num_classes)``, or the head's input to its last Linear."""
+        return self.head(self.pool(tokens), pre_logits=pre_logits)
+
+    def embed(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Input -> embedding ``(B, D)``: the pooled token after the final LN (the [CLS] token by default).
+
+        With ``pre_logits=True``: the pretraining head's hidden layer, tanh(Linear(pooled)) ``(B, R)``
+        (the same as the default for a fine-tuning head, which has no hidden layer).
+        """
+        tokens = self.forward_features(x)
+        return self.forward_head(tokens, pre_logits=True) if pre_logits else self.pool(tokens)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Input -> logits ``(B, num_classes)`` (the embedding when num_classes is 0)."""
+        return self.forward_head(self.forward_features(x))
+
+    def attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each block's attention weights, ``depth x (B, H, 1+N, 1+N)``; a separate, slow path."""
+        x = self.prepare_tokens(x)
+        maps = []
+        for block in self.blocks:
+            maps.append(block.attn.attention_map(block.norm1(x)))
+            x = block(x)
+        return maps
+
+
+def _lecun_normal_(linear: nn.Linear) -> None:
+    # Truncated normal with std sqrt(1 / fan_in), cut at 2 std (flax's default kernel init).
+    std = math.sqrt(1.0 / linear.in_features)
+    nn.init.trunc_normal_(linear.weight, std=std, a=-2 * std, b=2 * std)
+    nn.init.zeros_(linear.bias)
+
+
+def _resample_pos_embed_on_load(module: VisionTransformer, state_dict: dict, prefix: str, *args) -> None:
+    key = prefix + "pos_embed"
+    if key not in state_dict:
+        return
+    pos_embed = state_dict[key]
+    if pos_embed.dim() == 3:  # (1, T, D): the layout of timm and transformers
+        pos_embed = pos_embed[0]
+    if pos_embed.shape[0] != module.pos_embed.shape[0]:
+        pos_embed = resample_pos_embed(pos_embed, module.config.grid_size)
+    state_dict[key] = pos_embed
+
+
+def create_model(
+    name: str | ViTConfig, *, device: torch.device | str | None = None, **overrides
+) -> VisionTransformer:
+    """A ViT from a `vit.VARIANTS` name (or a config), with config fields replaced by ``overrides``.
+
+    ``create_model("vit_b16", image_size=384, num_classes=10, head="finetune")``; with
+    ``device="meta"`` nothing is allocated (materialize with ``to_empty`` + ``init_weights``).
+    """
+    config = name.replace(**overrides) if isinstance(name, ViTConfig) else get_config(name, **overrides)
+    return VisionTransformer(config, device=device)
