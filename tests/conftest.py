@@ -49,3 +49,16 @@ def ray_session():
     DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def synthetic_shards(tmp_path_factory):
+    """A tiny labeled shard set: 4 shards x 12 samples of 64x64 JPEGs, 4 classes (no Ray needed).
+
+    Returns a `pipeline.shardwriter.ShardSet`: ``.dir``, ``.urls`` (sorted shard paths), ``.keys``,
+    ``.labels`` (key -> int), ``.num_classes``, ``.image_size``, ``.brace_url``.
+    """
+    from pipeline.synthetic import write_synthetic_shards
+
+    out = tmp_path_factory.mktemp("synthetic_shards")
+    return write_synthetic_shards(out, 48, samples_per_shard=12, image_size=64, num_classes=4, seed=0)

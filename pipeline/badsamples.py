@@ -1,0 +1,134 @@
+"""Counting the samples that could not be used, and failing a job when there are too many.
+
+A consumer passes every batch through `BadSamples.filter`, which removes error rows and records
+(url, key, reason), then calls `check_budget`. Counts merge across workers (`merge`, `to_dict`) for
+the run summary and the embedding manifest.
+
+The budget rule: fail when ``bad > max_bad_fraction * max(total, grace_samples)``. Early on, while
+fewer than ``grace_samples`` samples have been seen, the allowance is a fixed number of bad samples
+(``max_bad_fraction * grace_samples``, 10 with the defaults) instead of a share of a tiny count, so
+one corrupt image in the first batch does not fail a job; past that, it is the plain share. At the end
+of a pass (``final=True``) the share over everything seen decides, so a small dataset is judged by its
+real share. ``max_bad_fraction=0`` fails on the first bad sample.
+
+Labeled jobs over unlabeled shards: when every sample seen so far lacks its label (at least
+``LABEL_PROBE`` of them, or all at the end), `LabelsMissingError` says so instead of a budget error.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+LABEL_PROBE = 16  # samples that must all lack labels before declaring the shards unlabeled
+MISSING_LABEL = "missing label"
+
+
+class BadSampleBudgetError(RuntimeError):
+    """The share of bad samples passed the configured budget."""
+
+
+class LabelsMissingError(RuntimeError):
+    """A job that requires labels is reading shards that carry none."""
+
+
+def reason_category(reason: str) -> str:
+    """``"truncated image: ..."`` -> ``"truncated image"``."""
+    return reason.split(":", 1)[0].strip()
+
+
+@dataclass
+class BadSamples:
+    """Counters of seen and bad samples, by reason category, with a bounded list of examples."""
+
+    max_bad_fraction: float = 0.01
+    grace_samples: int = 1000
+    max_examples: int = 100
+    total: int = 0
+    bad: int = 0
+    by_reason: Counter = field(default_factory=Counter)
+    examples: list[dict[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, config: Any) -> BadSamples:
+        """From a `pipeline.data.DataConfig` (its ``max_bad_fraction`` and ``bad_grace_samples``)."""
+        return cls(max_bad_fraction=config.max_bad_fraction, grace_samples=config.bad_grace_samples)
+
+    def filter(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Record the batch's error rows and return the batch without them (the same dict if none)."""
+        errors = batch["error"]
+        self.total += len(errors)
+        bad = np.fromiter((bool(e) for e in errors), dtype=bool, count=len(errors))
+        if not bad.any():
+            return batch
+        for i in np.flatnonzero(bad):
+            self.record(str(batch["url"][i]), str(batch["key"][i]), str(errors[i]), counted=True)
+        keep = ~bad
+        return {name: column[keep] for name, column in batch.items()}
+
+    def record(self, url: str, key: str, reason: str, *, counted: bool = False) -> None:
+        """Count one bad sample (``counted``: it is already in ``total``)."""
+        if not counted:
+            self.total += 1
+        self.bad += 1
+        self.by_reason[reason_category(reason)] += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append({"url": url, "key": key, "reason": reason})
+
+    def check_budget(self, *, final: bool = False) -> None:
+        """Raise `LabelsMissingError` or `BadSampleBudgetError` (one line each) when the rule above says so."""
+        missing = self.by_reason.get(MISSING_LABEL, 0)
+        if missing and missing == self.total and (final or self.total >= LABEL_PROBE):
+            example = self.examples[0]["reason"] if self.examples else MISSING_LABEL
+            raise LabelsMissingError(
+                f"none of the {self.total} samples read carries a label ({example}); these shards look "
+                "unlabeled: set the label key (e.g. label_key='json:label') or run without labels"
+            )
+        allowed = self.max_bad_fraction * (self.total if final else max(self.total, self.grace_samples))
+        if self.bad > allowed:
+            top = ", ".join(f"{n} {reason}" for reason, n in self.by_reason.most_common(3))
+            where = self.examples[0] if self.examples else {"url": "?", "key": "?"}
+            raise BadSampleBudgetError(
+                f"{self.bad} of {self.total} samples are bad ({self.bad / max(self.total, 1):.1%} > "
+                f"max_bad_fraction {self.max_bad_fraction:.1%}): {top}; first: {where['url']} key "
+                f"{where['key']!r}; fix the shards or raise max_bad_fraction"
+            )
+
+    @property
+    def fraction(self) -> float:
+        return self.bad / self.total if self.total else 0.0
+
+    def merge(self, other: BadSamples | dict[str, Any]) -> BadSamples:
+        """Add another worker's counts (a `BadSamples` or its `to_dict`) into this one; returns self."""
+        other = BadSamples.from_dict(other) if isinstance(other, dict) else other
+        self.total += other.total
+        self.bad += other.bad
+        self.by_reason.update(other.by_reason)
+        room = self.max_examples - len(self.examples)
+        self.examples.extend(other.examples[: max(room, 0)])
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "bad": self.bad,
+            "fraction": self.fraction,
+            "by_reason": dict(sorted(self.by_reason.items())),
+            "examples": list(self.examples),
+            "max_bad_fraction": self.max_bad_fraction,
+            "grace_samples": self.grace_samples,
+        }
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> BadSamples:
+        return cls(
+            max_bad_fraction=values.get("max_bad_fraction", 0.01),
+            grace_samples=values.get("grace_samples", 1000),
+            total=values["total"],
+            bad=values["bad"],
+            by_reason=Counter(values.get("by_reason", {})),
+            examples=list(values.get("examples", [])),
+        )
