@@ -89,3 +89,21 @@ def test_import_reader_sees_imports(tmp_path, source, expected):
     path = tmp_path / "m.py"
     path.write_text(source)
     assert expected <= imported_modules(path)
+
+
+def test_the_data_pipeline_imports_no_torch():
+    # Every Ray Data decode worker imports these; torch would cost each worker a second and 300 MB.
+    import subprocess
+    import sys
+
+    code = "import sys, vit, vit.patchify, vit.config, pipeline.preprocess; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert result.stdout.strip() == "False"
+    # ... while the package still offers its whole API.
+    code = "import vit; print(vit.create_model('vit_tiny_test').config.embed_dim, len(vit.__all__))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert result.stdout.split() == ["64", "16"]
