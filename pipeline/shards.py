@@ -20,6 +20,8 @@ import re
 from collections.abc import Sequence
 from typing import IO, Any
 
+from pipeline.storage import filesystem, is_local, local_path
+
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 READ_BLOCK_BYTES = 8 << 20  # remote read size: few requests per shard, little memory
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
@@ -88,17 +90,6 @@ def expand_braces(pattern: str) -> list[str]:
     else:
         choices = [c for part in split_top_level(body, ",") for c in expand_braces(part)]
     return [head + c + t for c in choices for t in expand_braces(tail)]
-
-
-def is_local(url: str) -> bool:
-    """True for plain paths and ``file://`` URLs."""
-    protocol = url.split("://", 1)[0] if "://" in url else None
-    return protocol in (None, "file", "local")
-
-
-def local_path(url: str) -> str:
-    """The filesystem path of a local URL (``file:///x`` -> ``/x``)."""
-    return url.split("://", 1)[1] if "://" in url else url
 
 
 def is_shard_name(path: str) -> bool:
@@ -187,17 +178,10 @@ def _check_remote_exist(fs: Any, paths: list[str], item: str) -> None:
 
 
 def _filesystem(url: str, storage_options: dict) -> tuple[Any, str]:
-    import fsspec
-
     try:
-        return fsspec.core.url_to_fs(url, **storage_options)
-    except ImportError as e:
-        protocol = url.split("://", 1)[0]
-        package = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs"}.get(protocol)
-        hint = f"pip install {package}" if package else "install the fsspec backend for it"
-        raise ShardError(f"reading {protocol}:// URLs needs a filesystem package: {hint} ({e})") from e
+        return filesystem(url, storage_options)
     except ValueError as e:
-        raise ShardError(f"cannot read {url!r}: {e}; use a path or an fsspec URL such as s3://") from e
+        raise ShardError(f"cannot read {url!r}: {e}") from e
 
 
 def _call(fn: Any, path: str, item: str, **kwargs: Any) -> Any:

@@ -1,0 +1,162 @@
+"""Outputs on any fsspec location (local path, s3://, gs://): joins, uploads, atomic commits.
+
+Credentials and endpoints come from the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS,
+AWS_ENDPOINT_URL ...) or from `storage_options`, passed through to fsspec.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+
+def is_local(uri: str) -> bool:
+    """True for plain paths and ``file://`` URLs."""
+    protocol = uri.split("://", 1)[0] if "://" in uri else None
+    return protocol in (None, "file", "local")
+
+
+def local_path(uri: str) -> str:
+    """The filesystem path of a local URL (``file:///x`` -> ``/x``)."""
+    return uri.split("://", 1)[1] if "://" in uri else uri
+
+
+# fsspec protocol -> the package that provides it (the `s3` and `gcs` extras of vitray).
+BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+
+
+def join(uri: str, *parts: str) -> str:
+    """Join path parts onto a local path or URL."""
+    if is_local(uri):
+        return os.path.join(local_path(uri), *parts)
+    return "/".join([uri.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def filesystem(
+    uri: str, storage_options: dict[str, Any] | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path within it) for a local path or URL; a ValueError that names the package to
+    install when the URL's filesystem is missing."""
+    try:
+        return url_to_fs(uri, **(storage_options or {}))
+    except ImportError as e:
+        protocol = uri.split("://", 1)[0]
+        hint = f"pip install {BACKENDS[protocol]}" if protocol in BACKENDS else "install its fsspec backend"
+        raise ValueError(f"{protocol}:// URLs need a filesystem package: {hint} ({e})") from e
+
+
+def exists(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
+    fs, path = filesystem(uri, storage_options)
+    return fs.exists(path)
+
+
+def read_text(uri: str, storage_options: dict[str, Any] | None = None) -> str:
+    fs, path = filesystem(uri, storage_options)
+    with fs.open(path, "r") as f:
+        return f.read()
+
+
+def write_text(uri: str, text: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Write a whole small file; atomic on local disk (rename), one PUT on object stores."""
+    fs, path = filesystem(uri, storage_options)
+    if is_local(uri):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        Path(tmp).write_text(text)
+        os.replace(tmp, path)
+    else:
+        with fs.open(path, "w") as f:
+            f.write(text)
+
+
+def upload_dir(local_dir: str | Path, uri: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Copy a local directory's files into `uri` (a directory), each file replaced whole.
+
+    Local: copied under a temporary name, then renamed, so a reader never sees half a file (and a
+    file already open, or memory-mapped, keeps its old contents). Object stores: one upload per
+    file, which becomes visible only once complete.
+    """
+    fs, path = filesystem(uri, storage_options)
+    fs.makedirs(path, exist_ok=True)
+    for child in sorted(Path(local_dir).iterdir()):
+        target = f"{path.rstrip('/')}/{child.name}"
+        if is_local(uri):
+            tmp = f"{target}.tmp-{os.getpid()}"
+            shutil.copyfile(child, tmp)
+            os.replace(tmp, target)
+        else:
+            fs.put_file(str(child), target)
+
+
+# --- whole-file commits and listings, for outputs that are resumed file by file ---------------------
+
+TEMP_MARK = ".tmp-"  # in the name of every file that is not yet committed
+
+
+def is_temporary(name: str) -> bool:
+    """True for a name that `staged_file` or `write_text` uses before the file is committed."""
+    return TEMP_MARK in name
+
+
+def list_files(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, int]:
+    """``{name: size in bytes}`` of the files directly inside directory ``uri``; {} when it does not exist.
+
+    One listing request on object stores, read fresh (the filesystem's listing cache is dropped first).
+    """
+    fs, path = filesystem(uri, storage_options)
+    fs.invalidate_cache(path)
+    try:
+        entries = fs.ls(path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    return {
+        entry["name"].rstrip("/").rsplit("/", 1)[-1]: int(entry.get("size") or 0)
+        for entry in entries
+        if entry.get("type") == "file"
+    }
+
+
+def remove(uri: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete one file; a file that is already gone is fine."""
+    fs, path = filesystem(uri, storage_options)
+    with suppress(FileNotFoundError):
+        fs.rm_file(path)
+
+
+@contextmanager
+def staged_file(uri: str, storage_options: dict[str, Any] | None = None) -> Iterator[str]:
+    """A local path to write a whole file into; on a clean exit the file appears at ``uri`` complete.
+
+    Local: the path is a hidden temporary name beside ``uri`` (``.<name>.tmp-<random>``), renamed onto
+    ``uri`` at the end, so a reader never sees a partial file; a crash leaves only the hidden name,
+    which `is_temporary` recognizes. Object stores: the path is in a local temporary directory and
+    the file is uploaded in one go at the end (an object is visible only once its upload completes).
+    On an exception nothing appears at ``uri`` and the staged file is removed.
+    """
+    if is_local(uri):
+        target = Path(local_path(uri))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = target.parent / f".{target.name}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
+        try:
+            yield str(staged)
+            os.replace(staged, target)
+        finally:
+            staged.unlink(missing_ok=True)
+        return
+    fs, path = filesystem(uri, storage_options)
+    scratch = tempfile.mkdtemp(prefix="vitray-stage-")
+    try:
+        staged = os.path.join(scratch, path.rsplit("/", 1)[-1])
+        yield staged
+        fs.put_file(staged, path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

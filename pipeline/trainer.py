@@ -1,0 +1,85 @@
+"""The driver side of pretraining: a Ray `TorchTrainer` around `train_loop_per_worker`.
+
+Storage: `--out` is the run directory. Ray Train's storage path is its parent and the run name its
+last part, so checkpoints land in `<out>/checkpoint_<step>/` beside `metrics.jsonl` and `final/`.
+Running the same command again with the same `--out` resumes from the latest checkpoint there
+(Ray Train keeps a snapshot of the reported checkpoints in the run directory).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import ray
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from pipeline import storage
+from pipeline.metrics import METRICS_FILE
+from pipeline.train_config import TrainConfig
+from pipeline.train_loop import train_loop_per_worker
+
+
+class TrainingError(RuntimeError):
+    """The run stopped on a data problem every worker agreed on (one line, says what to do)."""
+
+
+def split_run_uri(out: str) -> tuple[str, str]:
+    """`/runs/exp1` -> (`/runs`, `exp1`); `s3://bucket/runs/exp1` -> (`s3://bucket/runs`, `exp1`)."""
+    out = out.rstrip("/")
+    if storage.is_local(out):
+        out = os.path.abspath(storage.local_path(out))
+    parent, _, name = out.rpartition("/")
+    if not name or not parent or parent.endswith(":/"):
+        raise ValueError(f"--out {out!r} needs a parent directory and a run name, e.g. s3://bucket/runs/exp1")
+    return parent, name
+
+
+def data_cpus_per_worker(config: TrainConfig) -> float:
+    """CPUs each worker's data pipeline may use: what the cluster has beyond the training workers."""
+    total = ray.cluster_resources().get("CPU", 0.0)
+    spare = total - config.num_workers * config.cpus_per_worker
+    return max(1.0, math.floor(spare / config.num_workers))
+
+
+def fit(config: TrainConfig, shards: list[str]) -> dict[str, Any]:
+    """Run (or resume) pretraining on the connected Ray cluster.
+
+    Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts).
+    """
+    storage_path, name = split_run_uri(config.out)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "train": config.to_dict(),
+            "shards": shards,
+            "data_cpus_per_worker": data_cpus_per_worker(config),
+        },
+        scaling_config=ScalingConfig(
+            num_workers=config.num_workers,
+            use_gpu=config.use_gpu,
+            resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
+            placement_strategy=config.placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage_path,
+            failure_config=FailureConfig(max_failures=config.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=config.keep_checkpoints),
+            # Ray Train's own INFO lines (one per report) would bury the training log.
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+    )
+    summary = trainer.fit().return_value or {}
+    if summary.get("error"):
+        raise TrainingError(summary["error"])
+    return summary
+
+
+def read_metrics(out: str) -> list[dict[str, Any]]:
+    """The logged steps of a run (`<out>/metrics.jsonl`)."""
+    text = storage.read_text(storage.join(out, METRICS_FILE))
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
