@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import vit
+from pipeline import storage
 
 TRAIN_STATE = "train_state.json"
 CONFIG = "config.json"
@@ -52,15 +53,22 @@ def checkpoint_name(step: int) -> str:
     return f"checkpoint_{step:08d}"
 
 
-def is_complete(directory: str | Path) -> bool:
-    d = Path(directory)
-    return (d / METADATA).is_file() and (d / TRAIN_STATE).is_file()
+def is_complete(directory: str | Path, storage_options: dict[str, Any] | None = None) -> bool:
+    """True once a checkpoint directory (local or URL) holds its `.metadata` and `train_state.json`."""
+    fs, path = storage.filesystem(str(directory), storage_options)
+    return fs.isfile(f"{path}/{METADATA}") and fs.isfile(f"{path}/{TRAIN_STATE}")
 
 
-def latest_complete(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under a run directory, or None."""
-    candidates = sorted(Path(run_dir).glob("checkpoint_*"), reverse=True)
-    return next((c for c in candidates if c.is_dir() and is_complete(c)), None)
+def latest_complete(run_dir: str | Path, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The complete ``checkpoint_<step>`` with the highest step under a run directory, or None."""
+    fs, root = storage.filesystem(str(run_dir), storage_options)
+    if not fs.isdir(root):
+        return None
+    names = sorted((p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)), reverse=True)
+    for name in names:
+        if name.startswith("checkpoint_") and is_complete(storage.join(str(run_dir), name), storage_options):
+            return storage.join(str(run_dir), name)
+    return None
 
 
 def _rng_state() -> dict[str, str]:

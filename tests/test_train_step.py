@@ -117,9 +117,9 @@ def test_checkpoint_round_trip(world, tmp_path):
     mcfg = model_config(CONFIG)
     path = tmp_path / checkpoint.checkpoint_name(3)
     checkpoint.save(path, model, step.optimizer, state, {"model_config": mcfg.to_dict()})
-    assert checkpoint.is_complete(path) and checkpoint.latest_complete(tmp_path) == path
+    assert checkpoint.is_complete(path) and checkpoint.latest_complete(tmp_path) == str(path)
     (tmp_path / checkpoint.checkpoint_name(9)).mkdir()  # a save that never finished
-    assert checkpoint.latest_complete(tmp_path) == path
+    assert checkpoint.latest_complete(tmp_path) == str(path)
 
     fresh = build_model(CONFIG.replace(seed=7), world)
     fresh_step = TrainStep(fresh, CONFIG, world)
