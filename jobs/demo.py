@@ -1,32 +1,44 @@
 """The quickstart demo (`make demo`): the whole pipeline, locally on CPU, on generated data.
 
 Writes a small synthetic shard set, pretrains the `tiny` preset with 2 FSDP2 workers on a local
-Ray, extracts CLS embeddings to Parquet, and prints where everything is. Each stage runs the same
-command a user would type, so what works here works on a cluster with other flags.
+Ray, extracts CLS embeddings to Parquet, plots the training curve, and prints where everything is.
+Each stage runs the command a user would type, so what works here works on a cluster with other
+flags (printed at the end).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-JOBS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a plain checkout too
+
+CLUSTER_COMMANDS = """\
+The same on a GPU cluster (README, "Run on a cluster"):
+  ray get-auth-token --generate && ray up cluster/aws.yaml && ray dashboard cluster/aws.yaml
+  export RAY_AUTH_MODE=token RAY_ADDRESS=http://127.0.0.1:8265
+  ray job submit --working-dir . --runtime-env cluster/runtime_env.yaml -- \\
+      python jobs/pretrain.py --preset vit_h14_224 --data 's3://BUCKET/train-{000000..002047}.tar' \\
+      --out s3://BUCKET/runs/h14 --num-workers 16
+  ray job submit --working-dir . --runtime-env cluster/runtime_env.yaml -- \\
+      python jobs/embed.py --data 's3://BUCKET/val-{000000..000063}.tar' --weights s3://BUCKET/runs/h14/final \\
+      --out s3://BUCKET/embeddings/h14 --concurrency 16
+  ray down cluster/aws.yaml"""
 
 
-def run_stage(title: str, script: str, args: list[str]) -> bool:
-    """Run `python jobs/<script> <args>`; False (and a note) when that stage is not there yet."""
-    path = JOBS / script
-    print(f"\n=== {title}: python jobs/{script} {' '.join(args)}", flush=True)
-    if not path.exists():
-        print(f"    (not there yet: jobs/{script} has not landed; skipping)")
-        return False
+def stage(title: str, script: str, *args: str) -> None:
+    """Run `python jobs/<script> <args>` as a user would, stopping the demo if it fails."""
+    print(f"\n=== {title}\n$ python jobs/{script} {' '.join(args)}", flush=True)
     start = time.perf_counter()
-    subprocess.run([sys.executable, str(path), *args], check=True)
-    print(f"    done in {time.perf_counter() - start:.0f}s")
-    return True
+    result = subprocess.run([sys.executable, str(ROOT / "jobs" / script), *args], cwd=ROOT)
+    if result.returncode != 0:
+        sys.exit(f"demo stopped: jobs/{script} exited with {result.returncode}")
+    print(f"=== done in {time.perf_counter() - start:.0f} s", flush=True)
 
 
 def main() -> None:
@@ -42,23 +54,37 @@ def main() -> None:
     args = parser.parse_args()
 
     out = Path(args.out).resolve()
-    shards = out / "shards"
-    run_stage(
-        "1/3 write synthetic shards",
-        "make_shards.py",
-        ["--synthetic", str(args.samples), "--out", str(shards)],
-    )
-    run_stage(
-        "2/3 pretrain (tiny preset, 2 FSDP2 workers)",
-        "pretrain.py",
-        ["--preset", "tiny", "--data", str(shards), "--out", str(out / "run")],
-    )
-    run_stage(
-        "3/3 extract embeddings",
-        "embed.py",
-        ["--data", str(shards), "--weights", str(out / "run" / "final"), "--out", str(out / "embeddings")],
-    )
-    print(f"\nEverything is under {out}")
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each time: no resuming an older demo
+    shards, run, embeddings = out / "shards", out / "run", out / "embeddings"
+    start = time.perf_counter()
+    stage("1/3 synthetic shards", "make_shards.py", "--synthetic", str(args.samples), "--out", str(shards))
+    stage("2/3 pretrain the tiny preset (2 FSDP2 workers, local Ray)", "pretrain.py",
+          "--preset", "tiny", "--data", str(shards), "--out", str(run))  # fmt: skip
+    stage("3/3 extract CLS embeddings", "embed.py", "--data", str(shards), "--weights", str(run / "final"),
+          "--out", str(embeddings))  # fmt: skip
+
+    import pyarrow.parquet as pq
+
+    from pipeline.metrics import plot_training_curve
+    from pipeline.trainer import read_metrics
+
+    rows = read_metrics(str(run))
+    curve = plot_training_curve(rows, str(run / "training_curve.png"))
+    table = pq.read_table(embeddings)
+    dim = table.schema.field("embedding").type.list_size
+    first, last = rows[0], rows[-1]
+    print(f"\n=== vitray demo finished in {time.perf_counter() - start:.0f} s")
+    print(f"training:   loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}), "
+          f"accuracy {100 * first['accuracy']:.0f}% -> {100 * last['accuracy']:.0f}%")  # fmt: skip
+    print(f"curve:      {curve}")
+    print(f"weights:    {run / 'final'}")
+    print(f"embeddings: {embeddings}  ({table.num_rows} rows of {args.samples} images, D = {dim})")
+    print(f"read them:  python -c \"import pandas; print(pandas.read_parquet('{embeddings}').head())\"")
+    if table.num_rows != args.samples:
+        sys.exit(
+            f"demo: {table.num_rows} embedding rows for {args.samples} images; see {embeddings}/_manifest.json"
+        )
+    print("\n" + CLUSTER_COMMANDS)
 
 
 if __name__ == "__main__":

@@ -69,3 +69,29 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
 def _hms(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def plot_training_curve(rows: list[dict[str, Any]], path: str) -> str:
+    """Loss and accuracy against step, from `metrics.jsonl` rows, as a PNG at a local `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, loss_axis = plt.subplots(figsize=(7, 4), dpi=120)
+    loss_axis.plot(steps, [r["loss"] for r in rows], color="tab:blue", marker="o", markersize=3)
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel("training loss", color="tab:blue")
+    accuracy_axis = loss_axis.twinx()
+    accuracy_axis.plot(
+        steps, [100 * r["accuracy"] for r in rows], color="tab:orange", marker="o", markersize=3
+    )
+    accuracy_axis.set_ylabel("training accuracy (%)", color="tab:orange")
+    accuracy_axis.set_ylim(0, 100)
+    loss_axis.grid(alpha=0.3)
+    fig.suptitle("vitray pretraining")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
