@@ -110,13 +110,13 @@ def test_pretraining_and_embedding_as_submitted_ray_jobs(ray_head, shards, tmp_p
     run, out = tmp_path / "run", tmp_path / "embeddings"
     result = submit(
         address, env, "python", "jobs/pretrain.py", "--preset", "tiny", "--data", str(shards.dir),
-        "--out", str(run), "--max-steps", "20", "--warmup-steps", "2", "--checkpoint-every", "10",
-        "--log-every", "10",
+        "--out", str(run), "--max-steps", "8", "--warmup-steps", "2", "--checkpoint-every", "4",
+        "--log-every", "4",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "succeeded" in result.stdout + result.stderr
-    assert "finished at step 20" in result.stdout
-    assert checkpoint.is_complete(run / checkpoint.checkpoint_name(20))
+    assert "finished at step 8" in result.stdout
+    assert checkpoint.is_complete(run / checkpoint.checkpoint_name(8))
 
     result = submit(
         address, env, "python", "jobs/embed.py", "--data", str(shards.dir), "--weights", str(run / "final"),
@@ -158,7 +158,7 @@ def test_pretraining_with_workers_on_two_nodes(shards, tmp_path):
     run = tmp_path / "run"
     args = [
         "--preset", "tiny", "--data", str(shards.dir), "--out", str(run), "--placement-strategy", "STRICT_SPREAD",
-        "--max-steps", "12", "--warmup-steps", "2", "--checkpoint-every", "6", "--log-every", "6",
+        "--max-steps", "4", "--warmup-steps", "1", "--checkpoint-every", "2", "--log-every", "2",
     ]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-c", TWO_NODES, *args],
@@ -171,5 +171,5 @@ def test_pretraining_with_workers_on_two_nodes(shards, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # FSDP2's collectives and the checkpoint gathering crossed the node boundary.
     assert "2 workers on 2 node(s)" in result.stdout
-    assert checkpoint.is_complete(run / checkpoint.checkpoint_name(12))
-    assert "finished at step 12" in result.stdout
+    assert checkpoint.is_complete(run / checkpoint.checkpoint_name(4))
+    assert "finished at step 4" in result.stdout
