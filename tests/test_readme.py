@@ -1,4 +1,5 @@
-"""The README stays true: the quickstart is the Makefile's, and every option of every job is in it."""
+"""The README stays true: the quickstart is the Makefile's, every option of every job is in it, and its
+python examples run."""
 
 from __future__ import annotations
 
@@ -36,3 +37,15 @@ def test_every_option_of_a_job_is_documented(job):
     options = set(re.findall(r"(--[a-z][a-z-]+)", result.stdout.split("\noptions:", 1)[1])) - {"--help"}
     missing = sorted(o for o in options if f"`{o}" not in README)
     assert not missing, f"README does not document these options of jobs/{job}: {missing}"
+
+
+def test_python_examples_run():
+    blocks = re.findall(r"```python\n(.*?)```", README, re.DOTALL)
+    assert blocks, "the README has no python example"
+    for block in blocks:
+        namespace: dict = {}
+        exec(compile(block, "README.md", "exec"), namespace)
+    # The model example's comments state these shapes.
+    assert namespace["tokens"].shape == (2, 577, 768)
+    assert namespace["emb"].shape == (2, 768)
+    assert namespace["logits"].shape == (2, 10)
