@@ -71,8 +71,8 @@ def vit_b16_224() -> TrainConfig:
 
 def vit_h14_224() -> TrainConfig:
     """ViT-H/14 at 224 px, the paper's recipe for its largest model (Dosovitskiy et al. 2021,
-    Table 3): Adam (0.9, 0.999), batch 4096 (8 GPUs x 64 images x 8 accumulation steps),
-    lr 3e-4, weight decay 0.1, 10k warmup steps, linear decay, global-norm clipping at 1.
+    Table 3): the B/16 recipe above with lr 3e-4 and weight decay 0.1; batch 4096 is 8 GPUs x 64
+    images x 8 accumulation steps.
     14 epochs of a 300M-image set are about 1M steps; 90 epochs of ImageNet-21k about 312k.
 
         python jobs/pretrain.py --preset vit_h14_224 --data s3://bucket/in21k/train-{000000..002047}.tar \\
@@ -81,20 +81,11 @@ def vit_h14_224() -> TrainConfig:
     Expected: about 490 images/s per H100 at 50% MFU (3 x 334.8 GFLOPs an image against 989 TFLOP/s
     dense bf16); not yet measured on a GPU (BENCHMARKS.md records what has been).
     """
-    return TrainConfig(
+    return vit_b16_224().replace(
         model="vit_h14",
-        image_size=224,
-        num_classes=21843,
-        batch_size=4096,
         micro_batch_size=64,
         lr=3e-4,
         weight_decay=0.1,
-        warmup_steps=10_000,
-        max_steps=312_000,
-        lr_schedule="linear",
-        num_workers=8,
-        use_gpu=True,
-        cpus_per_worker=4,
         log_every=20,
         checkpoint_every=1000,
     )
