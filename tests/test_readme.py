@@ -46,6 +46,6 @@ def test_python_examples_run():
         namespace: dict = {}
         exec(compile(block, "README.md", "exec"), namespace)
     # The model example's comments state these shapes.
-    assert namespace["tokens"].shape == (2, 577, 768)
-    assert namespace["emb"].shape == (2, 768)
+    assert namespace["tokens"].shape == (2, 577, 384)
+    assert namespace["emb"].shape == (2, 384)
     assert namespace["logits"].shape == (2, 10)
