@@ -12,7 +12,7 @@ EXTRAS := test,dev,s3,gcs,plot
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --progress-bar off --no-compile -c constraints.txt -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install --quiet --progress-bar off -c constraints.txt -e '.[$(EXTRAS)]'
 	@touch $(STAMP)
 
 install: $(STAMP)
