@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from jobs.presets import PRESETS
-from pipeline.train_config import TrainConfig
+from pipeline.train_config import TrainConfig, apply_local_ray_env
 
 # (flag, TrainConfig field, type, help). A flag left out keeps the preset's value.
 FLAGS: list[tuple[str, str, type, str]] = [
@@ -158,9 +158,7 @@ def connect(args: argparse.Namespace, config: TrainConfig) -> None:
         ray.init(address=address)
         return
     # A local Ray: declare enough logical CPUs that the training workers leave room for decoding.
-    # Ray Train's controller polls its workers every 2 s by default, which adds seconds to every
-    # start, checkpoint and finish of a short local run; polling one machine more often costs nothing.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+    apply_local_ray_env()
     needed = math.ceil(config.num_workers * config.cpus_per_worker) + 2 * config.num_workers
     ray.init(
         address="local", num_cpus=args.num_cpus or max(os.cpu_count() or 1, needed), include_dashboard=False

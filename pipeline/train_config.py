@@ -10,10 +10,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.data import DataConfig
+
+# Ray Train's controller polls its workers every 2 s by default, and a run waits on that poll at its
+# start, at each report and at its end. On a local Ray, polling every 0.25 s took the tests' resume
+# runs from 132 s to 76 s on 2 cores.
+LOCAL_RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+
+
+def apply_local_ray_env() -> None:
+    """Set `LOCAL_RAY_ENV` where unset; call before a local Ray starts, so its processes inherit it."""
+    for name, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 @dataclass(frozen=True)

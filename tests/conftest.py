@@ -11,13 +11,14 @@ import os
 
 import pytest
 
+from pipeline.train_config import apply_local_ray_env
+
 # Logical CPUs for the shared local Ray: training workers (1 each) plus Ray Data tasks must all fit.
 RAY_NUM_CPUS = 8
 
-# Ray Train's controller polls its workers every 2 s by default; every run in these tests would wait
-# on it several times (start, each report, finish). Set before any Ray starts, so the shared Ray,
-# the `ray start` head and the jobs run as subprocesses all inherit it.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# Before any Ray starts, so the shared Ray, the `ray start` head and the jobs run as subprocesses
+# all inherit it.
+apply_local_ray_env()
 
 
 def pytest_collection_modifyitems(config, items):
