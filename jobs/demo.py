@@ -65,8 +65,8 @@ def main() -> None:
 
     import pyarrow.parquet as pq
 
-    from pipeline.metrics import plot_training_curve
-    from pipeline.trainer import read_metrics
+    from pipeline.train.driver import read_metrics
+    from pipeline.train.metrics import plot_training_curve
 
     rows = read_metrics(str(run))
     curve = plot_training_curve(rows, str(run / "training_curve.png"))

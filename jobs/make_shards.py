@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout, too
 
-from pipeline.shardwriter import ShardSet, brace_url, class_folders, folder_samples, write_shards
-from pipeline.synthetic import CLASSES, write_synthetic_shards
+from pipeline.data.synthetic import CLASSES, write_synthetic_shards
+from pipeline.data.writing import ShardSet, brace_url, class_folders, folder_samples, write_shards
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from pipeline.train_config import apply_local_ray_env
+from pipeline.cli import apply_local_ray_env
 
 # Logical CPUs for the shared local Ray: training workers (1 each) plus Ray Data tasks must all fit.
 RAY_NUM_CPUS = 8
@@ -64,7 +64,7 @@ def synthetic_shards(tmp_path_factory):
     Returns a `pipeline.shardwriter.ShardSet`: ``.dir``, ``.urls`` (sorted shard paths), ``.keys``,
     ``.labels`` (key -> int), ``.num_classes``, ``.image_size``, ``.brace_url``.
     """
-    from pipeline.synthetic import write_synthetic_shards
+    from pipeline.data.synthetic import write_synthetic_shards
 
     out = tmp_path_factory.mktemp("synthetic_shards")
     return write_synthetic_shards(out, 48, samples_per_shard=12, image_size=64, num_classes=4, seed=0)

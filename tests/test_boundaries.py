@@ -96,7 +96,7 @@ def test_the_data_pipeline_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, vit, vit.patchify, vit.config, pipeline.preprocess; print('torch' in sys.modules)"
+    code = "import sys, vit, vit.patchify, vit.config, pipeline.data.decode; print('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
     )

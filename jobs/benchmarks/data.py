@@ -34,10 +34,11 @@ from typing import Any
 import numpy as np
 
 from jobs.benchmarks.report import print_table, write_json
-from pipeline.data import DataConfig, build_dataset, iter_batches
-from pipeline.preprocess import preprocess_batch
-from pipeline.rows import read_shard
-from pipeline.shards import expand_shards
+from pipeline.data.config import DataConfig
+from pipeline.data.dataset import build_dataset, iter_batches
+from pipeline.data.decode import preprocess_batch
+from pipeline.data.rows import read_shard
+from pipeline.data.shards import expand_shards
 
 SHORT, LONG = 375, 500  # benchmark photo size: the ImageNet median is about 500x375
 
@@ -103,7 +104,7 @@ def make_photo_shards(out_dir: Path, images: int, per_shard: int, seed: int = 0)
     import matplotlib
     from PIL import Image, ImageEnhance
 
-    from pipeline.shardwriter import write_shards
+    from pipeline.data.writing import write_shards
 
     existing = sorted(out_dir.glob("bench-*.tar"))
     if len(existing) == -(-images // per_shard):

@@ -82,7 +82,7 @@ def write_shards(directory: Path, images: int, per_shard: int) -> list[str]:
 
         return make_photo_shards(directory, images, per_shard)
     except ImportError:  # no matplotlib (its sample photo) on a bare GPU machine: synthetic images
-        from pipeline.synthetic import write_synthetic_shards
+        from pipeline.data.synthetic import write_synthetic_shards
 
         return write_synthetic_shards(directory, images, samples_per_shard=per_shard, image_size=448).urls
 
@@ -113,9 +113,9 @@ def naive_loop(shards: list[str], data_config: Any, model: vit.VisionTransformer
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.manifest import embedding_table, output_name
-    from pipeline.preprocess import preprocess_batch
-    from pipeline.rows import read_shard
+    from pipeline.data.decode import preprocess_batch
+    from pipeline.data.rows import read_shard
+    from pipeline.embed.output import embedding_table, output_name
 
     device, count = torch.device(args.device), 0
     for url in shards:
@@ -139,7 +139,7 @@ def naive_loop(shards: list[str], data_config: Any, model: vit.VisionTransformer
 def job_run(config: Any) -> tuple[int, float, float]:
     """The job on the connected Ray: (images, end-to-end seconds, steady seconds). Steady time starts
     when the first embeddings reach the driver, i.e. once the model actors have started."""
-    from pipeline.embed import prepare, run
+    from pipeline.embed.job import prepare, run
 
     summary = run(prepare(config))
     return summary.bad_samples["total"], summary.seconds, summary.seconds - summary.startup_s
@@ -147,7 +147,7 @@ def job_run(config: Any) -> tuple[int, float, float]:
 
 def main(argv: list[str]) -> dict[str, Any]:
     from jobs.benchmarks.data import process_tree_cpu
-    from pipeline.data import DataConfig
+    from pipeline.data.config import DataConfig
 
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -184,7 +184,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         "model_only_images_per_s": ceiling,
     }
     if device.type == "cuda":
-        from pipeline.train_step import peak_tflops
+        from pipeline.train.step import peak_tflops
 
         peak, _ = peak_tflops(device)
         if peak:
@@ -197,7 +197,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     if not args.naive_only:
         import ray
 
-        from pipeline.embed import EmbedConfig
+        from pipeline.embed.config import EmbedConfig
 
         cpus = args.cpus_per_actor or max(1, cores // args.concurrency)
         os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")

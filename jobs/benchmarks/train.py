@@ -3,7 +3,7 @@
     python jobs/benchmark.py train --model vit_h14 --micro-batch-size 64 --configs eager,compile,ac,compile+ac
     torchrun --nproc-per-node 8 jobs/benchmark.py train --model vit_h14 --micro-batch-size 64   # 8 GPUs
 
-The step is `pipeline.train_step.TrainStep`, what every Ray Train worker runs: FSDP2 (bf16 compute
+The step is `pipeline.train.step.TrainStep`, what every Ray Train worker runs: FSDP2 (bf16 compute
 and fp32 gradient reduction on CUDA, fp32 on CPU), AdamW, global-norm clipping; the input is random
 uint8 patches, so this measures the model and the step alone (`benchmark.py data` measures input).
 A configuration is `eager` or `compile`, optionally `+ac` (activation checkpointing per block).
@@ -22,15 +22,9 @@ import torch.distributed as dist
 import vit
 from jobs.benchmarks.report import print_table, write_json
 from jobs.benchmarks.timing import matmul_tflops, time_step
-from pipeline.train_config import TrainConfig
-from pipeline.train_step import (
-    TrainStep,
-    build_model,
-    init_distributed,
-    model_config,
-    peak_tflops,
-    train_flops_per_image,
-)
+from pipeline.train.config import TrainConfig
+from pipeline.train.model import build_model, init_distributed, model_config
+from pipeline.train.step import TrainStep, peak_tflops, train_flops_per_image
 
 CONFIGS = ("eager", "compile", "ac", "compile+ac")
 

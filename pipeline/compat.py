@@ -1,0 +1,33 @@
+"""The one module that touches private APIs of other libraries (torch, fsspec, Ray).
+
+Each shim names what it needs, why no public API gives it, and what it relies on; when a library
+changes, this file is the one place to mend. A boundary test keeps private names out of every other
+module of `pipeline/`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def strip_protocol(fs: Any, url: str) -> str:
+    """The path of ``url`` inside filesystem ``fs`` (``s3://b/k`` -> ``b/k``), without touching storage.
+
+    fsspec's `url_to_fs` returns the path too, but builds a filesystem per call; a brace range of
+    100k shards is expanded against one filesystem instance.
+    """
+    return fs._strip_protocol(url)
+
+
+def fsspec_checkpoint_reader() -> type:
+    """torch's DCP reader for fsspec URLs: not exported from `torch.distributed.checkpoint`, but the
+    one DCP itself uses for ``checkpoint_id`` URLs."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader
+
+
+def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
+    """Where a DCP `FileSystemReader` (or its fsspec subclass) finds ``.metadata``: the path its own
+    `read_metadata` opens, which ours must open too when it swaps in a restricted unpickler."""
+    return reader._get_metadata_path(rank)

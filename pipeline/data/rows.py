@@ -1,0 +1,165 @@
+"""Read rows: which members of a WebDataset sample make a row, and Arrow blocks of rows for one shard.
+
+Rows (one per sample, Arrow blocks of up to ``block_rows`` samples, no per-sample pandas frames):
+
+- ``key``: str, the WebDataset ``__key__``
+- ``url``: str, the shard the sample came from
+- ``image``: binary, the encoded image member (b"" on error rows)
+- ``label``: int64, -1 when the sample has none
+- ``error``: str, "" for a good sample, otherwise ``"<category>: <detail>"``
+
+A shard that cannot be opened, a truncated tar or a sample with a problem becomes an error row;
+reading never raises on bad data. Pure Python + pyarrow: no Ray here (`pipeline.data.source` wraps it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from pipeline.data.shards import open_shard
+from pipeline.data.tar import Sample, iter_samples, open_tar_stream
+
+SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("url", pa.string()),
+        ("image", pa.binary()),
+        ("label", pa.int64()),
+        ("error", pa.string()),
+    ]
+)
+MAX_BLOCK_BYTES = 64 << 20  # encoded bytes per block; far below Arrow's 2 GiB binary-array limit
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """Which members make a row: the image (first of ``image_keys`` present) and the label.
+
+    ``label_key`` is a member extension holding a decimal integer (``"cls"``), ``"json:<field>"`` for
+    a field of the ``.json`` member (dots walk nested objects: ``"json:meta.label"``), or None.
+    """
+
+    image_keys: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
+    label_key: str | None = "cls"
+    require_labels: bool = False
+
+    @property
+    def label_member(self) -> str | None:
+        if self.label_key is None:
+            return None
+        return "json" if self.label_key.startswith("json:") else self.label_key.lower()
+
+    def wanted(self, ext: str) -> bool:
+        """Members kept in memory; the others are read past and dropped."""
+        return ext in self.image_keys or ext == self.label_member
+
+    def image(self, sample: Sample) -> bytes | None:
+        for ext in self.image_keys:
+            if ext in sample.members:
+                return sample.members[ext]
+        return None
+
+    def label(self, sample: Sample) -> tuple[int, str]:
+        """``(label, error)``: -1 when absent; an error only when labels are required."""
+        member = self.label_member
+        if member is None:
+            return -1, ""
+        raw = sample.members.get(member)
+        if raw is None:
+            if self.require_labels:
+                return -1, f"missing label: no .{member} member (label_key={self.label_key!r})"
+            return -1, ""
+        try:
+            return parse_label(raw, self.label_key), ""
+        except ValueError as e:
+            return -1, f"bad label: {e}" if self.require_labels else ""
+
+
+def parse_label(raw: bytes, label_key: str) -> int:
+    """A non-negative class index from a label member; ValueError says why not."""
+    if label_key.startswith("json:"):
+        try:
+            value = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(".json member is not valid JSON") from e
+        for part in label_key[len("json:") :].split("."):
+            if not isinstance(value, dict) or part not in value:
+                raise ValueError(f".json member has no field {label_key[5:]!r}")
+            value = value[part]
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError(f"field {label_key[5:]!r} holds {value!r}, not an integer")
+        text = str(value)
+    else:
+        text = raw.decode("utf-8", "replace").strip()
+    try:
+        label = int(text)
+    except ValueError as e:
+        raise ValueError(f"label {text[:40]!r} is not an integer") from e
+    if label < 0:
+        raise ValueError(f"label {label} is negative")
+    return label
+
+
+def sample_rows(samples: Iterable[Sample], spec: RowSpec) -> Iterator[tuple[str, bytes, int, str]]:
+    """``(key, image, label, error)`` per sample; the first problem found is the row's error."""
+    for sample in samples:
+        image, label, error = b"", -1, sample.error
+        if not error:
+            found = spec.image(sample)
+            if found is None:
+                exts = ", ".join(sorted(sample.members)) or "none wanted"
+                error = f"missing image: no {'/'.join('.' + k for k in spec.image_keys)} member ({exts})"
+            else:
+                image = found
+                label, error = spec.label(sample)
+        if error:
+            image = b""
+        yield sample.key, image, label, error
+
+
+def read_shard(url: str, spec: RowSpec, storage_options: dict | None, block_rows: int) -> Iterator[pa.Table]:
+    """Arrow blocks of rows for one shard, in tar order; never raises on bad data.
+
+    A shard that cannot be opened or read adds one ``unreadable shard`` error row (key "") after the
+    rows read before the failure; a shard without samples gives one ``empty shard`` error row.
+    """
+    rows: list[tuple[str, bytes, int, str]] = []
+    nbytes, seen = 0, 0
+    try:
+        with open_shard(url, storage_options) as fileobj:
+            for row in sample_rows(iter_samples(open_tar_stream(fileobj, url), spec.wanted), spec):
+                rows.append(row)
+                nbytes += len(row[1])
+                seen += 1
+                if len(rows) >= block_rows or nbytes >= MAX_BLOCK_BYTES:
+                    yield _table(rows, url)
+                    rows, nbytes = [], 0
+        if not seen:  # so that consumers tracking shards (the embedding job) still see this one
+            rows.append(("", b"", -1, "empty shard: the tar holds no samples"))
+    except Exception as e:  # a vanished, unreachable or unreadable shard: one error row, the job goes on
+        rows.append(("", b"", -1, f"unreadable shard: {type(e).__name__}: {_one_line(e)}"))
+    if rows:
+        yield _table(rows, url)
+
+
+def _table(rows: list[tuple[str, bytes, int, str]], url: str) -> pa.Table:
+    keys, images, labels, errors = zip(*rows, strict=True)
+    return pa.Table.from_arrays(
+        [
+            pa.array(keys, pa.string()),
+            pa.array([url] * len(rows), pa.string()),
+            pa.array(images, pa.binary()),
+            pa.array(labels, pa.int64()),
+            pa.array(errors, pa.string()),
+        ],
+        schema=SCHEMA,
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""

@@ -1,0 +1,200 @@
+"""Shard URLs: from what a user types to the list of tar files a job reads, and opening one of them.
+
+`expand_shards` accepts, alone or comma-separated:
+
+- a local file, or a directory (every .tar / .tar.gz / .tgz directly inside it, sorted)
+- a glob: ``/data/train-*.tar``, ``s3://bucket/train-*.tar``
+- a brace range or list: ``train-{000000..000127}.tar``, ``{train,val}-000000.tar`` (as in WebDataset)
+- ``s3://``, ``gs://`` or any other fsspec URL; credentials and endpoints come from the environment
+  (e.g. ``AWS_ENDPOINT_URL``) or from ``storage_options`` (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``)
+
+It checks that every shard exists (one listing per remote directory, not one request per shard) and
+fails with a `ShardError` naming what is wrong and what to do, before any Ray work starts.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import os
+import re
+from collections.abc import Sequence
+from typing import IO, Any
+
+from pipeline import compat
+from pipeline.storage import filesystem, is_local, local_path
+
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+READ_BLOCK_BYTES = 8 << 20  # remote read size: few requests per shard, little memory
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+
+class ShardError(ValueError):
+    """A shard URL that cannot be used; the message says what is wrong and what to do."""
+
+
+def expand_shards(urls: str | Sequence[str], storage_options: dict | None = None) -> list[str]:
+    """Every shard named by ``urls``, in order (directories and globs sorted), without duplicates.
+
+    Local shards come back as absolute paths (Ray workers may run in another directory); remote
+    ones as full URLs with their protocol. Raises `ShardError` when a part matches nothing.
+    """
+    parts = [urls] if isinstance(urls, str) else list(urls)
+    items = [p.strip() for part in parts for p in split_top_level(part, ",") if p.strip()]
+    if not items:
+        raise ShardError("no shard URL given; pass a path, directory, glob or brace range of .tar shards")
+    shards: list[str] = []
+    for item in items:
+        shards.extend(_expand_one(item, storage_options or {}))
+    return list(dict.fromkeys(shards))  # keeps the first occurrence: a shard read twice would repeat samples
+
+
+def split_top_level(text: str, sep: str) -> list[str]:
+    """Split on ``sep`` outside braces: ``"a{1,2},b"`` -> ``["a{1,2}", "b"]``."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ShardError(f"unbalanced braces in {text!r}; write ranges as train-{{000000..000127}}.tar")
+    out.append(text[start:])
+    return out
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Brace expansion as WebDataset does it: ``{000..002}`` keeps zero padding, ``{a,b}`` lists.
+
+    Several groups expand as a product, leftmost slowest: ``{a,b}-{0..1}`` -> a-0, a-1, b-0, b-1.
+    """
+    start = pattern.find("{")
+    if start < 0:
+        return [pattern]
+    depth = 0
+    for end in range(start, len(pattern)):
+        depth += {"{": 1, "}": -1}.get(pattern[end], 0)
+        if depth == 0:
+            break
+    else:
+        raise ShardError(f"unbalanced braces in {pattern!r}; write ranges as train-{{000000..000127}}.tar")
+    head, body, tail = pattern[:start], pattern[start + 1 : end], pattern[end + 1 :]
+    match = _RANGE.match(body)
+    if match:
+        lo, hi = match.group(1), match.group(2)
+        if int(hi) < int(lo):
+            raise ShardError(f"brace range {{{body}}} in {pattern!r} runs backwards; write {{{hi}..{lo}}}")
+        width = len(lo) if lo.startswith("0") and len(lo) > 1 else 0
+        choices = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    else:
+        choices = [c for part in split_top_level(body, ",") for c in expand_braces(part)]
+    return [head + c + t for c in choices for t in expand_braces(tail)]
+
+
+def is_shard_name(path: str) -> bool:
+    return path.lower().endswith(SHARD_SUFFIXES)
+
+
+def open_shard(url: str, storage_options: dict | None = None) -> IO[bytes]:
+    """A binary file object for one shard (read sequentially; the caller closes it)."""
+    if is_local(url):
+        return open(local_path(url), "rb", buffering=1 << 20)
+    fs, path = _filesystem(url, storage_options or {})
+    # Read-ahead caching suits a tar stream read front to back exactly once.
+    return fs.open(path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
+
+
+def _expand_one(item: str, storage_options: dict) -> list[str]:
+    candidates = expand_braces(item)
+    if is_local(item):
+        return _expand_local([local_path(c) for c in candidates], item)
+    fs, _ = _filesystem(item, storage_options)
+    out: list[str] = []
+    plain: list[str] = []
+    for candidate in candidates:
+        path = compat.strip_protocol(fs, candidate)
+        if globlib.has_magic(path):
+            found = sorted(p for p in _call(fs.glob, path, item) if _call(fs.isfile, p, item))
+            if not found:
+                raise ShardError(f"{candidate} matches no files; check the pattern and bucket")
+            out.extend(fs.unstrip_protocol(p) for p in found)
+        elif len(candidates) == 1 and _call(fs.isdir, path, item):
+            found = sorted(p for p in _call(fs.ls, path, item, detail=False) if is_shard_name(p))
+            if not found:
+                raise ShardError(f"{candidate} holds no .tar/.tar.gz/.tgz shards; point at the shard files")
+            out.extend(fs.unstrip_protocol(p) for p in found)
+        else:
+            plain.append(path)
+    if plain:
+        _check_remote_exist(fs, plain, item)
+        out.extend(fs.unstrip_protocol(p) for p in plain)
+    return out
+
+
+def _expand_local(paths: list[str], item: str) -> list[str]:
+    out: list[str] = []
+    missing: list[str] = []
+    for path in paths:
+        path = os.path.abspath(os.path.expanduser(path))
+        if globlib.has_magic(path):
+            found = sorted(p for p in globlib.glob(path) if os.path.isfile(p))
+            if not found:
+                raise ShardError(f"{path} matches no files; check the pattern")
+            out.extend(found)
+        elif os.path.isdir(path):
+            found = sorted(os.path.join(path, n) for n in os.listdir(path) if is_shard_name(n))
+            if not found:
+                raise ShardError(f"directory {path} holds no .tar/.tar.gz/.tgz shards; point at the shards")
+            out.extend(p for p in found if os.path.isfile(p))
+        elif os.path.isfile(path):
+            out.append(path)
+        else:
+            missing.append(path)
+    if missing:
+        more = f" and {len(missing) - 1} more of {len(paths)}" if len(missing) > 1 else ""
+        raise ShardError(f"shard not found: {missing[0]}{more} (from {item!r}); check the path or range")
+    return out
+
+
+def _check_remote_exist(fs: Any, paths: list[str], item: str) -> None:
+    """One listing per parent directory instead of one request per shard (ranges can be 100k long)."""
+    by_parent: dict[str, list[str]] = {}
+    for path in paths:
+        by_parent.setdefault(path.rsplit("/", 1)[0], []).append(path)
+    missing: list[str] = []
+    for parent, children in by_parent.items():
+        try:
+            listed = {p.rstrip("/") for p in _call(fs.ls, parent, item, detail=False)}
+        except ShardError:
+            listed = set()
+        missing.extend(c for c in children if c.rstrip("/") not in listed)
+    if missing:
+        more = f" and {len(missing) - 1} more of {len(paths)}" if len(missing) > 1 else ""
+        raise ShardError(
+            f"shard not found: {fs.unstrip_protocol(missing[0])}{more} (from {item!r}); "
+            "check the URL, range and credentials"
+        )
+
+
+def _filesystem(url: str, storage_options: dict) -> tuple[Any, str]:
+    try:
+        return filesystem(url, storage_options)
+    except ValueError as e:
+        raise ShardError(f"cannot read {url!r}: {e}") from e
+
+
+def _call(fn: Any, path: str, item: str, **kwargs: Any) -> Any:
+    """A filesystem call whose failure (credentials, network, permissions) becomes a one-line ShardError."""
+    try:
+        return fn(path, **kwargs)
+    except FileNotFoundError as e:
+        raise ShardError(f"shard not found: {path} (from {item!r}); check the URL") from e
+    except Exception as e:
+        kind = type(e).__name__
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ShardError(
+            f"cannot list {path} (from {item!r}): {kind}: {first}; "
+            "check credentials, endpoint (AWS_ENDPOINT_URL or storage_options) and network"
+        ) from e

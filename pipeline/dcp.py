@@ -1,0 +1,127 @@
+"""A training checkpoint as files: its layout on storage, and its model read back without trusting it.
+
+Training writes checkpoints (`pipeline.train.checkpoint`, collectively, with the optimizer); the
+embedding job and the other jobs downstream read the model part of one (`load_model_state`, in one
+process without a process group). Both sides share this module, so neither imports the other.
+
+    <run>/checkpoint_00001000/  __<rank>_0.distcp (each rank's shards), .metadata (DCP's global layout,
+                                written last), train_state.json (step, data position, RNG), config.json
+
+A directory counts only once `.metadata` and `train_state.json` are both there; `latest_complete`
+skips anything else (a crash mid-save leaves an ignorable directory).
+
+DCP's `.metadata` is a pickle. It is read through `MetadataUnpickler`, which admits only the classes
+checkpoint metadata holds, never torch's own unpickler.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+import vit
+from pipeline import compat, storage
+
+TRAIN_STATE = "train_state.json"
+CONFIG = "config.json"
+METADATA = ".metadata"  # written by DCP, last
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint_{step:08d}"
+
+
+def is_complete(directory: str | Path, storage_options: dict[str, Any] | None = None) -> bool:
+    """True once a checkpoint directory (local or URL) holds its `.metadata` and `train_state.json`."""
+    fs, path = storage.filesystem(str(directory), storage_options)
+    return fs.isfile(f"{path}/{METADATA}") and fs.isfile(f"{path}/{TRAIN_STATE}")
+
+
+def latest_complete(run_dir: str | Path, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The complete ``checkpoint_<step>`` with the highest step under a run directory, or None."""
+    fs, root = storage.filesystem(str(run_dir), storage_options)
+    if not fs.isdir(root):
+        return None
+    names = sorted((p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)), reverse=True)
+    for name in names:
+        if name.startswith("checkpoint_") and is_complete(storage.join(str(run_dir), name), storage_options):
+            return storage.join(str(run_dir), name)
+    return None
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Admits only what DCP metadata holds: its own dataclasses, torch.Size, dtypes and layouts."""
+
+    MODULES: ClassVar[tuple[str, ...]] = (
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+    )
+    NAMES: ClassVar[set[tuple[str, str]]] = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+    }
+    NAMES |= {
+        ("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in self.NAMES or module in self.MODULES
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"checkpoint metadata refers to {module}.{name}; refusing to unpickle it"
+            )
+        return super().find_class(module, name)
+
+
+def load_model_state(
+    directory: str, config: vit.ViTConfig, storage_options: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """The model part of a DCP checkpoint as a full CPU state dict; one process, no process group."""
+    import torch.distributed.checkpoint as dcp
+
+    if storage.is_local(directory):
+        reader = _safe_reader(dcp.FileSystemReader)(storage.local_path(directory))
+    else:
+        reader = _safe_reader(compat.fsspec_checkpoint_reader())(directory, **(storage_options or {}))
+    try:
+        reader.read_metadata()  # first on its own: DCP would bury a refusal in its own exception
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"--weights {directory}: {e}") from e
+    model = vit.VisionTransformer(config, device="meta").to_empty(device="cpu")
+    state = {"model": model.state_dict()}  # only the model: the optimizer's tensors are never read
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            raise ValueError(
+                f"--weights {directory} does not hold this model's weights ({type(e).__name__}: {first}); "
+                "is it a complete checkpoint of the model its config.json names?"
+            ) from e
+    return dict(state["model"])
+
+
+def _safe_reader(base: type) -> type:
+    """``base`` (a DCP FileSystemReader) whose metadata goes through `MetadataUnpickler`."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(base):
+        # The body of FileSystemReader.read_metadata, with the restricted unpickler instead of pickle.load.
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = compat.dcp_metadata_path(self, kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = MetadataUnpickler(stream).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader

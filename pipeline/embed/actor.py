@@ -1,0 +1,116 @@
+"""The model actor of the embedding job: loads the model once, then maps patch rows to embedding rows.
+
+`embed_rows` is the batch function (plain numpy in and out, testable without Ray); `Embedder` is the
+Ray Data callable class around it. Weights arrive as float32 numpy arrays from the object store
+(`pipeline.model_source.pack_state_dict`): on CPU the model's tensors are those arrays themselves,
+read-only and shared by every actor of a node; on GPU they are copied to the device once.
+
+Determinism: eval mode, and every forward sees a fixed shape (each chunk padded to ``batch_size``
+rows), so an image's embedding does not depend on how the stream was cut into batches or on how many
+bad samples were taken out beside it. bf16 autocast on CUDA, float32 on CPU.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+
+import vit
+from pipeline.embed.weights import unpack_state_dict
+
+
+def embedding_dim(config: vit.ViTConfig, embedding: str) -> int:
+    """D of the output: embed_dim for the [CLS] token, the head's hidden width for pre-logits."""
+    return config.pre_logits_dim if embedding == "pre_logits" else config.embed_dim
+
+
+def actor_memory(config: vit.ViTConfig, batch_size: int, use_gpu: bool) -> int:
+    """Host memory of one actor, in bytes: the float32 weights (shared on a node, counted per actor to
+    be safe) plus, on CPU, a forward's largest activations (MLP hidden and attention scores)."""
+    weights = 4 * sum(p.numel() for p in vit.VisionTransformer(config, device="meta").state_dict().values())
+    tokens = config.num_patches + 1
+    activations = 0 if use_gpu else 4 * batch_size * tokens * (4 * config.mlp_dim + config.num_heads * tokens)
+    return int(weights + activations + (512 << 20))  # + a Ray worker with torch loaded, batches in flight
+
+
+def build_embedding_model(
+    config: vit.ViTConfig, state_dict: dict[str, torch.Tensor], device: torch.device
+) -> vit.VisionTransformer:
+    """The model in eval mode on ``device``, taking the given tensors without a copy on CPU."""
+    model = vit.VisionTransformer(config, device="meta")
+    model.load_state_dict(state_dict, assign=True)  # resamples pos_embed for another image_size
+    return model.to(device).eval().requires_grad_(False)
+
+
+def embed_rows(
+    model: vit.VisionTransformer,
+    batch: dict[str, np.ndarray],
+    *,
+    pre_logits: bool = False,
+    batch_size: int = 64,
+    device: torch.device | None = None,
+) -> dict[str, np.ndarray]:
+    """Patch rows -> embedding rows; error rows pass through with zero embeddings and no compute.
+
+    In: ``key``, ``url``, ``patches`` uint8 ``(B, N, P*P*C)``, ``label`` int64, ``error`` str.
+    Out: ``key``, ``url``, ``embedding`` float32 ``(B, D)``, ``label``, ``error``. Good rows go through
+    the model in chunks of ``batch_size``, each padded to exactly ``batch_size`` rows (fixed shapes).
+    bf16 autocast on CUDA; float32 on CPU.
+    """
+    device = device or torch.device("cpu")
+    errors = batch["error"]
+    good = np.flatnonzero(np.fromiter((not e for e in errors), dtype=bool, count=len(errors)))
+    dim = embedding_dim(model.config, "pre_logits" if pre_logits else "cls")
+    out = np.zeros((len(errors), dim), np.float32)
+    if good.size:
+        patches = np.asarray(batch["patches"])[good]  # (G, N, P*P*C)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+        with torch.inference_mode(), autocast:
+            for lo in range(0, len(good), batch_size):
+                chunk = torch.from_numpy(patches[lo : lo + batch_size])
+                n = len(chunk)
+                if n < batch_size:
+                    chunk = torch.cat([chunk, chunk.new_zeros((batch_size - n, *chunk.shape[1:]))])
+                emb = model.embed(chunk.to(device, non_blocking=True), pre_logits=pre_logits)[:n]  # (n, D)
+                out[good[lo : lo + n]] = emb.float().cpu().numpy()
+    return {
+        "key": batch["key"],
+        "url": batch["url"],
+        "embedding": out,
+        "label": batch["label"],
+        "error": errors,
+    }
+
+
+class Embedder:
+    """Ray Data callable class: loads the model once per actor, then maps batches with `embed_rows`."""
+
+    def __init__(
+        self,
+        weights: list[Any],
+        config: dict[str, Any],
+        *,
+        pre_logits: bool,
+        batch_size: int,
+        use_gpu: bool,
+        threads: int,
+    ):
+        import ray
+
+        arrays = weights[0]
+        if isinstance(arrays, ray.ObjectRef):
+            arrays = ray.get(arrays)
+        torch.set_num_threads(threads)
+        self.device = torch.device("cuda") if use_gpu else torch.device("cpu")
+        self.model = build_embedding_model(
+            vit.ViTConfig.from_dict(config), unpack_state_dict(arrays), self.device
+        )
+        self.pre_logits, self.batch_size = pre_logits, batch_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return embed_rows(
+            self.model, batch, pre_logits=self.pre_logits, batch_size=self.batch_size, device=self.device
+        )

@@ -1,0 +1,330 @@
+"""The embedding job: shards -> decode/patchify -> an actor pool holding the model -> one Parquet file per shard.
+
+    shards -> build_dataset(train=False): read + decode + eval crop + patchify, CPU tasks (one per shard)
+           -> map_batches(Embedder): actors that load the model once; uint8 patches (B, N, P*P*C) -> (B, D)
+           -> driver: rows of one shard collected until the next shard's rows arrive (the dataset keeps
+              input order), then written whole, committed, and recorded in the manifest (pipeline.embed.output)
+
+`prepare` does every check that needs no cluster (shards exist, weights load and fit ``--model``, the
+first shard holds images, ``--out`` holds nothing of another model) and decides which shards are left;
+`run` does the Ray part. Both are what ``jobs/embed.py`` and ``jobs/benchmark.py embed`` call.
+
+Weights travel to the actors through the object store: the driver has loaded and checked them anyway
+(its one-line errors come before any shard is read), so one ``ray.put`` of float32 numpy arrays ships
+them; every actor on a node reads that one shared copy without copying it (the arrays are read-only,
+and inference writes no weights), and each node fetches it once, instead of every actor downloading
+and converting the file (or reading a sharded checkpoint) itself.
+
+Determinism: the eval transform has no randomness and the model actor (`pipeline.embed.actor`) runs
+every forward at one fixed shape, so the same command gives the same embeddings, bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pipeline.data.bad_samples import BadSamples, reason_category
+from pipeline.data.config import DataConfig
+from pipeline.data.dataset import build_dataset, check_shards
+from pipeline.data.shards import expand_shards
+from pipeline.embed.actor import Embedder, actor_memory, embedding_dim
+from pipeline.embed.config import DEFAULT_LABEL_KEY, EmbedConfig
+from pipeline.embed.output import FORMAT, MANIFEST, EmbeddingOutput, OutputPlan, embedding_table
+from pipeline.embed.weights import ModelSource, load_model_source, pack_state_dict
+
+UNREADABLE = "unreadable shard"  # a storage failure, maybe passing: the shard is retried by the next run
+
+
+@dataclass
+class EmbedPlan:
+    """Everything `prepare` found out: shards, the loaded model, the eval transform, what is left to do."""
+
+    config: EmbedConfig
+    shards: list[str]
+    source: ModelSource
+    data_config: DataConfig
+    header: dict[str, Any]
+    output: EmbeddingOutput
+    work: OutputPlan
+
+    def describe(self) -> str:
+        return (
+            f"{self.source.describe()}; {len(self.shards)} shards, {len(self.work.done)} already done, "
+            f"{len(self.work.pending)} to embed into {self.config.out}"
+        )
+
+
+@dataclass
+class EmbedSummary:
+    """What a run did, for people (`format`) and for benchmarks."""
+
+    out: str
+    shards: int  # in the input
+    committed: int  # by this run
+    already_done: int  # skipped: committed by an earlier run
+    failed: dict[str, str]  # url -> reason, not committed (retried by the next run)
+    rows: int  # written by this run
+    rows_in_output: int  # in every committed file of the output
+    bad_samples: dict[str, Any]  # BadSamples.to_dict() of this run
+    seconds: float  # the Ray part: from submitting the dataset to the last commit
+    images_per_s: float  # samples read (good and bad) per second of the Ray part
+    startup_s: float  # until the first embeddings reached the driver (actors started, model loaded)
+    model: str
+    dim: int
+    strays: list[str]  # other Parquet files found in --out
+
+    def format(self) -> str:
+        reasons = ", ".join(f"{n} {r}" for r, n in self.bad_samples["by_reason"].items()) or "none"
+        lines = [
+            f"shards: {self.committed} embedded, {self.already_done} already done (skipped), "
+            f"{len(self.failed)} failed, of {self.shards}",
+            f"rows written: {self.rows} ({self.rows_in_output} in the output), {self.model}, D = {self.dim}",
+            f"bad samples skipped: {self.bad_samples['bad']} ({reasons}); keys and reasons in {MANIFEST}",
+            f"speed: {self.images_per_s:,.1f} images/s over {self.seconds:.1f} s "
+            f"({self.startup_s:.1f} s of it starting the model actors)",
+            f"output: {self.out}",
+        ]
+        lines += [f"FAILED {url}: {reason}" for url, reason in self.failed.items()]
+        if self.failed:
+            lines.append("run the same command again to retry the failed shards")
+        if self.strays:
+            lines.append(
+                f"note: {len(self.strays)} other .parquet file(s) in the output dir are not part of it"
+            )
+        target = f"{self.out.rstrip('/')}/*.parquet"
+        lines.append(f"""read it: duckdb -c "SELECT key, label, embedding FROM '{target}' LIMIT 5\"""")
+        lines.append(f"     or: python -c \"import pandas; print(pandas.read_parquet('{self.out}').head())\"")
+        return "\n".join(lines)
+
+
+def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
+    """The eval transform for the model: the training run's eval settings where the weights carry
+    them, the model's image and patch size, flags on top; labels optional."""
+    base = DataConfig.from_dict(source.preprocessing) if source.preprocessing else DataConfig()
+    label_key = config.label_key
+    if label_key == "auto":
+        label_key = base.label_key if source.preprocessing else DEFAULT_LABEL_KEY
+    return dataclasses.replace(
+        base,
+        image_size=source.config.image_size,
+        patch_size=source.config.patch_size,
+        crop_fraction=config.crop_fraction if config.crop_fraction is not None else base.crop_fraction,
+        eval_interpolation=config.interpolation or base.eval_interpolation,
+        label_key=label_key,
+        require_labels=False,
+        max_bad_fraction=config.max_bad_fraction,
+        storage_options=config.storage_options,
+    )
+
+
+def prepare(config: EmbedConfig) -> EmbedPlan:
+    """Every check that needs no cluster, in the order that fails cheapest first; raises ValueError."""
+    config.validate()
+    shards = expand_shards(config.data, config.storage_options)
+    source = load_model_source(
+        config.weights,
+        weights_format=config.weights_format,
+        model=config.model,
+        image_size=config.image_size,
+        storage_options=config.storage_options,
+    )
+    if config.embedding == "pre_logits" and source.config.head != "pretrain":
+        raise ValueError(
+            f"--embedding pre_logits needs a pretraining head; {source.describe()} has a "
+            f"{source.config.head} head, whose pre-logits are the [CLS] embedding: use --embedding cls"
+        )
+    data_config = eval_data_config(source, config)
+    check_shards(shards, data_config)
+    header = {  # through JSON and back, so that it compares equal to one read from a manifest
+        "format": FORMAT,
+        "version": 1,
+        "model": {"name": source.config.name, "config": source.config.to_dict()},
+        "weights": {"sha256": source.sha256, "source": source.kind, "path": source.path},
+        "embedding": config.embedding,
+        "dim": embedding_dim(source.config, config.embedding),
+        "image_size": source.config.image_size,
+        "preprocessing": data_config.to_dict(),
+    }
+    header = json.loads(json.dumps(header))
+    output = EmbeddingOutput(config.out, header, config.storage_options)
+    work = output.plan(shards, overwrite=config.overwrite)
+    return EmbedPlan(config, shards, source, data_config, header, output, work)
+
+
+def local_actor_cpus(config: EmbedConfig, *, cpu: bool, given: bool, num_cpus: int | None) -> EmbedConfig:
+    """On a local Ray whose model runs on CPU, unless ``--cpus-per-actor`` was ``given``: the actors'
+    torch threads share this machine's cores (decoding fits between them: the model is most of the
+    work); within a given ``--num-cpus``, one logical CPU stays for decoding."""
+    if given or not (cpu or not _local_gpus()):
+        return config
+    cores = num_cpus or os.cpu_count() or 1
+    spare = 1 if num_cpus else 0
+    return config.replace(cpus_per_actor=float(max(1, (cores - spare) // config.concurrency)))
+
+
+def local_cpus_needed(config: EmbedConfig) -> float:
+    """Logical CPUs a local Ray needs: every actor's, plus one slot for the decode tasks beside them."""
+    return math.ceil(config.concurrency * config.cpus_per_actor) + 1
+
+
+def place_actors(config: EmbedConfig, *, cpu: bool) -> EmbedConfig:
+    """On the connected cluster: GPUs for the actors where it has them (unless ``cpu``); prints where
+    the actors run."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    config = config.replace(use_gpu=gpus > 0 and not cpu)
+    if config.use_gpu and gpus < config.concurrency:
+        print(f"note: {gpus:.0f} GPU(s) for --concurrency {config.concurrency}; some actors wait for a GPU")
+    device = "1 GPU" if config.use_gpu else f"{config.cpus_per_actor:g} CPUs"
+    print(f"{config.concurrency} model actor(s), {device} each, batch {config.batch_size}", flush=True)
+    return config
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def run(plan: EmbedPlan, *, on_commit: Callable[[str, dict], None] | None = None) -> EmbedSummary:
+    """Embed the shards left in ``plan`` on the connected Ray cluster; ``on_commit(url, record)`` is
+    called after each shard's commit. Raises `BadSampleBudgetError` when too many samples are bad
+    (shards committed until then stay committed)."""
+    config, output = plan.config, plan.output
+    output.start(plan.work)
+    bad = BadSamples.from_config(plan.data_config)
+    sink = ShardSink(plan, bad, on_commit)
+    start = time.perf_counter()
+    if plan.work.pending:
+        import ray
+
+        weights = ray.put(pack_state_dict(plan.source.state_dict))
+        ds = build_dataset(plan.work.pending, plan.data_config, train=False)
+        ds = ds.map_batches(
+            Embedder,
+            fn_constructor_kwargs={
+                # In a list: Ray Data keys actors by their arguments, and the reference is resolved
+                # by the actor itself.
+                "weights": [weights],
+                "config": plan.source.config.to_dict(),
+                "pre_logits": config.embedding == "pre_logits",
+                "batch_size": config.batch_size,
+                "use_gpu": config.use_gpu,
+                "threads": max(1, int(config.cpus_per_actor)),
+            },
+            batch_size=config.batch_size,
+            batch_format="numpy",
+            zero_copy_batch=True,
+            compute=ray.data.ActorPoolStrategy(size=config.concurrency),
+            num_cpus=config.cpus_per_actor,
+            num_gpus=1 if config.use_gpu else 0,
+            # Declaring the actor's memory is right for scheduling, and it also keeps decoding in its
+            # own CPU tasks: Ray fuses a task map into a following actor pool when their resource
+            # requests are equal, which would put the decode on the model's actor.
+            memory=actor_memory(plan.source.config, config.batch_size, config.use_gpu),
+        )
+        # No prefetch: Ray's prefetcher holds back blocks until its buffer is full, which delays every
+        # commit (and so what a crash keeps); the executor computes ahead in its own thread anyway.
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0):
+            sink.add(batch)
+    sink.close()
+    bad.check_budget(final=True)
+    seconds = time.perf_counter() - start
+    return EmbedSummary(
+        out=config.out,
+        shards=len(plan.shards),
+        committed=sink.committed,
+        already_done=len(plan.work.done),
+        failed=dict(output.failed),
+        rows=sink.rows,
+        rows_in_output=sum(r["rows"] for r in output.shards.values()),
+        bad_samples=bad.to_dict(),
+        seconds=seconds,
+        images_per_s=bad.total / seconds if seconds > 0 else 0.0,
+        startup_s=(sink.first_rows_at - start) if sink.first_rows_at else 0.0,
+        model=plan.source.config.name,
+        dim=plan.header["dim"],
+        strays=plan.work.strays,
+    )
+
+
+class ShardSink:
+    """Driver side: rows arrive shard by shard in input order; a shard is complete once a row of a later
+    shard arrives (or the stream ends), and is then written whole and committed."""
+
+    def __init__(self, plan: EmbedPlan, bad: BadSamples, on_commit: Callable[[str, dict], None] | None):
+        self.shards = plan.work.pending
+        self.order = {url: i for i, url in enumerate(self.shards)}
+        self.names = plan.work.names
+        self.output, self.header, self.bad, self.on_commit = plan.output, plan.header, bad, on_commit
+        self.current = 0  # index of the shard whose rows are being collected
+        self.parts: list[dict[str, np.ndarray]] = []
+        self.skipped: list[dict[str, str]] = []
+        self.committed = self.rows = 0
+        self.first_rows_at: float | None = None  # perf_counter() when the first batch arrived
+
+    def add(self, batch: dict[str, np.ndarray]) -> None:
+        """Take a batch of embedding rows ``{key, url, embedding (B, D), label, error}``."""
+        if self.first_rows_at is None:
+            self.first_rows_at = time.perf_counter()
+        # Bad samples are counted, by reason, for the budget and the summary; a shard that could not be
+        # read is no sample: it is reported as failed and retried by the next run instead.
+        errors = batch["error"]
+        unreadable = np.fromiter((reason_category(e) == UNREADABLE for e in errors), bool, len(errors))
+        self.bad.filter({k: v[~unreadable] for k, v in batch.items()} if unreadable.any() else batch)
+        self.bad.check_budget()
+        urls = batch["url"]
+        cuts = [0, *(np.flatnonzero(urls[1:] != urls[:-1]) + 1).tolist(), len(urls)]
+        for lo, hi in itertools.pairwise(cuts):
+            index = self.order.get(str(urls[lo]))
+            if index is None or index < self.current:
+                raise RuntimeError(
+                    f"rows of {urls[lo]} arrived out of shard order; the output would be wrong"
+                )
+            while self.current < index:
+                self._finish()
+            errors = batch["error"][lo:hi]
+            good = np.fromiter((not e for e in errors), dtype=bool, count=hi - lo)
+            for key, reason in zip(batch["key"][lo:hi][~good], errors[~good], strict=True):
+                self.skipped.append({"key": str(key), "reason": str(reason)})
+            if good.any():
+                self.parts.append({k: batch[k][lo:hi][good] for k in ("key", "embedding", "label")})
+
+    def close(self) -> None:
+        """The stream ended: every remaining shard is complete (a shard with no rows gets an empty file)."""
+        while self.current < len(self.shards):
+            self._finish()
+
+    def _finish(self) -> None:
+        url = self.shards[self.current]
+        parts, skipped = self.parts, self.skipped
+        self.parts, self.skipped = [], []
+        self.current += 1
+        unreadable = [s["reason"] for s in skipped if reason_category(s["reason"]) == UNREADABLE]
+        if unreadable:
+            self.output.fail(url, unreadable[0])
+            return
+        dim = self.header["dim"]
+        keys = [str(k) for p in parts for k in p["key"]]
+        embeddings = (
+            np.concatenate([p["embedding"] for p in parts]) if parts else np.zeros((0, dim), np.float32)
+        )
+        labels = np.concatenate([p["label"] for p in parts]) if parts else np.zeros(0, np.int64)
+        about = {**self.header, "shard": {"url": url, "rows": len(keys), "skipped": skipped}}
+        table = embedding_table(keys, [url] * len(keys), embeddings, labels, about)
+        record = self.output.commit(url, self.names[url], table, skipped)
+        self.committed += 1
+        self.rows += len(keys)
+        if self.on_commit is not None:
+            self.on_commit(url, record)

@@ -1,0 +1,267 @@
+"""The embedding job's output: one Parquet file per input shard, committed whole, and a manifest beside them.
+
+    <out>/train-000000.parquet   key string, url string, embedding fixed_size_list<float32>[D], label int64
+    <out>/train-000001.parquet   (label null where the sample has none); schema metadata b"vitray"
+    <out>/_manifest.json         model, weights sha256, preprocessing, D; per shard: rows, skipped, file
+
+The manifest's leading underscore keeps it out of directory reads: pyarrow, pandas, Spark and DuckDB
+globs skip ``_`` and ``.`` names, so ``pandas.read_parquet(out)`` reads exactly the embeddings.
+
+Commit protocol, per shard: the complete file is written under a hidden temporary name (local) or into
+a local scratch file (object stores), then renamed onto / uploaded to its final name, then the manifest
+is rewritten (atomically: rename locally, one PUT on object stores). A crash leaves at worst a hidden
+temporary (removed by the next run) or a committed file the manifest does not list (redone and replaced
+by the next run). So the next run's view, "a shard is done when the manifest lists it and its file has
+the listed size and row count", never counts a partial file, and every readable key ends up in exactly
+one row. Two runs writing into one ``--out`` at the same time are not supported.
+
+File names: the shard's file name without its .tar/.tar.gz/.tgz suffix, plus ``.parquet``. When two
+input shards would get the same name (same file name in different directories), each of them gets
+``<stem>-<first 8 hex of sha256(url)>.parquet`` instead; a name the manifest already gives a shard stays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline import storage
+from pipeline.data.shards import SHARD_SUFFIXES
+
+MANIFEST = "_manifest.json"
+FORMAT = "vitray-embeddings"
+METADATA_KEY = b"vitray"
+PARQUET = ".parquet"
+# DataConfig fields that decide which rows a shard yields and what pixels they see; the others say how
+# reading runs (block sizes, concurrency, credentials, the bad-sample budget) and change no output.
+PREPROCESSING_IDENTITY = (
+    "image_size",
+    "patch_size",
+    "crop_fraction",
+    "eval_interpolation",
+    "jpeg_draft",
+    "reducing_gap",
+    "image_keys",
+    "label_key",
+    "require_labels",
+    "max_image_pixels",
+)
+
+
+def output_name(url: str) -> str:
+    """``.../train-000003.tar.gz`` -> ``train-000003.parquet``."""
+    base = url.rstrip("/").rsplit("/", 1)[-1]
+    for suffix in SHARD_SUFFIXES:
+        if base.lower().endswith(suffix):
+            base = base[: -len(suffix)]
+            break
+    return base + PARQUET
+
+
+def assign_names(shards: list[str], kept: dict[str, str] | None = None) -> dict[str, str]:
+    """A unique output file name per shard URL; ``kept`` (url -> name, from a manifest) stays as it is."""
+    kept = dict(kept or {})
+    plain = {url: output_name(url) for url in shards if url not in kept}
+    counts: dict[str, int] = {}
+    for name in [*plain.values(), *kept.values()]:
+        counts[name] = counts.get(name, 0) + 1
+    names = dict(kept)
+    for url, name in plain.items():
+        if counts[name] > 1:
+            digest = hashlib.sha256(url.encode()).hexdigest()[:8]
+            name = f"{name[: -len(PARQUET)]}-{digest}{PARQUET}"
+        names[url] = name
+    return {url: names[url] for url in shards}
+
+
+def identity(header: dict[str, Any]) -> dict[str, Any]:
+    """What must match for embeddings to belong to one output: model, weights, kind, preprocessing."""
+    preprocessing = header.get("preprocessing") or {}
+    return {
+        "model": (header.get("model") or {}).get("config"),
+        "weights sha256": (header.get("weights") or {}).get("sha256"),
+        "embedding": header.get("embedding"),
+        "preprocessing": {k: preprocessing.get(k) for k in PREPROCESSING_IDENTITY},
+    }
+
+
+def difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """The first difference between two headers' identities, in words, or None."""
+    a, b = identity(old), identity(new)
+    for key in a:
+        if a[key] == b[key]:
+            continue
+        if isinstance(a[key], dict) and isinstance(b[key], dict):
+            changed = [k for k in sorted(set(a[key]) | set(b[key])) if a[key].get(k) != b[key].get(k)]
+            k = changed[0]
+            return f"{key} {k} {a[key].get(k)!r} there, {b[key].get(k)!r} now"
+        return f"{key} {_short(a[key])} there, {_short(b[key])} now"
+    return None
+
+
+def embedding_table(
+    keys: Iterable[str], urls: Iterable[str], embeddings: np.ndarray, labels: np.ndarray, metadata: dict
+) -> pa.Table:
+    """Rows of one shard: ``embeddings`` float32 ``(n, D)``, ``labels`` int64 ``(n,)`` with -1 for none."""
+    embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+    dim = embeddings.shape[1]
+    labels = np.asarray(labels, dtype=np.int64)
+    schema = pa.schema(
+        [
+            pa.field("key", pa.string(), nullable=False),
+            pa.field("url", pa.string(), nullable=False),
+            pa.field("embedding", pa.list_(pa.float32(), dim), nullable=False),
+            pa.field("label", pa.int64()),
+        ],
+        metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True).encode()},
+    )
+    return pa.Table.from_arrays(
+        [
+            pa.array(list(keys), pa.string()),
+            pa.array(list(urls), pa.string()),
+            pa.FixedSizeListArray.from_arrays(pa.array(embeddings.reshape(-1)), dim),
+            pa.array(labels, pa.int64(), mask=labels < 0),
+        ],
+        schema=schema,
+    )
+
+
+@dataclass
+class OutputPlan:
+    """What a run will do to ``--out``: which shards are done already, which to embed, what to delete."""
+
+    names: dict[str, str]  # shard url -> output file name, every shard of this run
+    done: dict[str, dict]  # shard url -> its manifest record, verified on storage
+    pending: list[str]  # shard urls to embed, in input order
+    delete: list[str] = field(default_factory=list)  # file names: temporaries, and stale files on overwrite
+    strays: list[str] = field(default_factory=list)  # other .parquet files in --out, not this output's
+    others: dict[str, dict] = field(default_factory=dict)  # committed earlier for shards not in this run
+
+
+class EmbeddingOutput:
+    """``--out``: reads and plans against what is there, then commits shards and rewrites the manifest."""
+
+    def __init__(self, uri: str, header: dict[str, Any], storage_options: dict | None = None):
+        self.uri = uri.rstrip("/") or uri
+        self.header = header
+        self.storage_options = storage_options
+        self.shards: dict[str, dict] = {}
+        self.failed: dict[str, str] = {}
+
+    def path(self, name: str) -> str:
+        return storage.join(self.uri, name)
+
+    def read_manifest(self) -> dict[str, Any] | None:
+        """The manifest that is there, or None; a one-line ValueError when it is not one."""
+        uri = self.path(MANIFEST)
+        if not storage.exists(uri, self.storage_options):
+            return None
+        try:
+            manifest = json.loads(storage.read_text(uri, self.storage_options))
+        except ValueError as e:
+            raise ValueError(
+                f"{uri} is not valid JSON ({e}); pass --overwrite to start this output anew"
+            ) from e
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise ValueError(f"{uri} is not a vitray embedding manifest; choose another --out")
+        return manifest
+
+    def plan(self, shards: list[str], *, overwrite: bool) -> OutputPlan:
+        """Compare ``--out`` with this run (no side effects): a one-line ValueError when it holds another
+        model's embeddings and ``overwrite`` is not set."""
+        files = storage.list_files(self.uri, self.storage_options)
+        old = self.read_manifest()
+        temporaries = sorted(n for n in files if storage.is_temporary(n))
+        listed = dict((old or {}).get("shards", {}))
+        if old is not None and not overwrite:
+            why = difference(old, self.header)
+            if why is not None:
+                raise ValueError(
+                    f"{self.uri} holds embeddings of another configuration ({why}); pass --overwrite to "
+                    "replace them, or choose another --out"
+                )
+        if overwrite:
+            names = assign_names(shards)
+            stale = sorted({r["file"] for r in listed.values()} & set(files))
+            mine = set(names.values()) | set(stale)
+            strays = sorted(n for n in files if n.endswith(PARQUET) and n not in mine)
+            return OutputPlan(names, {}, list(shards), temporaries + stale, strays, {})
+        if old is None and any(n.endswith(PARQUET) for n in files):
+            raise ValueError(
+                f"{self.uri} holds Parquet files but no {MANIFEST}: not a vitray embedding output; choose "
+                "an empty --out, or pass --overwrite to write beside them"
+            )
+        names = assign_names(shards, {u: r["file"] for u, r in listed.items()})
+        present = {u: r for u, r in listed.items() if files.get(r["file"]) == r.get("bytes")}
+        rows = self._row_counts({u: r["file"] for u, r in present.items()})
+        verified = {u: r for u, r in present.items() if rows.get(u) == r["rows"]}
+        done = {u: r for u, r in verified.items() if u in names}
+        others = {u: r for u, r in verified.items() if u not in names}  # from runs over other shards
+        mine = {r["file"] for r in listed.values()} | set(names.values())
+        strays = sorted(n for n in files if n.endswith(PARQUET) and n not in mine)
+        pending = [u for u in shards if u not in done]
+        return OutputPlan(names, done, pending, temporaries, strays, others)
+
+    def start(self, plan: OutputPlan) -> None:
+        """Remove leftovers, then write the manifest with this run's header and the shards already done."""
+        for name in plan.delete:
+            storage.remove(self.path(name), self.storage_options)
+        self.shards = {**plan.others, **plan.done}
+        self.failed = {}
+        self.write_manifest()
+
+    def commit(self, url: str, name: str, table: pa.Table, skipped: list[dict[str, str]]) -> dict[str, Any]:
+        """Write one shard's file whole, publish it, then record it in the manifest; returns the record."""
+        target = self.path(name)
+        with storage.staged_file(target, self.storage_options) as local:
+            pq.write_table(table, local, compression="zstd")
+            size = os.path.getsize(local)
+        record = {"file": name, "rows": table.num_rows, "bytes": size, "skipped": skipped}
+        self.shards[url] = record
+        self.failed.pop(url, None)
+        self.write_manifest()
+        return record
+
+    def fail(self, url: str, reason: str) -> None:
+        """Record a shard that could not be read (nothing committed; the next run tries it again)."""
+        self.failed[url] = reason
+        self.write_manifest()
+
+    def write_manifest(self) -> None:
+        manifest = {**self.header, "shards": self.shards, "failed": self.failed}
+        text = json.dumps(manifest, indent=1, sort_keys=False) + "\n"
+        storage.write_text(self.path(MANIFEST), text, self.storage_options)
+
+    def _row_counts(self, names: dict[str, str]) -> dict[str, int]:
+        """Row count per shard from each file's footer (one small read each, in parallel), when the
+        footer also names that shard; a file that cannot be read counts as not done."""
+
+        def rows(item: tuple[str, str]) -> tuple[str, int | None]:
+            url, name = item
+            fs, path = storage.filesystem(self.path(name), self.storage_options)
+            try:
+                with fs.open(path, "rb") as f:
+                    meta = pq.read_metadata(f)
+                about = json.loads(meta.metadata[METADATA_KEY])
+            except (OSError, KeyError, ValueError, TypeError, pa.ArrowException):
+                return url, None
+            return url, meta.num_rows if about.get("shard", {}).get("url") == url else None
+
+        if not names:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(32, len(names))) as pool:
+            return dict(pool.map(rows, names.items()))
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return text[:16] + "..." if len(text) > 19 else text

@@ -1,0 +1,289 @@
+"""Where the embedding job's model comes from: ``--weights`` resolved, loaded, checked and fingerprinted.
+
+Accepted, told apart by what the path holds (or named with ``weights_format``):
+
+- a vitray export: a directory with ``weights.safetensors`` + ``config.json`` (a run's ``final/``),
+  or a run directory, which means its ``final/``;
+- a vitray DCP checkpoint: a ``checkpoint_*`` directory, or a run directory without ``final/``, which
+  means its latest complete checkpoint. Only the model part is read, never the optimizer, in one
+  process without a process group;
+- timm / torchvision / transformers ("hf") weights: a ``.safetensors`` / ``.pth`` / ``.pt`` / ``.bin``
+  file, or a transformers model directory (``config.json`` + ``model.safetensors``), converted with
+  `vit.convert_state_dict`. ``model`` names the variant where shapes cannot tell the head count.
+
+Nothing untrusted is unpickled: ``torch.load(weights_only=True)`` for ``.pth`` / ``.bin``, and DCP's
+``.metadata`` (a pickle) goes through an unpickler that admits only checkpoint metadata classes.
+Every mismatch between weights and ``model`` is a one-line ValueError, raised before any shard is read.
+
+The fingerprint, ``sha256``, is over the state dict as the model runs it (float32, keys sorted: name,
+dtype, shape and bytes of each tensor), so the same weights give the same hash from any source format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+import vit
+from pipeline import dcp, storage
+from vit.weights import CONFIG_FILE, WEIGHTS_FILE, check_weights
+
+FORMATS = ("auto", "vitray", "timm", "torchvision", "hf")
+FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+# Fields that decide every tensor's shape; compared between the weights and --model.
+SHAPE_FIELDS = ("embed_dim", "depth", "mlp_dim", "patch_size", "num_channels")
+
+
+@dataclass
+class ModelSource:
+    """Loaded weights, ready to ship: the config they run with, a float32 CPU state dict, its sha256."""
+
+    config: vit.ViTConfig
+    state_dict: dict[str, torch.Tensor]
+    sha256: str
+    kind: str  # "export", "checkpoint", "timm", "torchvision" or "hf"
+    path: str  # the directory or file actually read (a run dir resolves to final/ or a checkpoint)
+    preprocessing: dict[str, Any] | None = None  # the training DataConfig dict, where the weights carry it
+
+    def describe(self) -> str:
+        return f"{self.config.name} ({self.kind}: {self.path}, sha256 {self.sha256[:12]})"
+
+
+def load_model_source(
+    path: str,
+    *,
+    weights_format: str = "auto",
+    model: str | None = None,
+    image_size: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> ModelSource:
+    """Resolve and load ``--weights``; ``image_size`` runs the model at another resolution (the
+    position embeddings are resampled as they load). Raises a one-line ValueError on anything wrong."""
+    if weights_format not in FORMATS:
+        raise ValueError(f"unknown --weights-format {weights_format!r}; choose one of {', '.join(FORMATS)}")
+    named = vit.get_config(model) if model else None  # an unknown name fails here, in one line
+    path = path.rstrip("/") or path
+    kind, where = _resolve(path, weights_format, storage_options)
+    preprocessing = None
+    if kind == "export":
+        config, meta = vit.load_config(where)
+        preprocessing = _data_config_dict(meta.get("preprocessing"))
+        if named is not None:
+            _check_named(config, named, path)
+        state_dict, config = vit.load_pretrained(where, as_state_dict=True)
+    elif kind == "checkpoint":
+        saved = json.loads(storage.read_text(storage.join(where, CONFIG_FILE), storage_options))
+        if "model_config" not in saved:
+            raise ValueError(f"{where}/{CONFIG_FILE} has no model_config; is it a vitray checkpoint?")
+        config = vit.ViTConfig.from_dict(saved["model_config"])
+        preprocessing = _data_config_dict(saved.get("data"))
+        if named is not None:
+            _check_named(config, named, path)
+        state_dict = dcp.load_model_state(where, config, storage_options)
+    else:
+        state_dict, config, kind = _load_converted(where, kind, named, path, storage_options)
+    check_weights(state_dict, config, f"--weights {path}")
+    state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
+    if image_size is not None and image_size != config.image_size:
+        config = config.replace(image_size=image_size)  # validates divisibility by the patch size
+    return ModelSource(config, state_dict, state_dict_sha256(state_dict), kind, where, preprocessing)
+
+
+def state_dict_sha256(state_dict: dict[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor, keys sorted."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().cpu()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        tensor = tensor.contiguous().reshape(-1)
+        digest.update(tensor.view(torch.uint8).numpy().data if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def pack_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Numpy arrays for the object store: read back on the same node without a copy (float32 only)."""
+    return {k: v.detach().cpu().numpy() for k, v in state_dict.items()}
+
+
+def unpack_state_dict(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Tensors sharing the arrays' memory; arrays from the object store are read-only, which is fine
+    for inference (nothing writes to the weights) and lets every actor of a node share one copy."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {k: torch.from_numpy(v) for k, v in arrays.items()}
+
+
+# --- resolving a path ----------------------------------------------------------------------------
+
+
+def _resolve(path: str, weights_format: str, storage_options: dict | None) -> tuple[str, str]:
+    """``(kind, location)`` of what ``path`` holds; a one-line ValueError when it holds nothing usable."""
+    fs, fs_path = storage.filesystem(path, storage_options)
+    if not fs.exists(fs_path):
+        raise ValueError(
+            f"--weights {path} does not exist; pass an export, run, checkpoint dir or weights file"
+        )
+    if not fs.isdir(fs_path):
+        if path.endswith((WEIGHTS_FILE, CONFIG_FILE)) and weights_format in ("auto", "vitray"):
+            return "export", path.rsplit("/", 1)[0]
+        if not path.endswith(FILE_SUFFIXES):
+            raise ValueError(
+                f"--weights {path} is a file but not {'/'.join(FILE_SUFFIXES)}; pass a weights file or a directory"
+            )
+        if weights_format == "vitray":
+            raise ValueError(f"--weights {path} is a single file; a vitray export is a directory (final/)")
+        return (weights_format if weights_format != "auto" else "file"), path
+    names = set(storage.list_files(path, storage_options))
+    if weights_format in ("timm", "torchvision"):
+        raise ValueError(
+            f"--weights {path} is a directory; {weights_format} weights are one file (.pth/.safetensors)"
+        )
+    if weights_format in ("auto", "hf") and CONFIG_FILE in names and names & set(HF_WEIGHT_FILES):
+        hf_config = json.loads(storage.read_text(storage.join(path, CONFIG_FILE), storage_options))
+        if hf_config.get("format") != "vitray":
+            return "hf", path
+    if weights_format == "hf":
+        raise ValueError(
+            f"--weights {path} is not a transformers model directory (config.json + model.safetensors)"
+        )
+    if WEIGHTS_FILE in names and CONFIG_FILE in names:
+        return "export", path
+    if dcp.METADATA in names:
+        return "checkpoint", path
+    final = storage.join(path, "final")
+    if {WEIGHTS_FILE, CONFIG_FILE} <= set(storage.list_files(final, storage_options)):
+        return "export", final
+    latest = dcp.latest_complete(path, storage_options)
+    if latest is not None:
+        return "checkpoint", latest
+    raise ValueError(
+        f"--weights {path} holds no vitray export (weights.safetensors + config.json), final/, complete "
+        "checkpoint_* or transformers model; pass one of those, or a .safetensors/.pth file"
+    )
+
+
+def _data_config_dict(values: Any) -> dict[str, Any] | None:
+    """The training DataConfig dict, when ``values`` is one (an export made outside training holds
+    the model's input description under the same key instead)."""
+    from pipeline.data.config import DataConfig
+
+    if not isinstance(values, dict):
+        return None
+    try:
+        DataConfig.from_dict(values)
+    except (TypeError, ValueError):
+        return None
+    return values
+
+
+def _check_named(config: vit.ViTConfig, named: vit.ViTConfig, path: str) -> None:
+    """One line when the weights' shapes are not those of the variant named with --model."""
+    have = {f: getattr(config, f) for f in SHAPE_FIELDS}
+    want = {f: getattr(named, f) for f in SHAPE_FIELDS}
+    if have != want:
+        like = next(
+            (v.name for v in vit.VARIANTS.values() if {f: getattr(v, f) for f in SHAPE_FIELDS} == have), None
+        )
+        diff = ", ".join(f"{f} {have[f]}" for f in SHAPE_FIELDS if have[f] != want[f])
+        hint = f"pass --model {like}" if like else "drop --model to use the weights' own config"
+        raise ValueError(
+            f"--weights {path} hold a ViT with {diff}{f' (a {like})' if like else ''}, not {named.name} "
+            f"({', '.join(f'{f} {want[f]}' for f in SHAPE_FIELDS if have[f] != want[f])}); {hint}, or other weights"
+        )
+
+
+# --- loading ---------------------------------------------------------------------------------------
+
+
+def _load_converted(
+    where: str, kind: str, named: vit.ViTConfig | None, path: str, storage_options: dict | None
+) -> tuple[dict[str, torch.Tensor], vit.ViTConfig, str]:
+    """timm / torchvision / transformers weights -> (vitray state dict, config, source format)."""
+    overrides: dict[str, Any] = {}
+    if kind == "hf" and not where.endswith(FILE_SUFFIXES):  # a transformers model directory
+        hf_config = json.loads(storage.read_text(storage.join(where, CONFIG_FILE), storage_options))
+        names = storage.list_files(where, storage_options)
+        file = storage.join(where, next(n for n in HF_WEIGHT_FILES if n in names))
+        raw = _read_tensors(file, storage_options)
+        base = vit.config_from_hf(hf_config)
+        overrides = {"num_heads": base.num_heads, "norm_eps": base.norm_eps}
+    else:
+        raw = _read_tensors(where, storage_options)
+        if kind == "file":
+            kind = _guess_source(raw, path)
+    if kind == "vitray":  # a bare vitray state dict file, without its config.json
+        converted = raw
+    else:
+        try:
+            converted = vit.convert_state_dict(raw, kind)
+        except ValueError as e:
+            raise ValueError(f"--weights {path} as {kind} weights: {e}") from e
+    try:
+        inferred = vit.config_from_state_dict(converted, None if kind == "vitray" else kind, **overrides)
+    except (ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"--weights {path}: {e}") from e
+    if named is not None:
+        _check_named(inferred, named, path)
+        inferred = inferred.replace(name=named.name, num_heads=named.num_heads)
+    elif "num_heads" not in overrides and inferred.name == "vit_custom":
+        raise ValueError(
+            f"--weights {path} hold a ViT of embed_dim {inferred.embed_dim}, depth {inferred.depth}, which is "
+            "no known variant, so its number of heads is unknown; pass --model with a variant of those shapes"
+        )
+    return converted, inferred, kind
+
+
+def _guess_source(state_dict: dict[str, torch.Tensor], path: str) -> str:
+    keys = set(state_dict)
+    if "patch_embed.mean" in keys:
+        return "vitray"
+    if "conv_proj.weight" in keys:
+        return "torchvision"
+    if any(k.removeprefix("vit.").startswith("embeddings.patch_embeddings") for k in keys):
+        return "hf"
+    if "patch_embed.proj.weight" in keys:
+        return "timm"
+    raise ValueError(
+        f"--weights {path}: cannot tell whose ViT weights these are (keys like {sorted(keys)[:3]}); "
+        "pass --weights-format timm, torchvision or hf"
+    )
+
+
+def _read_tensors(file: str, storage_options: dict | None) -> dict[str, torch.Tensor]:
+    """Tensors of a .safetensors / .pth / .bin file; pickles only through ``weights_only=True``."""
+    fs, fs_path = storage.filesystem(file, storage_options)
+    data = fs.cat_file(fs_path)
+    if file.endswith(".safetensors"):
+        from safetensors.torch import load
+
+        try:
+            return load(data)
+        except Exception as e:
+            raise ValueError(f"--weights {file} is not a readable safetensors file: {e}") from e
+    try:
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        raise ValueError(
+            f"--weights {file} holds more than tensors ({first}); it is not loaded, since unpickling runs "
+            "code: save a plain state dict (torch.save(model.state_dict())) or .safetensors"
+        ) from e
+    except Exception as e:
+        raise ValueError(f"--weights {file} is not a readable torch file: {type(e).__name__}: {e}") from e
+    # Common wrappers of training scripts: {"model": sd}, {"state_dict": sd}, {"model_state_dict": sd}.
+    for wrapper in ("model", "state_dict", "model_state_dict", "module"):
+        if isinstance(loaded, dict) and isinstance(loaded.get(wrapper), dict):
+            loaded = loaded[wrapper]
+    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise ValueError(f"--weights {file} is not a state dict (a dict of tensors)")
+    return loaded

@@ -1,0 +1,139 @@
+"""Training checkpoints: sharded, resumable at any world size, complete or ignored.
+
+Design notes
+------------
+- Format: `torch.distributed.checkpoint` (DCP). Every rank writes only its own shards
+  (`__<rank>_0.distcp`); rank 0 also writes `.metadata` (the global layout, last) plus
+  `train_state.json` and `config.json`. Under Ray Train each rank writes into a local temporary
+  directory and hands it to `ray.train.report(checkpoint=...)`, which merges the ranks' files into
+  one directory of the run's storage (local, s3://, gs://) and registers it only once every rank
+  has uploaded. Outside Ray the same functions write straight to a shared directory.
+- Completeness: a directory counts only once `.metadata` and `train_state.json` are both there;
+  `latest_complete` skips anything else (a crash mid-save leaves an ignorable directory).
+- Resharding: model and optimizer state go through `get_state_dict`/`set_state_dict`, keyed by
+  parameter name (wrapper prefixes of activation checkpointing and compile stripped), so DCP can
+  re-slice them for any world size on load. Load at world size N what was saved at M.
+- What else is saved: the step, the data position (epoch, and which shards of the epoch's order
+  have been started: resuming at another world size re-splits the rest), and every rank's RNG
+  state (restored when the world size matches; otherwise each rank reseeds from (seed, step, rank)).
+  The learning-rate schedule is a pure function of the step, so it needs no state of its own.
+- The final export gathers one full tensor at a time onto rank 0's CPU (`cpu_offload`), so no
+  accelerator ever holds the whole unsharded model.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+import vit
+from pipeline.dcp import CONFIG, TRAIN_STATE
+
+
+def _rng_state() -> dict[str, str]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in state.items()}
+
+
+def _set_rng_state(state: dict[str, str]) -> None:
+    decoded = {
+        k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8) for k, v in state.items()
+    }
+    torch.set_rng_state(decoded["cpu"])
+    if "cuda" in decoded and torch.cuda.is_available():
+        torch.cuda.set_rng_state(decoded["cuda"])
+
+
+def save(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    config: dict[str, Any],
+) -> None:
+    """Collective: every rank writes its shards of model and optimizer state into `directory`.
+
+    `train_state` (step, data position ...) and `config` are the same on every rank; rank 0
+    writes them. RNG states of all ranks are gathered into `train_state.json`.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = [None] * dist.get_world_size()
+    dist.all_gather_object(rng, _rng_state())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if dist.get_rank() == 0:
+        (directory / TRAIN_STATE).write_text(json.dumps({**train_state, "rng": rng}, indent=1))
+        (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+
+
+def check_compatible(directory: str | Path, model_config: vit.ViTConfig) -> None:
+    """Raise a one-line error when a checkpoint was made for another model."""
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise ValueError(
+            f"{directory} is not a vitray checkpoint (no {CONFIG}); pass a checkpoint_* directory"
+        )
+    saved = json.loads(path.read_text()).get("model_config", {})
+    mine = model_config.to_dict()
+    keys = ("embed_dim", "depth", "num_heads", "mlp_dim", "patch_size", "num_classes")
+    diff = {k: (saved.get(k), mine.get(k)) for k in keys if saved.get(k) != mine.get(k)}
+    if diff:
+        described = ", ".join(f"{k} {a} (checkpoint) vs {b} (this run)" for k, (a, b) in diff.items())
+        raise ValueError(
+            f"checkpoint {directory} is for another model: {described}; use its --model or a fresh --out"
+        )
+
+
+def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: load model and optimizer state into the sharded model; returns train_state.
+
+    Works at any world size. Restores this rank's RNG when the world size matches the saver's.
+    (The model alone, in one process, is `pipeline.dcp.load_model_state`.)
+    """
+    directory = Path(directory)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    train_state = json.loads((directory / TRAIN_STATE).read_text())
+    rng = train_state.pop("rng", None)
+    if rng and len(rng) == dist.get_world_size():
+        _set_rng_state(rng[dist.get_rank()])
+    else:
+        seed = train_state.get("seed", 0)
+        torch.manual_seed((seed * 1_000_003 + train_state["step"]) * 1_009 + dist.get_rank())
+    return train_state
+
+
+def export_final(
+    directory: str | Path, model: nn.Module, model_config: vit.ViTConfig, extra: dict[str, Any]
+) -> Path | None:
+    """Collective: write `weights.safetensors` + `config.json` for the embedding job (rank 0 writes).
+
+    Full tensors are gathered one at a time to rank 0's CPU; returns the directory on rank 0.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state_dict = get_model_state_dict(model, options=options)
+    if dist.get_rank() != 0:
+        return None
+    directory = Path(directory)
+    os.makedirs(directory, exist_ok=True)
+    vit.save_pretrained(directory, state_dict, model_config, extra=extra)
+    return directory

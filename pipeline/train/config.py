@@ -1,0 +1,149 @@
+"""What a pretraining run is: one frozen dataclass, resolved from a preset plus overrides.
+
+The command line (`jobs/pretrain.py`) is a preset plus a few flags; every flag is a field here.
+The resolved config is saved beside every checkpoint and in the final export, so a run can always
+say what it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.data.config import DataConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # --- what to train (a vit.VARIANTS name; overrides replace ViTConfig fields) -------------
+    model: str = "vit_b16"
+    image_size: int = 224
+    num_classes: int = 1000
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+
+    # --- data ----------------------------------------------------------------------------------
+    data: str = ""  # shard URL(s): path, dir, glob, brace range, s3://, gs://, comma-separated
+    label_key: str = "cls"  # member extension holding the label, or "json:<field>"
+    shuffle_buffer: int = 2000  # local sample shuffle buffer per worker
+    crop_scale: tuple[float, float] = (0.08, 1.0)  # random-resized-crop area range
+    max_bad_fraction: float = 0.01  # share of corrupt samples that fails the run
+
+    # --- optimization (defaults: the ViT paper's pretraining recipe) --------------------------
+    batch_size: int = 4096  # global: images per optimizer step, across all workers
+    micro_batch_size: int = 64  # images per worker per forward/backward; the rest is accumulation
+    lr: float = 1e-3  # peak learning rate, after warmup
+    min_lr: float = 0.0
+    weight_decay: float = 0.1  # not applied to biases, norms, position and CLS embeddings
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 10_000
+    max_steps: int = 100_000  # length of the schedule
+    lr_schedule: str = "cosine"  # "cosine" or "linear" decay after warmup
+    grad_clip: float = 1.0  # global-norm clipping
+    seed: int = 0
+
+    # --- systems -------------------------------------------------------------------------------
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+    # --- cluster shape -------------------------------------------------------------------------
+    num_workers: int = 2
+    use_gpu: bool = True
+    cpus_per_worker: float = 1.0  # the rest of the cluster's CPUs decode data
+    placement_strategy: str = "PACK"  # of the workers over nodes: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
+
+    # --- run -----------------------------------------------------------------------------------
+    out: str = ""  # run directory: local path, s3:// or gs://
+    log_every: int = 10
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 3
+    max_failures: int = 3  # worker-group restarts from the latest checkpoint
+    stop_at_step: int | None = None  # end this run early (the schedule still follows max_steps)
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def world_batch_per_micro_step(self) -> int:
+        return self.micro_batch_size * self.num_workers
+
+    @property
+    def last_step(self) -> int:
+        return self.max_steps if self.stop_at_step is None else min(self.stop_at_step, self.max_steps)
+
+    def validate(self) -> None:
+        """Raise a one-line ValueError for a config that cannot run (before any cluster work)."""
+        if not self.data:
+            raise ValueError(
+                "no training data: pass --data with a shard URL (path, glob, brace range, s3://...)"
+            )
+        if not self.out:
+            raise ValueError(
+                "no output location: pass --out with a run directory (local path, s3:// or gs://)"
+            )
+        for name in (
+            "batch_size",
+            "micro_batch_size",
+            "max_steps",
+            "num_workers",
+            "log_every",
+            "checkpoint_every",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.batch_size % self.world_batch_per_micro_step:
+            raise ValueError(
+                f"--batch-size {self.batch_size} is not a multiple of --micro-batch-size x --num-workers "
+                f"= {self.world_batch_per_micro_step}; pick a batch size divisible by it"
+            )
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(
+                f"--placement-strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {self.placement_strategy!r}"
+            )
+        if self.lr_schedule not in ("cosine", "linear"):
+            raise ValueError(f"--lr-schedule must be 'cosine' or 'linear', got {self.lr_schedule!r}")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise ValueError(f"--max-bad-fraction must be in [0, 1], got {self.max_bad_fraction}")
+        if self.warmup_steps >= self.max_steps and self.max_steps > 1:
+            raise ValueError(
+                f"--warmup-steps {self.warmup_steps} leaves no decay within --max-steps {self.max_steps}; "
+                "use fewer warmup steps"
+            )
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown training config fields {unknown}; known: {sorted(known)}")
+        # JSON has no tuples: restore them where the field expects one.
+        fixed = {
+            k: tuple(v) if isinstance(v, list) and "tuple" in str(known[k].type) else v
+            for k, v in values.items()
+        }
+        return cls(**fixed)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def data_config(config: TrainConfig, patch_size: int) -> DataConfig:
+    """The training input transform: random-resized crops of the run's size, labels required."""
+    return DataConfig(
+        image_size=config.image_size,
+        patch_size=patch_size,
+        scale=config.crop_scale,
+        label_key=config.label_key,
+        require_labels=True,
+        seed=config.seed,
+        shuffle_buffer=config.shuffle_buffer,
+        max_bad_fraction=config.max_bad_fraction,
+    )

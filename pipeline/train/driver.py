@@ -1,0 +1,140 @@
+"""The driver side of pretraining: the checks before any cluster work, then a Ray `TorchTrainer`
+around the worker loop (`pipeline.train.loop.train_loop_per_worker`).
+
+Storage: `--out` is the run directory. Ray Train's storage path is its parent and the run name its
+last part, so checkpoints land in `<out>/checkpoint_<step>/` beside `metrics.jsonl` and `final/`.
+Running the same command again with the same `--out` resumes from the latest checkpoint there
+(Ray Train keeps a snapshot of the reported checkpoints in the run directory).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from pipeline import storage
+from pipeline.data.dataset import check_shards
+from pipeline.data.shards import expand_shards
+from pipeline.train.config import TrainConfig, data_config
+from pipeline.train.metrics import METRICS_FILE
+from pipeline.train.model import model_config
+
+
+class TrainingError(RuntimeError):
+    """The run stopped on a data problem every worker agreed on (one line, says what to do)."""
+
+
+def split_run_uri(out: str) -> tuple[str, str]:
+    """`/runs/exp1` -> (`/runs`, `exp1`); `s3://bucket/runs/exp1` -> (`s3://bucket/runs`, `exp1`)."""
+    out = out.rstrip("/")
+    if storage.is_local(out):
+        out = os.path.abspath(storage.local_path(out))
+    parent, _, name = out.rpartition("/")
+    if not name or not parent or parent.endswith(":/"):
+        raise ValueError(f"--out {out!r} needs a parent directory and a run name, e.g. s3://bucket/runs/exp1")
+    return parent, name
+
+
+def prepare(config: TrainConfig) -> list[str]:
+    """Every check that needs no cluster, cheapest first; returns the expanded shard list.
+
+    Raises a one-line ValueError: a config that cannot run, an unknown model or an image size the
+    patch size does not divide, missing shards, a first shard without images or labels, fewer
+    shards than workers.
+    """
+    config.validate()
+    patch_size = model_config(config).patch_size
+    shards = expand_shards(config.data)
+    check_shards(shards, data_config(config, patch_size))
+    if len(shards) < config.num_workers:
+        raise ValueError(
+            f"{len(shards)} shard(s) for {config.num_workers} workers: every worker needs at least one; "
+            "write more, smaller shards (jobs/make_shards.py --samples-per-shard) or use fewer --num-workers"
+        )
+    return shards
+
+
+def local_cpus_needed(config: TrainConfig) -> float:
+    """Logical CPUs a local Ray needs: the training workers' plus two decode slots per worker."""
+    return math.ceil(config.num_workers * config.cpus_per_worker) + 2 * config.num_workers
+
+
+def check_local_ray(config: TrainConfig) -> None:
+    """After starting a local Ray: a one-line ValueError when it lacks the GPUs the run asks for (a
+    cluster's autoscaler may still bring them, so a joined cluster is not checked)."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if config.use_gpu and gpus < config.num_workers:
+        raise ValueError(
+            f"the local Ray has {gpus:.0f} GPUs for {config.num_workers} GPU workers; pass --cpu, fewer "
+            "--num-workers, or submit to a GPU cluster"
+        )
+
+
+def data_cpus_per_worker(config: TrainConfig) -> float:
+    """CPUs each worker's data pipeline may use: what the cluster has beyond the training workers."""
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 0.0)
+    spare = total - config.num_workers * config.cpus_per_worker
+    return max(1.0, math.floor(spare / config.num_workers))
+
+
+def fit(config: TrainConfig, shards: list[str]) -> dict[str, Any]:
+    """Run (or resume) pretraining on the connected Ray cluster.
+
+    Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts).
+    """
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from pipeline.train.loop import train_loop_per_worker
+
+    storage_path, name = split_run_uri(config.out)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "train": config.to_dict(),
+            "shards": shards,
+            "data_cpus_per_worker": data_cpus_per_worker(config),
+        },
+        scaling_config=ScalingConfig(
+            num_workers=config.num_workers,
+            use_gpu=config.use_gpu,
+            resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
+            placement_strategy=config.placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage_path,
+            failure_config=FailureConfig(max_failures=config.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=config.keep_checkpoints),
+            # Ray Train's own INFO lines (one per report) would bury the training log.
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+    )
+    summary = trainer.fit().return_value or {}
+    if summary.get("error"):
+        raise TrainingError(summary["error"])
+    return summary
+
+
+def read_metrics(out: str) -> list[dict[str, Any]]:
+    """The logged steps of a run (`<out>/metrics.jsonl`)."""
+    text = storage.read_text(storage.join(out, METRICS_FILE))
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
+    """What a finished run prints: its last step's loss and accuracy, the samples read and skipped."""
+    metrics, bad = summary["metrics"], summary["bad_samples"]
+    reasons = ", ".join(f"{n} {reason}" for reason, n in bad["by_reason"].items()) or "none"
+    return (
+        f"\nfinished at step {metrics['step']}: loss {metrics['loss']:.4f}, "
+        f"accuracy {100 * metrics['accuracy']:.1f}%\n"
+        f"samples read: {bad['total']}, skipped as bad: {bad['bad']} ({reasons})\n"
+        f"run directory: {config.out} (checkpoints, metrics.jsonl, final/)"
+    )

@@ -1,0 +1,72 @@
+"""The model of a training run: its config, the process group, and the sharded model built on meta.
+
+Everything here runs under Ray Train workers, under `torchrun`, or in one plain process. Order of
+setup, fixed: model on meta -> activation checkpointing -> per-block compile -> FSDP2 -> materialize
+-> init.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import vit
+from pipeline.train.config import TrainConfig
+from vit.parallelize import parallelize
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join (or start) the process group; returns (rank, world_size, device).
+
+    Ray Train and torchrun set it up through the environment; a lone process gets a world of one,
+    so FSDP2 and the step below run unchanged.
+    """
+    use_cuda = torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def model_config(config: TrainConfig) -> vit.ViTConfig:
+    """The ViTConfig a training config resolves to (validates name and sizes)."""
+    overrides = {"image_size": config.image_size, "num_classes": config.num_classes, **config.model_overrides}
+    return vit.get_config(config.model, **overrides)
+
+
+def build_model(config: TrainConfig, device: torch.device, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Model on meta -> AC -> compile -> FSDP2 -> materialized on `device` -> initialized."""
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    with torch.device("meta"):
+        model = vit.VisionTransformer(model_config(config))
+    # bf16 compute with fp32 gradient reduction on GPU; plain fp32 on CPU, where bf16 is slow.
+    parallelize(
+        model,
+        mesh,
+        activation_checkpointing=config.activation_checkpointing,
+        compile=config.compile,
+        param_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        reduce_dtype=torch.float32,
+    )
+    model.to_empty(device=device)
+    # On CUDA, DTensor tracks RNG offsets, so a seeded draw gives each rank its slice of one full
+    # tensor. On CPU it does not: every rank would draw the same numbers for its own shard, i.e.
+    # identical halves of every weight (symmetric neurons), so there each rank seeds differently.
+    torch.manual_seed(config.seed if device.type == "cuda" else config.seed + dist.get_rank())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        model.init_weights()
+    return model

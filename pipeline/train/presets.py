@@ -1,0 +1,98 @@
+"""Named pretraining presets: each a whole configuration, with its command and expected result.
+
+Flags of `jobs/pretrain.py` override any field. Add a preset by writing a function here and naming
+it in PRESETS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pipeline.train.config import TrainConfig
+
+
+def tiny() -> TrainConfig:
+    """A ViT small enough to learn the synthetic shapes on 2 CPU workers in about a minute.
+
+        python jobs/make_shards.py --synthetic 512 --out /tmp/shards
+        python jobs/pretrain.py --preset tiny --data /tmp/shards --out /tmp/run
+
+    Expected: training accuracy above 90% on the synthetic classes by the last steps; the tests
+    and `make demo` use this preset.
+    """
+    return TrainConfig(
+        model="vit_tiny_test",
+        image_size=32,
+        num_classes=10,
+        batch_size=64,
+        micro_batch_size=32,
+        lr=2e-3,
+        weight_decay=0.05,
+        warmup_steps=20,
+        max_steps=240,
+        shuffle_buffer=256,
+        num_workers=2,
+        use_gpu=False,
+        log_every=20,
+        checkpoint_every=120,
+        keep_checkpoints=2,
+        max_failures=1,
+    )
+
+
+def vit_b16_224() -> TrainConfig:
+    """ViT-B/16 at 224 px, the paper's ImageNet-21k recipe (Dosovitskiy et al. 2021, Table 3):
+    Adam (0.9, 0.999), batch 4096, lr 1e-3, weight decay 0.03, 10k warmup steps, linear decay,
+    global-norm clipping at 1; 90 epochs of ImageNet-21k (14.2M images) are about 312k steps.
+
+        python jobs/pretrain.py --preset vit_b16_224 --data s3://bucket/in21k/train-{000000..002047}.tar \\
+            --out s3://bucket/runs/b16 --num-workers 8
+
+    Expected: about 1,900 images/s per H100 at 50% MFU (3 x 35.2 GFLOPs an image); not yet measured.
+    """
+    return TrainConfig(
+        model="vit_b16",
+        image_size=224,
+        num_classes=21843,
+        batch_size=4096,
+        micro_batch_size=128,
+        lr=1e-3,
+        weight_decay=0.03,
+        warmup_steps=10_000,
+        max_steps=312_000,
+        lr_schedule="linear",
+        num_workers=8,
+        use_gpu=True,
+        cpus_per_worker=4,
+        log_every=50,
+        checkpoint_every=2000,
+    )
+
+
+def vit_h14_224() -> TrainConfig:
+    """ViT-H/14 at 224 px, the paper's recipe for its largest model (Dosovitskiy et al. 2021,
+    Table 3): the B/16 recipe above with lr 3e-4 and weight decay 0.1; batch 4096 is 8 GPUs x 64
+    images x 8 accumulation steps.
+    14 epochs of a 300M-image set are about 1M steps; 90 epochs of ImageNet-21k about 312k.
+
+        python jobs/pretrain.py --preset vit_h14_224 --data s3://bucket/in21k/train-{000000..002047}.tar \\
+            --out s3://bucket/runs/h14 --num-workers 8
+
+    Expected: about 490 images/s per H100 at 50% MFU (3 x 334.8 GFLOPs an image against 989 TFLOP/s
+    dense bf16); not yet measured on a GPU (BENCHMARKS.md records what has been).
+    """
+    return vit_b16_224().replace(
+        model="vit_h14",
+        micro_batch_size=64,
+        lr=3e-4,
+        weight_decay=0.1,
+        log_every=20,
+        checkpoint_every=1000,
+    )
+
+
+PRESETS: dict[str, Callable[[], TrainConfig]] = {
+    "tiny": tiny,
+    "vit_b16_224": vit_b16_224,
+    "vit_h14_224": vit_h14_224,
+}

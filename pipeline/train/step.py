@@ -1,0 +1,118 @@
+"""The optimizer step, without Ray: forward/backward over micro-batches, clip, update; and MFU's terms.
+
+It runs under Ray Train workers, under `torchrun`, or in one plain process, which is how
+`jobs/benchmark.py train` measures a variant on a bare GPU machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import vit
+from pipeline.train.config import TrainConfig
+from pipeline.train.optim import build_optimizer, lr_factor
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s), for MFU. Matched against
+# torch.cuda.get_device_name(); the first matching key wins, so longer names come first.
+PEAK_BF16_TFLOPS = {
+    "H100 PCIe": 756.0,
+    "H100": 989.0,  # SXM5
+    "H200": 989.0,
+    "GH200": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10G": 70.0,
+}
+
+
+@dataclass
+class StepStats:
+    """Local sums for one optimizer step; reduce across ranks before reporting."""
+
+    loss_sum: torch.Tensor  # sum of per-sample cross-entropy on this rank
+    correct: torch.Tensor  # top-1 hits on this rank
+    count: int  # samples on this rank
+    grad_norm: torch.Tensor  # global (all ranks) gradient norm before clipping
+    lr: float
+
+
+class TrainStep:
+    """One optimizer step: forward/backward over micro-batches, sync on the last, clip, update."""
+
+    def __init__(self, model: nn.Module, config: TrainConfig, device: torch.device):
+        self.model = model
+        self.config = config
+        self.device = device
+        self.optimizer = build_optimizer(model, config)
+
+    def __call__(
+        self, step: int, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_count: int
+    ) -> StepStats:
+        """Run optimizer step `step` (0-based) over this rank's micro-batches of
+        `(patches uint8 (B, N, K), labels (B,))`. The learning rate is a pure function of `step`
+        (set here: no scheduler state to checkpoint).
+
+        `global_count` is the number of samples in this step across all ranks: each rank scales
+        its summed loss by world_size / global_count, so after FSDP2 averages gradients over ranks
+        they are the gradient of the mean loss over every sample of the step, whatever the
+        per-rank counts (corrupt samples make them uneven).
+        """
+        model, world = self.model, dist.get_world_size()
+        scale = world / max(global_count, 1)
+        loss_sum = torch.zeros((), device=self.device)
+        correct = torch.zeros((), device=self.device, dtype=torch.long)
+        count = 0
+        for i, (patches, labels) in enumerate(micro_batches):
+            # Reduce-scatter gradients only once, after the last micro-batch.
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            logits = model(patches).float()
+            losses = F.cross_entropy(logits, labels, reduction="none")
+            (losses.sum() * scale).backward()
+            loss_sum += losses.detach().sum()
+            correct += (logits.detach().argmax(-1) == labels).sum()
+            count += labels.numel()
+        if not micro_batches:
+            # A rank without samples this step still joins the gradient reduce-scatter.
+            model.set_requires_gradient_sync(True)
+            _zero_grad_participation(model)
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), self.config.grad_clip, foreach=True)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.config.lr * lr_factor(step, self.config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(loss_sum, correct, count, grad_norm.detach(), lr)
+
+
+def _zero_grad_participation(model: nn.Module) -> None:
+    # A forward/backward whose loss is zero: FSDP2's collectives run, the gradients are zeros.
+    param = next(model.parameters())
+    dummy = torch.zeros(
+        1, model.config.num_patches, model.config.patch_dim, dtype=torch.uint8, device=param.device
+    )
+    (model(dummy).float().sum() * 0.0).backward()
+
+
+def peak_tflops(device: torch.device) -> tuple[float | None, str]:
+    """(dense bf16 peak in TFLOP/s, where it comes from) for MFU; (None, why not) off GPU."""
+    if device.type != "cuda":
+        return None, "no MFU on CPU"
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return tflops, f"{name}: {tflops:.0f} TFLOP/s dense bf16 (datasheet)"
+    return None, f"{name}: peak unknown, no MFU"
+
+
+def train_flops_per_image(config: vit.ViTConfig) -> float:
+    """Model FLOPs of one training image: forward + backward (2x forward). Recomputation from
+    activation checkpointing is not counted, as is usual for MFU."""
+    return 3.0 * vit.count_flops(config)

@@ -1,0 +1,260 @@
+"""The chained pipeline: DataConfig, shard order, and Ray datasets over tiny shards (shared local Ray)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples, LabelsMissingError
+from pipeline.data.config import DataConfig, shard_order
+from pipeline.data.dataset import build_dataset, check_shards, iter_batches
+from pipeline.data.decode import transform_image
+from pipeline.data.shards import ShardError
+from pipeline.data.synthetic import write_synthetic_shards
+from pipeline.data.tar import iter_samples
+from pipeline.data.writing import tar_bytes
+from vit.patchify import unpatchify
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = DataConfig(image_size=32, patch_size=8, shuffle_buffer=16)
+
+
+def collect(ds) -> dict[str, np.ndarray]:
+    batches = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
+    return {name: np.concatenate([b[name] for b in batches]) for name in batches[0]}
+
+
+def images_by_key(urls: list[str]) -> dict[str, bytes]:
+    out = {}
+    for url in urls:
+        with open(url, "rb") as f:
+            out.update({s.key: s.members["jpg"] for s in iter_samples(f)})
+    return out
+
+
+# --- without Ray -------------------------------------------------------------------------------
+
+
+def test_config_rejects_bad_values_in_one_line():
+    for kwargs, words in [
+        ({"image_size": 30, "patch_size": 8}, "not divisible by patch_size"),
+        ({"label_key": None}, "require_labels needs a label_key"),
+        ({"scale": (0.5, 0.1)}, "scale"),
+        ({"train_interpolation": "fancy"}, "interpolation"),
+    ]:
+        with pytest.raises(ValueError, match=words) as info:
+            DataConfig(**kwargs)
+        assert "\n" not in str(info.value)
+
+
+def test_config_round_trips_and_redacts_secrets():
+    config = DataConfig(
+        image_size=64,
+        label_key="json:label",
+        storage_options={"key": "AKIA", "secret": "s3cr3t", "client_kwargs": {"endpoint_url": "http://x"}},
+    )
+    saved = json.loads(json.dumps(config.to_dict()))
+    assert saved["storage_options"] == {
+        "key": "***",
+        "secret": "***",
+        "client_kwargs": {"endpoint_url": "http://x"},
+    }
+    again = DataConfig.from_dict(saved, storage_options=config.storage_options)
+    assert again == config
+    assert DataConfig.from_dict(saved).storage_options is None  # redacted values are never used
+    with pytest.raises(ValueError, match="no field"):
+        DataConfig.from_dict({**saved, "colour": 1})
+
+
+def test_shard_order_is_a_pure_function_of_seed_and_epoch():
+    shards = [f"s3://b/train-{i:06d}.tar" for i in range(16)]
+    first = shard_order(shards, seed=7, epoch=0)
+    assert sorted(first) == shards and first != shards
+    assert shard_order(shards, seed=7, epoch=0) == first
+    assert shard_order(list(shards), 7, 1) != first
+    assert shard_order(shards, 8, 0) != first
+    assert len({tuple(shard_order(shards, 7, e)) for e in range(10)}) == 10
+
+
+def test_the_data_side_imports_without_ray():
+    code = "import sys; sys.modules['ray'] = None; import pipeline, pipeline.data, pipeline.data.bad_samples"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
+
+
+def test_check_shards_fails_fast_on_unlabeled_or_imageless_shards(tmp_path, synthetic_shards):
+    check_shards(synthetic_shards.urls, CONFIG)
+    unlabeled = tmp_path / "unlabeled.tar"
+    unlabeled.write_bytes(tar_bytes([(f"{i:04d}.jpg", b"J") for i in range(20)]))
+    with pytest.raises(ShardError, match=r"carries no label member \.cls"):
+        check_shards([str(unlabeled)], CONFIG)
+    check_shards([str(unlabeled)], DataConfig(label_key=None, require_labels=False))
+    texts = tmp_path / "texts.tar"
+    texts.write_bytes(tar_bytes([(f"{i:04d}.txt", b"T") for i in range(3)]))
+    with pytest.raises(ShardError, match="holds no image member"):
+        check_shards([str(texts)], CONFIG)
+
+
+# --- with Ray ----------------------------------------------------------------------------------
+
+
+def test_eval_rows_arrive_once_in_shard_order_with_labels_and_exact_patches(ray_session, synthetic_shards):
+    from ray.data import DataContext
+
+    order = shard_order(synthetic_shards.urls, seed=0, epoch=3)
+    ds = build_dataset(order, CONFIG, train=False)
+    rows = collect(ds)
+    expected_keys = [key for url in order for key in sorted(images_by_key([url]))]
+    assert list(rows["key"]) == expected_keys  # shard by shard as given, tar order inside
+    assert [str(u) for u in rows["url"]] == [url for url in order for _ in range(12)]
+    assert list(rows["label"]) == [synthetic_shards.labels[k] for k in expected_keys]
+    assert set(rows["error"]) == {""}
+    assert rows["patches"].shape == (48, 16, 8 * 8 * 3) and rows["patches"].dtype == np.uint8
+    images = images_by_key(synthetic_shards.urls)
+    for key, patches in zip(rows["key"], rows["patches"], strict=True):
+        direct = transform_image(images[key], CONFIG, train=False, rng=None)
+        np.testing.assert_array_equal(unpatchify(patches, 8, (4, 4)), direct)
+    assert ds.context.execution_options.preserve_order
+    assert not DataContext.get_current().execution_options.preserve_order  # global context untouched
+    assert "ReadTarShard->MapBatches(preprocess_batch)" in ds.stats()  # decode fused into the read
+
+
+def test_train_crops_depend_on_epoch_not_on_scheduling(ray_session, synthetic_shards):
+    urls = synthetic_shards.urls
+    serial = collect(
+        build_dataset(urls, DataConfig(**{**CONFIG.to_dict(), "read_concurrency": 1}), train=True)
+    )
+    parallel = collect(build_dataset(urls, CONFIG, train=True))
+    np.testing.assert_array_equal(serial["patches"], parallel["patches"])
+    later = collect(build_dataset(urls, CONFIG, train=True, epoch=1))
+    assert list(later["key"]) == list(serial["key"])
+    assert not np.array_equal(later["patches"], serial["patches"])
+
+
+def test_block_size_is_this_datasets_own_and_order_survives_small_blocks(ray_session, synthetic_shards):
+    from ray.data import DataContext
+
+    small = DataConfig(image_size=32, patch_size=8, block_bytes=16_000)  # about 5 rows of patches
+    blocks = list(build_dataset(synthetic_shards.urls, small, train=False).iter_batches(batch_size=None))
+    assert len(blocks) >= 2 * len(synthetic_shards.urls)  # one block per shard with the default size
+    assert [k for b in blocks for k in b["key"]] == synthetic_shards.keys
+    assert DataContext.get_current().target_max_block_size != small.block_bytes
+
+
+def test_local_shuffle_is_seeded_by_epoch_and_rank(ray_session, synthetic_shards):
+    ds = build_dataset(synthetic_shards.urls, CONFIG, train=False)
+
+    def keys(**kw):
+        return [k for b in iter_batches(ds, 8, CONFIG, **kw) for k in b["key"]]
+
+    plain = keys(epoch=0, shuffle=False)
+    shuffled = keys(epoch=0, shuffle=True)
+    assert sorted(shuffled) == sorted(plain) == synthetic_shards.keys and shuffled != plain
+    assert keys(epoch=0, shuffle=True) == shuffled
+    assert keys(epoch=0, rank=1, shuffle=True) != shuffled
+
+
+@pytest.fixture(scope="module")
+def corrupt_shards(tmp_path_factory):
+    """Two shards: one with every kind of bad sample between good ones, one cut short mid-member."""
+    out = tmp_path_factory.mktemp("corrupt")
+
+    def jpeg(color, size=48):
+        buf = io.BytesIO()
+        Image.new("RGB", (size, size), color).save(buf, format="JPEG")
+        return buf.getvalue()
+
+    noise = np.random.default_rng(0).integers(0, 256, (160, 160, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, format="JPEG", quality=95)
+    cut_jpeg = buf.getvalue()[: len(buf.getvalue()) // 2]
+
+    good = {f"good{i}": jpeg((40 * i, 100, 200)) for i in range(6)}
+    bad = [
+        ("bad-empty", [("jpg", b""), ("cls", b"1")], "empty image"),
+        ("bad-garbage", [("jpg", bytes(range(256)) * 4), ("cls", b"1")], "undecodable image"),
+        ("bad-text", [("jpg", b"hello, I am text"), ("cls", b"1")], "undecodable image"),
+        ("bad-cut", [("jpg", cut_jpeg), ("cls", b"1")], "truncated image"),
+        ("bad-bomb", [("jpg", jpeg((9, 9, 9), 200)), ("cls", b"1")], "image too large"),
+        ("bad-noimage", [("cls", b"1"), ("txt", b"caption")], "missing image"),
+        ("bad-nolabel", [("jpg", jpeg((5, 5, 5)))], "missing label"),
+        ("bad-dup", [("cls", b"1"), ("jpg", jpeg((5, 5, 5))), ("jpg", jpeg((6, 6, 6)))], "duplicate member"),
+    ]
+    members = []
+    for i, (key, data) in enumerate(good.items()):
+        members += [(f"{key}.cls", str(i).encode()), (f"{key}.jpg", data)]
+        if i < len(bad):
+            members += [(f"{bad[i][0]}.{ext}", value) for ext, value in bad[i][1]]
+    members += [(f"{key}.{ext}", value) for key, parts, _ in bad[len(good) :] for ext, value in parts]
+    first = out / "a-000000.tar"
+    first.write_bytes(tar_bytes(members))
+    second_members = [
+        (f"tail{i}.{ext}", jpeg((i, i, i)) if ext == "jpg" else b"2")
+        for i in range(4)
+        for ext in ("cls", "jpg")
+    ]
+    raw = tar_bytes(second_members)
+    cut = raw.find(b"tail3.jpg") + 512 + 100  # inside tail3's image
+    second = out / "a-000001.tar"
+    second.write_bytes(raw[:cut])
+    expected = {key: category for key, _, category in bad} | {"tail3": "truncated tar"}
+    good_keys = {**{k: i for i, k in enumerate(good)}, **{f"tail{i}": 2 for i in range(3)}}
+    return [str(first), str(second)], expected, good_keys
+
+
+def test_each_bad_sample_is_counted_with_key_and_reason_and_neighbours_arrive(ray_session, corrupt_shards):
+    urls, expected, good_keys = corrupt_shards
+    config = DataConfig(image_size=32, patch_size=8, max_image_pixels=30_000, max_bad_fraction=1.0)
+    bad = BadSamples.from_config(config)
+    batches = list(
+        iter_batches(
+            build_dataset(urls, config, train=True), 4, config, epoch=0, shuffle=False, bad_samples=bad
+        )
+    )
+    arrived = {str(k): int(label) for b in batches for k, label in zip(b["key"], b["label"], strict=True)}
+    assert arrived == good_keys
+    recorded = {e["key"]: e["reason"].split(":")[0] for e in bad.examples}
+    assert recorded == expected
+    assert (bad.total, bad.bad) == (len(good_keys) + len(expected), len(expected))
+    assert all(e["url"] in urls and e["reason"] for e in bad.examples)
+
+
+def test_the_budget_fails_a_job_that_passes_it(ray_session, corrupt_shards):
+    urls, _, _ = corrupt_shards
+    config = DataConfig(
+        image_size=32, patch_size=8, max_image_pixels=30_000, max_bad_fraction=0.2, bad_grace_samples=10
+    )
+    ds = build_dataset(urls, config, train=False)
+    with pytest.raises(BadSampleBudgetError, match=r"max_bad_fraction 20\.0%"):
+        for _ in iter_batches(
+            ds, 4, config, epoch=0, shuffle=False, bad_samples=BadSamples.from_config(config)
+        ):
+            pass
+
+
+def test_a_labeled_run_over_unlabeled_shards_fails_clearly(ray_session, tmp_path):
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 40), "red").save(buf, format="PNG")
+    path = tmp_path / "u-000000.tar"
+    path.write_bytes(tar_bytes([(f"{i:04d}.png", buf.getvalue()) for i in range(20)]))
+    ds = build_dataset([str(path)], CONFIG, train=False)
+    with pytest.raises(LabelsMissingError, match="look unlabeled"):
+        list(iter_batches(ds, 8, CONFIG, epoch=0, shuffle=False, bad_samples=BadSamples.from_config(CONFIG)))
+
+
+def test_tar_gz_reads_like_tar(ray_session, tmp_path, synthetic_shards):
+    gz = write_synthetic_shards(
+        tmp_path, 48, samples_per_shard=12, image_size=64, num_classes=4, seed=0, gzip=True
+    )
+    assert all(u.endswith(".tar.gz") for u in gz.urls)
+    plain = collect(build_dataset(synthetic_shards.urls, CONFIG, train=False))
+    zipped = collect(build_dataset(gz.urls, CONFIG, train=False))
+    assert list(zipped["key"]) == list(plain["key"]) and list(zipped["label"]) == list(plain["label"])
+    np.testing.assert_array_equal(zipped["patches"], plain["patches"])
+    assert set(zipped["error"]) == {""}

@@ -1,0 +1,81 @@
+"""An s3:// shard set on a real S3 endpoint (moto's server on loopback) reads like a local one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.data.config import DataConfig
+from pipeline.data.dataset import build_dataset, check_shards
+from pipeline.data.shards import ShardError, expand_shards
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+BUCKET = "vitray-test"
+
+
+@pytest.fixture(scope="module")
+def s3(synthetic_shards):
+    """Upload the synthetic shards; yields the storage options that reach the endpoint."""
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=BUCKET)
+    for url in synthetic_shards.urls:
+        client.upload_file(url, BUCKET, f"shards/{Path(url).name}")
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
+    yield options, endpoint
+    server.stop()
+
+
+def test_s3_urls_expand_and_fail_clearly(s3, synthetic_shards, monkeypatch):
+    options, endpoint = s3
+    names = [Path(u).name for u in synthetic_shards.urls]
+    want = [f"s3://{BUCKET}/shards/{n}" for n in names]
+    assert expand_shards(f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar", options) == want
+    assert expand_shards(f"s3://{BUCKET}/shards/", options) == want
+    assert expand_shards(f"s3://{BUCKET}/shards/*.tar", options) == want
+    with pytest.raises(ShardError, match=r"shard not found: s3://vitray-test/shards/train-000004\.tar"):
+        expand_shards(f"s3://{BUCKET}/shards/train-{{000000..000004}}.tar", options)
+    # The endpoint and credentials may come from the environment instead.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    assert expand_shards(f"s3://{BUCKET}/shards/train-*.tar", {"skip_instance_cache": True}) == want
+
+
+def test_s3_shards_read_like_local_ones_in_ray_workers(ray_session, s3, synthetic_shards):
+    options, _ = s3
+    local_config = DataConfig(image_size=32, patch_size=8)
+    s3_config = DataConfig(image_size=32, patch_size=8, storage_options=options)
+    urls = expand_shards(f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar", options)
+    check_shards(urls, s3_config)
+
+    def rows(ds):
+        batches = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
+        return {k: np.concatenate([b[k] for b in batches]) for k in ("key", "label", "patches", "error")}
+
+    remote = rows(build_dataset(urls, s3_config, train=False))
+    local = rows(build_dataset(synthetic_shards.urls, local_config, train=False))
+    assert set(remote["error"]) == {""}
+    assert list(remote["key"]) == list(local["key"]) == synthetic_shards.keys
+    assert list(remote["label"]) == list(local["label"])
+    np.testing.assert_array_equal(remote["patches"], local["patches"])

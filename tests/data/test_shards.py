@@ -1,0 +1,94 @@
+"""Shard URL expansion: paths, directories, globs, brace ranges, fsspec URLs, and the one-line errors."""
+
+from __future__ import annotations
+
+import fsspec
+import pytest
+
+from pipeline.data.shards import ShardError, expand_braces, expand_shards, split_top_level
+
+
+@pytest.fixture
+def shard_dir(tmp_path):
+    for i in range(5):
+        (tmp_path / f"train-{i:06d}.tar").write_bytes(b"")
+    (tmp_path / "extra.tar.gz").write_bytes(b"")
+    (tmp_path / "old.tgz").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("not a shard")
+    (tmp_path / "sub").mkdir()
+    return tmp_path
+
+
+def test_brace_range_keeps_zero_padding_and_lists_expand_as_a_product():
+    assert expand_braces("t-{000008..000011}.tar") == [f"t-{i:06d}.tar" for i in range(8, 12)]
+    assert expand_braces("t-{8..11}.tar") == ["t-8.tar", "t-9.tar", "t-10.tar", "t-11.tar"]
+    assert expand_braces("{a,b}-{0..1}") == ["a-0", "a-1", "b-0", "b-1"]
+    assert expand_braces("{a,b{1..2}}") == ["a", "b1", "b2"]
+    assert expand_braces("plain.tar") == ["plain.tar"]
+
+
+def test_commas_split_only_outside_braces():
+    assert split_top_level("a{1,2},b,c", ",") == ["a{1,2}", "b", "c"]
+
+
+def test_directory_gives_its_shards_sorted(shard_dir):
+    got = expand_shards(str(shard_dir))
+    names = [p.rsplit("/", 1)[1] for p in got]
+    assert names == ["extra.tar.gz", "old.tgz"] + [f"train-{i:06d}.tar" for i in range(5)]
+
+
+def test_file_glob_range_and_comma_list(shard_dir, monkeypatch):
+    one = str(shard_dir / "train-000002.tar")
+    assert expand_shards(one) == [one]
+    assert expand_shards(f"file://{one}") == [one]
+    assert expand_shards(str(shard_dir / "train-*.tar")) == [
+        str(shard_dir / f"train-{i:06d}.tar") for i in range(5)
+    ]
+    ranged = expand_shards(str(shard_dir / "train-{000001..000003}.tar"))
+    assert ranged == [str(shard_dir / f"train-{i:06d}.tar") for i in (1, 2, 3)]
+    listed = expand_shards(f"{shard_dir}/train-000004.tar,{shard_dir}/train-{{000000..000001}}.tar")
+    assert [p[-10:-4] for p in listed] == ["000004", "000000", "000001"]  # comma order is kept
+    assert expand_shards([one, one]) == [one]  # a shard read twice would repeat its samples
+    monkeypatch.chdir(shard_dir)
+    assert expand_shards("train-000002.tar") == [one]  # relative paths come back absolute
+
+
+@pytest.mark.parametrize(
+    ("pattern", "words"),
+    [
+        ("train-{000003..000009}.tar", ["shard not found", "train-000005.tar", "and 4 more of 7"]),
+        ("nothing-here.tar", ["shard not found", "nothing-here.tar"]),
+        ("*.parquet", ["matches no files"]),
+        ("sub", ["holds no .tar"]),
+        ("train-{000001..000003.tar", ["unbalanced braces"]),
+        ("train-{000003..000001}.tar", ["runs backwards"]),
+    ],
+)
+def test_a_url_matching_nothing_is_a_one_line_error(shard_dir, pattern, words):
+    with pytest.raises(ShardError) as info:
+        expand_shards(f"{shard_dir}/{pattern}")
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_empty_and_unknown_protocol_are_clear_errors():
+    with pytest.raises(ShardError, match="no shard URL"):
+        expand_shards(" , ")
+    with pytest.raises(ShardError, match="nosuchproto"):
+        expand_shards("nosuchproto://bucket/train.tar")
+
+
+def test_fsspec_urls_expand_with_one_listing_per_directory():
+    fs = fsspec.filesystem("memory")
+    for i in range(4):
+        fs.pipe(f"/bucket/shards/train-{i:06d}.tar", b"")
+    fs.pipe("/bucket/shards/readme.md", b"")
+    want = [f"memory:///bucket/shards/train-{i:06d}.tar" for i in range(4)]
+    assert expand_shards("memory://bucket/shards/train-{000000..000003}.tar") == want
+    assert expand_shards("memory://bucket/shards/train-*.tar") == want
+    assert expand_shards("memory://bucket/shards") == want
+    with pytest.raises(ShardError, match=r"train-000004.tar and 1 more of 6"):
+        expand_shards("memory://bucket/shards/train-{000000..000005}.tar")

@@ -1,0 +1,204 @@
+"""Tar parsing and sample grouping on in-memory tars, and read rows (labels, missing members). No Ray."""
+
+from __future__ import annotations
+
+import io
+import random
+import tarfile
+
+import pyarrow as pa
+import pytest
+
+from pipeline.data.rows import SCHEMA, RowSpec, parse_label, read_shard, sample_rows
+from pipeline.data.tar import iter_members, iter_samples, open_tar_stream, split_name
+from pipeline.data.writing import tar_bytes
+
+CLEAN = [
+    ("a/0001.cls", b"3"),
+    ("a/0001.jpg", b"J1" * 300),
+    ("a/0002.cls", b"4\n"),
+    ("a/0002.JPG", b"J2" * 300),
+    ("a/0002.seg.png", b"P2"),
+    ("a/0003.cls", b"5"),
+    ("a/0003.jpg", b"J3" * 300),
+]
+
+
+def samples_of(raw: bytes, wanted=None):
+    return [(s.key, s.members, s.error) for s in iter_samples(io.BytesIO(raw), wanted)]
+
+
+def test_split_name_follows_webdataset_key_rules():
+    assert split_name("dir/abc.seg.JPG") == ("dir/abc", "seg.jpg")
+    assert split_name("./0001.jpg") == ("./0001", "jpg")
+    assert split_name("dir.v2/abc.cls") == ("dir.v2/abc", "cls")
+    assert split_name("README") is None
+    assert split_name("dir/.hidden.jpg") is None
+
+
+def test_members_group_into_samples_in_tar_order():
+    got = samples_of(tar_bytes(CLEAN))
+    assert [key for key, _, _ in got] == ["a/0001", "a/0002", "a/0003"]
+    assert got[1][1] == {"cls": b"4\n", "jpg": b"J2" * 300, "seg.png": b"P2"}
+    assert all(error == "" for *_, error in got)
+
+
+def test_unwanted_members_are_skipped_unread_but_still_grouped():
+    got = samples_of(tar_bytes(CLEAN), wanted=lambda ext: ext == "cls")
+    assert [m for _, m, _ in got] == [{"cls": b"3"}, {"cls": b"4\n"}, {"cls": b"5"}]
+    names = [
+        (name, data) for name, data, _ in iter_members(io.BytesIO(tar_bytes(CLEAN)), lambda n: "0003" in n)
+    ]
+    assert names[0] == ("a/0001.cls", None) and names[-1] == ("a/0003.jpg", b"J3" * 300)
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+def test_long_names_in_every_tar_format(fmt):
+    name = "d" * 90 + "/" + "e" * 60 + "/0001"
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=fmt) as tar:
+        tar.addfile(tarfile.TarInfo("somedir"))  # a directory entry (size 0): skipped
+        for ext, data in [("cls", b"1"), ("jpg", b"xyz")]:
+            info = tarfile.TarInfo(f"{name}.{ext}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert samples_of(raw.getvalue()) == [(name, {"cls": b"1", "jpg": b"xyz"}, "")]
+
+
+def test_gzip_is_detected_from_the_bytes():
+    raw = tar_bytes(CLEAN, gzip=True)
+    assert [s.key for s in iter_samples(open_tar_stream(io.BytesIO(raw), "x.tar"))] == [
+        "a/0001",
+        "a/0002",
+        "a/0003",
+    ]
+
+
+def test_duplicate_member_and_split_sample_are_error_samples_neighbours_kept():
+    members = [
+        ("0001.jpg", b"a"),
+        ("0002.jpg", b"b"),
+        ("0002.jpg", b"c"),
+        ("0003.jpg", b"d"),
+        ("0001.cls", b"1"),  # 0001 again after other keys
+        ("0004.jpg", b"e"),
+    ]
+    got = samples_of(tar_bytes(members))
+    assert [(k, e.split(":")[0]) for k, _, e in got] == [
+        ("0001", ""),
+        ("0002", "duplicate member"),
+        ("0003", ""),
+        ("0001", "split sample"),
+        ("0004", ""),
+    ]
+
+
+def test_every_truncation_keeps_the_samples_before_the_cut_and_adds_one_error():
+    raw = tar_bytes(CLEAN)
+    full = samples_of(raw)
+    end_of_data = len(tar_bytes(CLEAN)) - 10240  # past this only end-of-archive padding remains
+    for cut in range(0, len(raw), 97):
+        got = samples_of(raw[:cut])
+        errors = [g for g in got if g[2]]
+        good = [g for g in got if not g[2]]
+        assert good == full[: len(good)], cut
+        if cut < end_of_data and cut % 512 != 0:
+            assert len(errors) == 1 and errors[0][2].startswith("truncated tar"), cut
+        assert len(errors) <= 1 and got[-len(errors) or len(got) :] == errors, cut
+
+
+def test_truncated_gzip_and_corrupt_header_are_one_error_each():
+    gz = tar_bytes(CLEAN, gzip=True)
+    got = list(iter_samples(open_tar_stream(io.BytesIO(gz[: len(gz) // 2]))))
+    assert got[-1].error.startswith("truncated tar") and all(not s.error for s in got[:-1])
+    raw = bytearray(tar_bytes(CLEAN))
+    raw[raw.find(b"a/0002.cls") + 3] ^= 0xFF  # a later header's name: its checksum no longer matches
+    got = samples_of(bytes(raw))
+    # The sample in progress when parsing stops cannot be known complete: it becomes the error row.
+    assert [(k, e.split(":")[0]) for k, _, e in got] == [("a/0001", "corrupt tar")]
+
+
+def test_labels_from_a_member_or_a_json_field():
+    assert parse_label(b" 7\n", "cls") == 7
+    assert parse_label(b'{"label": 3}', "json:label") == 3
+    assert parse_label(b'{"meta": {"y": "12"}}', "json:meta.y") == 12
+    for raw, key, words in [
+        (b"cat", "cls", "not an integer"),
+        (b"-1", "cls", "negative"),
+        (b'{"x": 1}', "json:label", "no field"),
+        (b"{nope", "json:label", "not valid JSON"),
+        (b'{"label": true}', "json:label", "not an integer"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            parse_label(raw, key)
+
+
+def test_rows_take_the_first_image_key_and_report_missing_members():
+    members = [
+        ("0001.png", b"P"),
+        ("0001.jpg", b"J"),
+        ("0001.cls", b"1"),
+        ("0002.jpg", b"J"),  # no label
+        ("0003.txt", b"T"),  # no image
+        ("0003.cls", b"3"),
+        ("0004.jpg", b"J"),
+        ("0004.cls", b"dog"),
+    ]
+    samples = list(iter_samples(io.BytesIO(tar_bytes(members))))
+    required = list(sample_rows(samples, RowSpec(label_key="cls", require_labels=True)))
+    assert required[0] == ("0001", b"J", 1, "")
+    assert [(k, e.split(":")[0]) for k, _, _, e in required[1:]] == [
+        ("0002", "missing label"),
+        ("0003", "missing image"),
+        ("0004", "bad label"),
+    ]
+    assert all(image == b"" for _, image, _, e in required if e)  # error rows carry no bytes
+    optional = list(sample_rows(samples, RowSpec(label_key="cls", require_labels=False)))
+    assert [(k, label, e.split(":")[0]) for k, _, label, e in optional] == [
+        ("0001", 1, ""),
+        ("0002", -1, ""),
+        ("0003", -1, "missing image"),
+        ("0004", -1, ""),
+    ]
+
+
+def test_read_shard_yields_arrow_blocks_and_survives_a_missing_file(tmp_path):
+    members = [
+        (f"{i:04d}.{ext}", b"x" if ext == "jpg" else str(i).encode())
+        for i in range(10)
+        for ext in ("cls", "jpg")
+    ]
+    path = tmp_path / "s.tar"
+    path.write_bytes(tar_bytes(members))
+    blocks = list(read_shard(str(path), RowSpec(require_labels=True), None, block_rows=4))
+    assert [b.num_rows for b in blocks] == [4, 4, 2]
+    table = pa.concat_tables(blocks)
+    assert table.schema == SCHEMA
+    assert table.column("label").to_pylist() == list(range(10))
+    assert set(table.column("url").to_pylist()) == {str(path)}
+    (gone,) = list(read_shard(str(tmp_path / "gone.tar"), RowSpec(), None, block_rows=4))
+    assert gone.column("error")[0].as_py().startswith("unreadable shard: FileNotFoundError")
+    (tmp_path / "empty.tar").write_bytes(tar_bytes([]))
+    (empty,) = list(read_shard(str(tmp_path / "empty.tar"), RowSpec(), None, block_rows=4))
+    assert empty.to_pylist() == [
+        {
+            "key": "",
+            "url": str(tmp_path / "empty.tar"),
+            "image": b"",
+            "label": -1,
+            "error": "empty shard: the tar holds no samples",
+        }
+    ]
+
+
+def test_random_damage_never_raises_and_keeps_clean_samples_first():
+    rng = random.Random(0)
+    raw = tar_bytes(CLEAN)
+    full = samples_of(raw)
+    for _ in range(300):
+        damaged = bytearray(raw)
+        for _ in range(rng.randint(1, 8)):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        got = samples_of(bytes(damaged[: rng.randint(0, len(damaged))]))  # must not raise
+        assert all(isinstance(key, str) and isinstance(error, str) for key, _, error in got)
+    assert samples_of(raw) == full

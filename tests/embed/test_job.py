@@ -1,0 +1,355 @@
+"""The embedding job: exact rows, the same embeddings as the model in process, atomic commits and resumes.
+
+Units first (no Ray): output names, the actor's batch function, staged commits. Then whole runs on the
+shared local Ray over tiny shards with the tiny model (each run starts one model actor).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+import vit
+from pipeline import storage
+from pipeline.data.bad_samples import reason_category
+from pipeline.data.config import DataConfig
+from pipeline.data.decode import transform_image
+from pipeline.data.synthetic import encode, render
+from pipeline.data.tar import iter_samples
+from pipeline.data.writing import tar_bytes
+from pipeline.embed.actor import embed_rows
+from pipeline.embed.config import EmbedConfig
+from pipeline.embed.job import prepare, run
+from pipeline.embed.output import MANIFEST, METADATA_KEY, assign_names, output_name
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = "vit_tiny_test"
+D = 64
+
+
+def trained_model(seed: int = 0) -> vit.VisionTransformer:
+    torch.manual_seed(seed)
+    model = vit.create_model(TINY, num_classes=4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """A vitray export as training writes it (its DataConfig under "preprocessing"), and its model."""
+    model = trained_model()
+    path = tmp_path_factory.mktemp("export")
+    data = DataConfig(image_size=32, patch_size=8)
+    vit.save_pretrained(path, model.state_dict(), model.config, extra={"preprocessing": data.to_dict()})
+    return str(path), model
+
+
+def images_by_key(urls: list[str]) -> dict[str, bytes]:
+    out = {}
+    for url in urls:
+        with open(url, "rb") as f:
+            out.update({s.key: s.members["jpg"] for s in iter_samples(f) if "jpg" in s.members})
+    return out
+
+
+def read_rows(out: str | Path) -> dict[str, np.ndarray]:
+    table = pq.read_table(str(out))  # the directory: _manifest.json and hidden names are skipped
+    return {
+        "key": np.array(table["key"].to_pylist()),
+        "embedding": np.array(table["embedding"].to_pylist(), dtype=np.float32),
+        "label": np.array(table["label"].to_pylist(), dtype=object),
+    }
+
+
+def manifest(out: str | Path) -> dict:
+    return json.loads((Path(out) / MANIFEST).read_text())
+
+
+# --- without Ray -------------------------------------------------------------------------------
+
+
+def test_the_embedding_modules_import_without_ray():
+    # A bare GPU machine runs the naive half of `benchmark.py embed` with these and no Ray.
+    code = "import sys; sys.modules['ray'] = None; import pipeline.embed, pipeline.embed.actor, pipeline.embed.output"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
+
+
+def test_output_names_follow_the_shard_and_stay_unique():
+    assert output_name("/d/train-000003.tar") == "train-000003.parquet"
+    assert output_name("s3://b/x/val-01.tar.gz") == "val-01.parquet"
+    shards = ["/a/train-000000.tar", "/b/train-000000.tar", "/a/train-000001.tgz", "/c/train-000000.tar.gz"]
+    names = assign_names(shards)
+    assert names["/a/train-000001.tgz"] == "train-000001.parquet"
+    clashing = [names[u] for u in shards if u != "/a/train-000001.tgz"]
+    assert len(set(clashing)) == 3 and all(n.startswith("train-000000-") for n in clashing)
+    assert assign_names(shards) == names  # a pure function of the URLs
+    # A name the manifest already gives a shard stays; a newcomer that would take it steps aside.
+    kept = assign_names(["/a/x.tar", "/b/x.tar"], {"/a/x.tar": "x.parquet"})
+    assert kept["/a/x.tar"] == "x.parquet" and kept["/b/x.tar"].startswith("x-")
+
+
+def test_batch_function_skips_error_rows_and_does_not_depend_on_batching():
+    model = trained_model()
+    rng = np.random.default_rng(0)
+    patches = rng.integers(0, 256, (7, 16, 192), dtype=np.uint8)
+    errors = np.array(["", "", "undecodable image: x", "", "", "", "empty image: y"], dtype=object)
+    batch = {
+        "key": np.array([f"k{i}" for i in range(7)], dtype=object),
+        "url": np.array(["u"] * 7, dtype=object),
+        "patches": patches,
+        "label": np.arange(7),
+        "error": errors,
+    }
+    seen = []
+    original = model.embed
+    model.embed = lambda x, **kw: seen.append(len(x)) or original(x, **kw)
+    out = embed_rows(model, batch, batch_size=4)
+    assert seen == [4, 4]  # 5 good rows in two padded chunks; error rows never reach the model
+    assert out["embedding"].shape == (7, D) and out["embedding"].dtype == np.float32
+    assert not out["embedding"][[2, 6]].any()
+    assert list(out["error"]) == list(errors) and list(out["key"]) == list(batch["key"])
+    with torch.no_grad():
+        direct = original(torch.from_numpy(patches)).numpy()
+    good = [0, 1, 3, 4, 5]
+    np.testing.assert_allclose(out["embedding"][good], direct[good], rtol=1e-5, atol=1e-5)
+    # Every forward has the same shape, so a row's embedding is the same bits in any company.
+    alone = {k: v[[4]] for k, v in batch.items()}
+    np.testing.assert_array_equal(embed_rows(model, alone, batch_size=4)["embedding"][0], out["embedding"][4])
+    pre = embed_rows(model, batch, batch_size=4, pre_logits=True)["embedding"]
+    with torch.no_grad():
+        np.testing.assert_allclose(
+            pre[good], original(torch.from_numpy(patches[good]), pre_logits=True), atol=1e-5
+        )
+
+
+def test_staged_file_appears_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "out" / "a.parquet"
+    with pytest.raises(RuntimeError), storage.staged_file(str(target)) as local:
+        Path(local).write_bytes(b"half")
+        raise RuntimeError("crash while writing")
+    assert not target.exists() and list((tmp_path / "out").iterdir()) == []
+    with storage.staged_file(str(target)) as local:
+        assert storage.is_temporary(Path(local).name) and Path(local).name.startswith(".")
+        Path(local).write_bytes(b"whole")
+    assert target.read_bytes() == b"whole" and storage.list_files(str(tmp_path / "out")) == {"a.parquet": 5}
+
+
+# --- whole runs on Ray -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def first_run(ray_session, synthetic_shards, export, tmp_path_factory):
+    out = tmp_path_factory.mktemp("emb") / "out"
+    config = EmbedConfig(data=synthetic_shards.brace_url, weights=export[0], out=str(out), batch_size=8)
+    summary = run(prepare(config))
+    return config, summary
+
+
+def test_rows_equal_the_model_in_process_and_read_with_common_tools(first_run, synthetic_shards, export):
+    config, summary = first_run
+    _, model = export
+    rows = read_rows(config.out)
+    assert sorted(rows["key"]) == synthetic_shards.keys and len(set(rows["key"])) == len(rows["key"])
+    assert rows["embedding"].shape == (48, D) and np.isfinite(rows["embedding"]).all()
+    assert [rows["label"][i] for i in range(48)] == [synthetic_shards.labels[k] for k in rows["key"]]
+    assert (summary.committed, summary.rows, summary.bad_samples["bad"]) == (4, 48, 0)
+
+    data = prepare(config.replace()).data_config  # the eval transform the job used
+    images = images_by_key(synthetic_shards.urls)
+    pixels = np.stack([transform_image(images[k], data, train=False, rng=None) for k in rows["key"]])
+    with torch.no_grad():
+        direct = model.embed(vit.patchify(torch.from_numpy(pixels), 8)).numpy()
+    np.testing.assert_allclose(rows["embedding"], direct, rtol=1e-5, atol=1e-5)
+
+    first = pq.read_table(Path(config.out) / "train-000000.parquet")
+    assert str(first.schema.field("embedding").type) == f"fixed_size_list<element: float>[{D}]"
+    about = json.loads(first.schema.metadata[METADATA_KEY])
+    assert about["shard"] == {"url": synthetic_shards.urls[0], "rows": 12, "skipped": []}
+    assert about["model"]["name"] == TINY and about["dim"] == D and about["image_size"] == 32
+
+    import duckdb
+    import pandas as pd
+
+    frame = pd.read_parquet(config.out)
+    assert len(frame) == 48 and len(frame["embedding"].iloc[0]) == D
+    got = duckdb.sql(
+        f"SELECT count(*), count(DISTINCT key), max(len(embedding)) FROM '{config.out}/*.parquet'"
+    )
+    assert got.fetchall() == [(48, 48, D)]
+
+    m = manifest(config.out)
+    assert m["weights"]["sha256"] == prepare(config).source.sha256 and m["dim"] == D
+    assert m["model"]["config"] == model.config.to_dict() and m["preprocessing"]["image_size"] == 32
+    assert [m["shards"][u]["rows"] for u in synthetic_shards.urls] == [12] * 4
+
+
+def test_rerun_skips_committed_shards_and_overwrite_reproduces_the_same_bits(first_run, synthetic_shards):
+    config, _ = first_run
+    before = read_rows(config.out)
+    again = run(prepare(config))
+    assert (again.committed, again.already_done, again.rows_in_output) == (0, 4, 48)
+    # A run over part of the shards keeps what earlier runs committed for the others.
+    part = run(prepare(config.replace(data=synthetic_shards.urls[0])))
+    assert (part.committed, part.already_done, part.rows_in_output) == (0, 1, 48)
+    assert len(manifest(config.out)["shards"]) == 4
+    redo = run(prepare(config.replace(overwrite=True)))
+    assert redo.committed == 4
+    after = read_rows(config.out)
+    assert list(after["key"]) == list(before["key"])
+    np.testing.assert_array_equal(after["embedding"], before["embedding"])  # same command, same bits
+
+
+def test_other_weights_into_the_same_output_fail_unless_overwrite(first_run, tmp_path):
+    config, _ = first_run
+    other = trained_model(seed=1)
+    vit.save_pretrained(tmp_path, other.state_dict(), other.config)
+    with pytest.raises(
+        ValueError, match=r"holds embeddings of another configuration.*weights sha256"
+    ) as info:
+        prepare(config.replace(weights=str(tmp_path)))
+    assert "--overwrite" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="embedding cls there, pre_logits now"):
+        prepare(config.replace(embedding="pre_logits"))
+    assert prepare(config.replace(weights=str(tmp_path), overwrite=True)).work.pending  # allowed, not run
+
+
+def test_an_interrupted_run_resumes_to_exactly_one_row_per_key(
+    ray_session, synthetic_shards, export, tmp_path
+):
+    out = tmp_path / "out"
+    config = EmbedConfig(data=synthetic_shards.dir, weights=export[0], out=str(out), batch_size=8)
+
+    class Killed(Exception):
+        pass
+
+    def die_after_first(url, record):
+        raise Killed(url)
+
+    with pytest.raises(Killed):
+        run(prepare(config), on_commit=die_after_first)
+    assert len(manifest(out)["shards"]) == 1
+    # What a crash at other moments leaves: a half-written temporary, and a shard committed whose
+    # manifest entry was never written (here with garbage in it).
+    (out / ".train-000002.parquet.tmp-0123456789ab").write_bytes(b"PAR1 half a file")
+    (out / "train-000003.parquet").write_bytes(b"not what the manifest lists")
+    plan = prepare(config)
+    assert len(plan.work.done) == 1 and len(plan.work.pending) == 3
+    summary = run(plan)
+    assert (summary.committed, summary.already_done) == (3, 1)
+    rows = read_rows(out)
+    assert sorted(rows["key"]) == synthetic_shards.keys and len(rows["key"]) == 48
+    assert not [p.name for p in out.iterdir() if storage.is_temporary(p.name)]
+
+
+@pytest.fixture(scope="module")
+def corrupt_shard(tmp_path_factory):
+    """One shard: 6 good JPEGs with a truncated JPEG and a zero-byte image between them."""
+    members = []
+    for i in range(6):
+        pixels, label = render(i, image_size=48, num_classes=4)
+        members += [(f"good{i}.cls", str(label).encode()), (f"good{i}.jpg", encode(pixels))]
+        if i == 2:
+            members += [("bad-empty.cls", b"1"), ("bad-empty.jpg", b"")]
+        if i == 4:
+            big = np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8)
+            buf = io.BytesIO()
+            Image.fromarray(big).save(buf, format="JPEG", quality=95)
+            members += [("bad-cut.cls", b"1"), ("bad-cut.jpg", buf.getvalue()[: len(buf.getvalue()) // 2])]
+    path = tmp_path_factory.mktemp("corrupt") / "mixed-000000.tar"
+    path.write_bytes(tar_bytes(members))
+    empty = path.parent / "mixed-000001.tar"  # a valid tar holding no sample at all
+    empty.write_bytes(tar_bytes([]))
+    return str(path), str(empty)
+
+
+def test_bad_samples_are_listed_in_the_manifest_and_absent_from_rows(
+    ray_session, corrupt_shard, export, tmp_path
+):
+    mixed, empty = corrupt_shard
+    config = EmbedConfig(
+        data=f"{mixed},{empty}", weights=export[0], out=str(tmp_path), batch_size=4, max_bad_fraction=0.5
+    )
+    summary = run(prepare(config))
+    assert sorted(read_rows(tmp_path)["key"]) == [f"good{i}" for i in range(6)]
+    assert manifest(tmp_path)["shards"][empty]["rows"] == 0  # committed too: an empty file, same schema
+    assert pq.read_table(tmp_path / "mixed-000001.parquet").schema == pq.read_table(tmp_path).schema
+    skipped = manifest(tmp_path)["shards"][mixed]["skipped"]
+    assert {s["key"]: reason_category(s["reason"]) for s in skipped} == {
+        "bad-empty": "empty image",
+        "bad-cut": "truncated image",
+    }
+    assert [reason_category(s["reason"]) for s in manifest(tmp_path)["shards"][empty]["skipped"]] == [
+        "empty shard"
+    ]
+    assert summary.bad_samples["by_reason"] == {"empty image": 1, "empty shard": 1, "truncated image": 1}
+    assert "bad samples skipped: 3 (1 empty image, 1 empty shard, 1 truncated image)" in summary.format()
+
+
+def test_an_unreadable_shard_is_not_committed_and_the_next_run_retries_it(
+    ray_session, synthetic_shards, export, tmp_path
+):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for url in synthetic_shards.urls[:2]:
+        (shards / Path(url).name).write_bytes(Path(url).read_bytes())
+    config = EmbedConfig(data=str(shards), weights=export[0], out=str(tmp_path / "out"), batch_size=8)
+    plan = prepare(config)
+    gone = shards / Path(synthetic_shards.urls[1]).name
+    saved = gone.read_bytes()
+    gone.unlink()  # vanishes between planning and reading, as a flaky store would make it
+    summary = run(plan)
+    assert summary.committed == 1 and list(summary.failed) == [str(gone)]
+    assert reason_category(summary.failed[str(gone)]) == "unreadable shard"
+    assert str(gone) not in manifest(tmp_path / "out")["shards"]
+    gone.write_bytes(saved)
+    again = run(prepare(config))
+    assert (again.committed, again.already_done, again.failed, again.rows_in_output) == (1, 1, {}, 24)
+
+
+def test_s3_output_works_like_local(ray_session, first_run, synthetic_shards, export, monkeypatch):
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+    import pandas as pd
+    import s3fs
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        # Credentials and endpoint from the environment, as on a real cluster.
+        for name, value in [
+            ("AWS_ENDPOINT_URL", endpoint),
+            ("AWS_ACCESS_KEY_ID", "testing"),
+            ("AWS_SECRET_ACCESS_KEY", "testing"),
+            ("AWS_DEFAULT_REGION", "us-east-1"),
+        ]:
+            monkeypatch.setenv(name, value)
+        boto3.client("s3").create_bucket(Bucket="emb")
+        s3fs.S3FileSystem.clear_instance_cache()  # instances made before these variables were set
+        config = first_run[0].replace(out="s3://emb/run1", overwrite=False)
+        summary = run(prepare(config))
+        assert (summary.committed, summary.rows) == (4, 48)
+        fs = s3fs.S3FileSystem()
+        names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("emb/run1"))
+        assert names == [MANIFEST] + [f"train-00000{i}.parquet" for i in range(4)]
+        remote = pd.read_parquet("s3://emb/run1").sort_values("key")
+        local = pd.read_parquet(first_run[0].out).sort_values("key")
+        assert list(remote["key"]) == list(local["key"])
+        np.testing.assert_array_equal(np.stack(remote["embedding"]), np.stack(local["embedding"]))
+        assert run(prepare(config)).already_done == 4
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()

@@ -1,0 +1,210 @@
+"""`--weights` for the embedding job: every source loads the same weights, and every misfit fails in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import vit
+from pipeline import dcp
+from pipeline.data.config import DataConfig
+from pipeline.embed.actor import build_embedding_model
+from pipeline.embed.weights import load_model_source, pack_state_dict, state_dict_sha256, unpack_state_dict
+from pipeline.train import checkpoint
+from pipeline.train.config import TrainConfig
+
+TINY = "vit_tiny_test"  # embed_dim 64, depth 2, mlp_dim 128, patch 8, 4 heads, image 32
+TRAIN = TrainConfig(
+    model=TINY,
+    image_size=32,
+    num_classes=4,
+    batch_size=8,
+    micro_batch_size=8,
+    num_workers=1,
+    use_gpu=False,
+    data="unused",
+    out="unused",
+)
+
+
+def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """No zero or constant tensor left (zero-init heads would hide a wrong mapping)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A training run's directory written by the training code itself, in one process: a complete
+    checkpoint (step 1), an unfinished one (step 2), and final/ exported from the same model."""
+    from pipeline.train.model import build_model, init_distributed, model_config
+    from pipeline.train.step import TrainStep
+
+    root = tmp_path_factory.mktemp("run")
+    created = not dist.is_initialized()
+    _, _, device = init_distributed()
+    try:
+        model = build_model(TRAIN, device)
+        step = TrainStep(model, TRAIN, device)
+        mcfg = model_config(TRAIN)
+        data = DataConfig(image_size=32, patch_size=8, crop_fraction=0.75, eval_interpolation="bilinear")
+        saved = {"train": TRAIN.to_dict(), "model_config": mcfg.to_dict(), "data": data.to_dict()}
+        checkpoint.save(root / dcp.checkpoint_name(1), model, step.optimizer, {"step": 1}, saved)
+        (root / dcp.checkpoint_name(2)).mkdir()  # a save that never finished
+        checkpoint.export_final(root / "final", model, mcfg, {"preprocessing": data.to_dict()})
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return root
+
+
+def test_run_dir_final_and_checkpoint_give_the_same_weights(run_dir, tmp_path):
+    final = load_model_source(str(run_dir / "final"))
+    assert (final.kind, final.path) == ("export", str(run_dir / "final"))
+    as_run = load_model_source(str(run_dir))
+    assert (as_run.kind, as_run.path, as_run.sha256) == ("export", str(run_dir / "final"), final.sha256)
+    ckpt = load_model_source(str(run_dir / dcp.checkpoint_name(1)))
+    assert ckpt.kind == "checkpoint" and ckpt.config == final.config
+    assert ckpt.sha256 == final.sha256  # the same tensors, whichever format they came in
+    for k, v in final.state_dict.items():
+        assert torch.equal(v, ckpt.state_dict[k]), k
+    assert ckpt.preprocessing["crop_fraction"] == final.preprocessing["crop_fraction"] == 0.75
+
+    # A run without final/: its latest complete checkpoint (step 2 never finished).
+    (tmp_path / "run").mkdir()
+    for step in (1, 2):
+        os.symlink(run_dir / dcp.checkpoint_name(step), tmp_path / "run" / dcp.checkpoint_name(step))
+    latest = load_model_source(str(tmp_path / "run"))
+    assert latest.kind == "checkpoint" and latest.path.endswith(dcp.checkpoint_name(1))
+    assert latest.sha256 == final.sha256
+
+
+def test_another_image_size_resamples_the_position_embeddings(run_dir):
+    source = load_model_source(str(run_dir), image_size=48)
+    assert (source.config.image_size, source.config.num_patches) == (48, 36)
+    assert source.sha256 == load_model_source(str(run_dir)).sha256  # the weights as stored
+    model = build_embedding_model(source.config, source.state_dict, "cpu")
+    patches = torch.randint(0, 256, (2, 36, 192), dtype=torch.uint8)
+    with torch.no_grad():
+        assert model.embed(patches).shape == (2, 64)
+    with pytest.raises(ValueError, match="image_size 50 is not divisible by patch_size 8"):
+        load_model_source(str(run_dir), image_size=50)
+
+
+def test_the_named_model_must_fit_the_weights(run_dir):
+    for where in (run_dir, run_dir / dcp.checkpoint_name(1)):
+        with pytest.raises(ValueError) as info:
+            load_model_source(str(where), model="vit_s16")
+        message = str(info.value)
+        assert "embed_dim 64" in message and "not vit_s16 (embed_dim 384" in message
+        assert "pass --model vit_tiny_test" in message and "\n" not in message
+    assert load_model_source(str(run_dir), model=TINY).config.name == TINY
+    with pytest.raises(ValueError, match="unknown model 'vit_nope'"):
+        load_model_source(str(run_dir), model="vit_nope")
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def timm_layout(sd: dict[str, torch.Tensor], config: vit.ViTConfig) -> dict[str, torch.Tensor]:
+    """A vitray state dict as timm stores it (standing for a timm checkpoint; timm is not installed)."""
+    p, c = config.patch_size, config.num_channels
+    out = {}
+    for k, v in sd.items():
+        if k in ("patch_embed.mean", "patch_embed.std"):
+            continue
+        if k == "patch_embed.proj.weight":  # Linear over (p1, p2, c) -> Conv2d (D, C, P, P)
+            v = v.reshape(v.shape[0], p, p, c).permute(0, 3, 1, 2)
+        elif k in ("cls_token", "pos_embed"):
+            v = v.reshape(1, -1, v.shape[-1])
+        k = k.replace("head.pre_logits.", "pre_logits.fc.").replace("head.fc.", "head.")
+        out[k] = v.contiguous()
+    return out
+
+
+def test_timm_file_loads_the_same_weights_and_pickles_are_refused(tmp_path):
+    model = perturbed(vit.create_model(TINY, num_classes=4))
+    sd = model.state_dict()
+    torch.save({"model": timm_layout(sd, model.config)}, tmp_path / "timm.pth")
+    source = load_model_source(str(tmp_path / "timm.pth"))  # keys tell it is timm
+    assert source.kind == "timm"
+    assert source.config.name == TINY and source.sha256 == state_dict_sha256(sd)
+    assert load_model_source(str(tmp_path / "timm.pth"), weights_format="timm").sha256 == source.sha256
+
+    torch.save({"model": _Exploit()}, tmp_path / "evil.pth")  # unpickling it would run a command
+    with pytest.raises(ValueError, match="holds more than tensors") as info:
+        load_model_source(str(tmp_path / "evil.pth"), weights_format="timm")
+    assert "\n" not in str(info.value)
+
+
+def test_transformers_directory_converts_and_embeds_like_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        attn_implementation="eager",
+    )
+    hf = perturbed(transformers.ViTModel(hf_config))
+    hf.save_pretrained(tmp_path / "hf")
+    source = load_model_source(str(tmp_path / "hf"))
+    assert source.kind == "hf" and source.config.num_heads == 4 and source.config.norm_eps == 1e-12
+    model = build_embedding_model(source.config, unpack_state_dict(pack_state_dict(source.state_dict)), "cpu")
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = hf(pixel_values=x)
+        torch.testing.assert_close(model.embed(x), out.last_hidden_state[:, 0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model.embed(x, pre_logits=True), out.pooler_output, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"embed_dim 64.*not vit_ti16"):
+        load_model_source(str(tmp_path / "hf"), model="vit_ti16")
+
+
+def test_paths_that_hold_no_weights_fail_in_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hello")
+    cases = [
+        (tmp_path / "missing", "does not exist"),
+        (tmp_path / "empty", "holds no vitray export"),
+        (tmp_path / "notes.txt", "is a file but not"),
+    ]
+    for path, words in cases:
+        with pytest.raises(ValueError, match=words) as info:
+            load_model_source(str(path))
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="unknown --weights-format"):
+        load_model_source(str(tmp_path), weights_format="onnx")
+
+
+def test_checkpoint_metadata_is_unpickled_only_as_checkpoint_metadata(run_dir, tmp_path):
+    bad = tmp_path / "checkpoint_00000001"
+    bad.mkdir()
+    (bad / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    (bad / "train_state.json").write_text("{}")
+    (bad / "config.json").write_text((run_dir / dcp.checkpoint_name(1) / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"refers to posix\.system; refusing to unpickle it"):
+        load_model_source(str(bad))
+    assert json.loads((bad / "config.json").read_text())["model_config"]["name"] == TINY
+
+
+def test_packed_weights_are_shared_not_copied():
+    sd = perturbed(vit.create_model(TINY)).state_dict()
+    packed = pack_state_dict(sd)
+    assert all(a.dtype.name == "float32" for a in packed.values())
+    unpacked = unpack_state_dict(packed)
+    assert all(unpacked[k].data_ptr() == packed[k].ctypes.data for k in packed)
+    assert state_dict_sha256(unpacked) == state_dict_sha256(sd)
+    changed = dict(sd, **{"norm.bias": sd["norm.bias"] + 1e-3})
+    assert state_dict_sha256(changed) != state_dict_sha256(sd)

@@ -1,0 +1,127 @@
+"""cluster/: the launcher configs pass Ray's own schema, the RayJob carries what KubeRay requires,
+and nothing in them opens the cluster up or holds a credential."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "cluster"
+LAUNCHER_CONFIGS = ["aws.yaml", "gcp.yaml"]
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((CLUSTER / name).read_text())
+
+
+def pinned(package: str) -> str:
+    match = re.search(rf"^{package}==(\S+)$", (ROOT / "constraints.txt").read_text(), re.MULTILINE)
+    assert match, f"{package} is not pinned in constraints.txt"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_launcher_config_passes_rays_schema(name):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    # What `ray up` does: fill the provider's defaults in, then validate against ray-schema.json.
+    validate_config(prepare_config(load(name)))
+
+
+def test_the_schema_check_catches_a_broken_config():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = load("aws.yaml")
+    config["available_node_types"]["gpu_8x_h100"]["max_workers"] = "two"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(prepare_config(config))
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_launcher_config_shape(name):
+    config = load(name)
+    types = config["available_node_types"]
+    assert config["head_node_type"] == "head"
+    assert types["head"]["resources"] == {"CPU": 0}
+    gpu, cpu = types["gpu_8x_h100"], types["cpu_decode"]
+    node = gpu["node_config"]
+    assert node.get("InstanceType") == "p5.48xlarge" or (
+        node.get("machineType") == "a3-highgpu-8g" and node["guestAccelerators"][0]["acceleratorCount"] == 8
+    )
+    assert 0 <= gpu["min_workers"] <= gpu["max_workers"] and 0 <= cpu["min_workers"] <= cpu["max_workers"]
+    assert config["max_workers"] >= gpu["max_workers"] + cpu["max_workers"]
+    assert any("-c constraints.txt" in c and "pip install" in c for c in config["setup_commands"])
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_launcher_config_keeps_the_dashboard_local_and_auth_on(name):
+    config = load(name)
+    head = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head
+    for command in (
+        c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c
+    ):
+        assert "RAY_AUTH_MODE=token" in command
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+
+
+def test_rayjob_carries_what_kuberay_requires():
+    job = load("kuberay-rayjob.yaml")
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    spec = job["spec"]
+    assert "jobs/pretrain.py" in spec["entrypoint"]
+    assert spec["shutdownAfterJobFinishes"] is True and isinstance(spec["ttlSecondsAfterFinished"], int)
+    assert spec["submissionMode"] in {"K8sJobMode", "HTTPMode", "SidecarMode", "InteractiveMode"}
+    yaml.safe_load(spec["runtimeEnvYAML"])
+    cluster = spec["rayClusterSpec"]
+    assert cluster["rayVersion"] == pinned("ray")
+    assert cluster["authOptions"] == {"mode": "token"}
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        # The CRD types rayStartParams as a map of strings: a bare number is rejected by the API server.
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values())
+        containers = group["template"]["spec"]["containers"]
+        assert containers and all(c["name"] and c["image"] for c in containers)
+    for worker in cluster["workerGroupSpecs"]:
+        assert worker["groupName"]
+        assert worker["minReplicas"] <= worker["replicas"] <= worker["maxReplicas"]
+        assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+def test_images_and_versions_agree():
+    dockerfile = (CLUSTER / "Dockerfile").read_text()
+    assert f"FROM rayproject/ray:{pinned('ray')}-" in dockerfile
+    assert "-c constraints.txt" in dockerfile
+
+
+def test_runtime_env_is_valid():
+    from ray.runtime_env import RuntimeEnv
+
+    env = RuntimeEnv(**load("runtime_env.yaml"))
+    assert ".venv/" in env["excludes"]  # never upload a virtual environment as the working dir
+
+
+SECRETS = [
+    re.compile(r"AKIA[0-9A-Z]{16}"),  # AWS access key id
+    re.compile(r"(?i)aws_secret_access_key\s*[:=]"),
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    re.compile(r"(?i)RAY_AUTH_TOKEN\s*[:=]\s*\S"),
+    re.compile(r'"type":\s*"service_account"'),
+]
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in CLUSTER.iterdir()))
+def test_no_credentials_in_cluster_files(path):
+    text = (CLUSTER / path).read_text()
+    found = [p.pattern for p in SECRETS if p.search(text)]
+    assert not found, f"{path} looks like it holds a credential: {found}"
+
+
+def test_the_credential_scan_would_see_one():
+    assert any(p.search("key: AKIAABCDEFGHIJKLMNOP") for p in SECRETS)
+    assert any(p.search("RAY_AUTH_TOKEN=abc123") for p in SECRETS)

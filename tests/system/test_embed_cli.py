@@ -1,0 +1,113 @@
+"""`jobs/embed.py` as a user runs it: every option documented, bad input refused before Ray, a killed run resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import vit
+from pipeline import storage
+
+ROOT = Path(__file__).resolve().parents[2]
+EMBED = ROOT / "jobs" / "embed.py"
+
+# The command line is an interface: adding or removing an option is a decision, made here on purpose.
+FLAGS = {
+    "--data", "--weights", "--out", "--weights-format", "--model", "--embedding", "--image-size",
+    "--batch-size", "--concurrency", "--cpus-per-actor", "--cpu", "--overwrite", "--label-key",
+    "--crop-fraction", "--interpolation", "--max-bad-fraction", "--storage-options", "--address",
+    "--num-cpus", "--print-config", "--help",
+}  # fmt: skip
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(EMBED), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    model = vit.create_model("vit_tiny_test", num_classes=4)
+    path = tmp_path_factory.mktemp("export")
+    vit.save_pretrained(path, model.state_dict(), model.config)
+    return str(path)
+
+
+def test_help_documents_every_option():
+    result = run("--help")
+    assert result.returncode == 0
+    options = result.stdout.split("\noptions:", 1)[1]  # past the description's example commands
+    assert set(re.findall(r"(--[a-z][a-z-]+)", options)) == FLAGS
+    entries = re.findall(r"\n  (-[^\n]*(?:\n {6,}[^\n]*)*)", options)
+    assert len(entries) == len(FLAGS)
+    for entry in entries:  # "--flag METAVAR    help text": the help text says something
+        parts = re.split(r"\s{2,}", entry.strip(), maxsplit=1)
+        assert len(parts) == 2 and len(parts[1].split()) >= 3, entry
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "/nonexistent/shard-{000..003}.tar"], "shard not found: /nonexistent/shard-000.tar"),
+        (["--weights", "/nonexistent/run"], "--weights /nonexistent/run does not exist"),
+        (["--model", "vit_s16"], "not vit_s16 (embed_dim 384"),
+        (["--model", "vit_nope"], "unknown model 'vit_nope'"),
+        (["--embedding", "pre_logits", "--image-size", "30"], "not divisible by patch_size 8"),
+    ],
+)
+def test_bad_input_fails_before_ray_in_one_line(synthetic_shards, export, tmp_path, args, message):
+    base = {"--data": synthetic_shards.dir, "--weights": export, "--out": str(tmp_path / "out")}
+    base.update(dict(zip(args[::2], args[1::2], strict=True)))
+    result = run(*[x for kv in base.items() for x in kv])
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Ray" not in result.stdout + result.stderr  # failed before any cluster work
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_job_run_again_ends_with_one_row_per_key(export, tmp_path):
+    from pipeline.data.synthetic import write_synthetic_shards
+
+    shards = write_synthetic_shards(
+        tmp_path / "shards", 64, samples_per_shard=4, image_size=48, num_classes=4
+    )
+    out = tmp_path / "out"
+    args = [str(EMBED), "--data", shards.dir, "--weights", export, "--out", str(out), "--batch-size", "2"]
+    args += ["--num-cpus", "3"]
+    log = (tmp_path / "first.log").open("w")
+    job = subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    manifest = out / "_manifest.json"
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and job.poll() is None:
+            if manifest.exists() and json.loads(manifest.read_text())["shards"]:
+                break
+            time.sleep(0.05)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)  # the job and the local Ray it started, as a lost machine would
+        job.wait()
+        log.close()
+    committed = len(json.loads(manifest.read_text())["shards"])
+    assert 1 <= committed < 16, (tmp_path / "first.log").read_text()[-3000:]
+
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{committed} already done" in result.stdout
+    assert "read it: duckdb -c" in result.stdout
+    keys = pq.read_table(str(out))["key"].to_pylist()
+    assert sorted(keys) == shards.keys
+    assert not [n for n in storage.list_files(str(out)) if storage.is_temporary(n)]

@@ -1,0 +1,114 @@
+"""`jobs/pretrain.py` as a user runs it: its flags, its errors, and the tiny preset end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PRETRAIN = ROOT / "jobs" / "pretrain.py"
+
+# The command line is an interface: adding or removing a flag is a decision, made here on purpose.
+FLAGS = {
+    "--preset", "--data", "--out", "--model", "--image-size", "--num-classes", "--num-workers",
+    "--cpus-per-worker", "--placement-strategy", "--max-steps", "--stop-at-step", "--batch-size", "--micro-batch-size", "--lr",
+    "--min-lr", "--weight-decay", "--warmup-steps", "--lr-schedule", "--grad-clip", "--seed", "--label-key",
+    "--shuffle-buffer", "--max-bad-fraction", "--log-every", "--checkpoint-every", "--keep-checkpoints",
+    "--max-failures", "--cpu", "--activation-checkpointing", "--compile", "--address", "--num-cpus",
+    "--print-config", "--help",
+}  # fmt: skip
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(PRETRAIN), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def test_help_lists_exactly_the_frozen_flags():
+    result = run("--help")
+    assert result.returncode == 0
+    options = result.stdout.split("\noptions:", 1)[1]  # past the description's example commands
+    assert set(re.findall(r"(--[a-z][a-z-]+)", options)) == FLAGS
+
+
+def test_flags_override_the_preset():
+    result = run(
+        "--preset", "vit_h14_224", "--data", "x", "--out", "y", "--lr", "0.5", "--cpu", "--print-config"
+    )
+    assert result.returncode == 0, result.stderr
+    config = json.loads(result.stdout)
+    assert (config["model"], config["lr"], config["use_gpu"], config["batch_size"]) == (
+        "vit_h14",
+        0.5,
+        False,
+        4096,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "vit_nope"], "unknown model 'vit_nope'; choose one of: vit_ti16"),
+        (["--image-size", "30"], "image_size 30 is not divisible by patch_size 8"),
+        (["--batch-size", "48"], "is not a multiple of --micro-batch-size"),
+    ],
+)
+def test_bad_configuration_fails_at_once_with_one_line(synthetic_shards, tmp_path, args, message):
+    result = run(
+        "--preset", "tiny", "--data", str(synthetic_shards.dir), "--out", str(tmp_path / "run"), *args
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Ray" not in result.stdout + result.stderr  # failed before any cluster work
+    assert not (tmp_path / "run").exists()
+
+
+def test_empty_data_fails_at_once_with_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = run("--preset", "tiny", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert str(tmp_path / "empty") in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Ray" not in result.stdout + result.stderr
+
+
+def test_unlabeled_shards_fail_at_once_with_one_line(tmp_path):
+    from pipeline.data.synthetic import encode, render
+    from pipeline.data.writing import tar_bytes
+
+    members = [(f"s{i:03d}.jpg", encode(render(i, image_size=32)[0])) for i in range(4)]  # no .cls
+    (tmp_path / "shards").mkdir()
+    for n in range(2):
+        (tmp_path / "shards" / f"train-{n:06d}.tar").write_bytes(tar_bytes(members))
+    result = run("--preset", "tiny", "--data", str(tmp_path / "shards"), "--out", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert "carries no label member .cls" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Ray" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_tiny_preset_learns_the_synthetic_classes(tmp_path):
+    from pipeline.data.synthetic import write_synthetic_shards
+
+    # 5 shards (4 x 103 + 100 samples) for 2 workers: every epoch one worker reads 3 shards, the
+    # other 2 (>= 203 samples = 6 micro-batches of 32), so each epoch ends for both after exactly 6
+    # steps, when the shorter runs dry; no collective may hang there.
+    write_synthetic_shards(tmp_path / "shards", 512, samples_per_shard=103, image_size=64, num_classes=10)
+    result = run(
+        "--preset", "tiny", "--data", str(tmp_path / "shards"), "--out", str(tmp_path / "run"), timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    assert rows[-1]["accuracy"] > 0.9, [round(r["accuracy"], 3) for r in rows]
+    assert [(r["step"], r["epoch"]) for r in rows] == [(s, (s - 1) // 6) for s in range(20, 241, 20)]
+    assert (tmp_path / "run" / "final" / "weights.safetensors").is_file()
+    assert "finished at step 240" in result.stdout

@@ -1,0 +1,51 @@
+"""The README stays true: the quickstart is the Makefile's, every option of every job is in it, and its
+python examples run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+
+
+def test_quickstart_is_the_two_make_commands():
+    quickstart = README.split("## Quickstart", 1)[1].split("##", 1)[0]
+    block = quickstart.split("```", 2)[1]
+    commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    assert commands == ["make demo", "make test"]
+    makefile = (ROOT / "Makefile").read_text()
+    for target in ("demo", "test", "lint"):
+        assert re.search(rf"^{target}:", makefile, re.MULTILINE), f"Makefile has no {target} target"
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("job", ["pretrain.py", "embed.py", "make_shards.py"])
+def test_every_option_of_a_job_is_documented(job):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / job), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    options = set(re.findall(r"(--[a-z][a-z-]+)", result.stdout.split("\noptions:", 1)[1])) - {"--help"}
+    missing = sorted(o for o in options if f"`{o}" not in README)
+    assert not missing, f"README does not document these options of jobs/{job}: {missing}"
+
+
+def test_python_examples_run():
+    blocks = re.findall(r"```python\n(.*?)```", README, re.DOTALL)
+    assert blocks, "the README has no python example"
+    for block in blocks:
+        namespace: dict = {}
+        exec(compile(block, "README.md", "exec"), namespace)
+    # The model example's comments state these shapes.
+    assert namespace["tokens"].shape == (2, 577, 384)
+    assert namespace["emb"].shape == (2, 384)
+    assert namespace["logits"].shape == (2, 10)

@@ -1,0 +1,46 @@
+"""The training log: metrics.jsonl kept as one history across resumes, the log line, the curve PNG."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from PIL import Image
+
+from pipeline.train.metrics import MetricsLog, format_line, plot_training_curve
+
+
+def row(step: int, loss: float = 1.0) -> dict:
+    return {
+        "step": step, "epoch": 0, "loss": loss, "accuracy": 0.5, "lr": 1e-3, "grad_norm": 1.0,
+        "images_per_s": 100.0, "images_per_s_per_worker": 50.0, "mfu": None, "data_wait_share": 0.1,
+        "samples_seen": 10 * step, "bad_samples": 0, "memory_gib": 0.5,
+    }  # fmt: skip
+
+
+def test_a_resumed_log_drops_what_came_after_its_checkpoint(tmp_path):
+    log = MetricsLog(str(tmp_path))
+    for step in (10, 20, 30):  # the run died at step 30, after its checkpoint at 20
+        log.append(row(step), flush=False)
+    resumed = MetricsLog(str(tmp_path), resume_step=20)
+    resumed.append(row(30, loss=0.5), flush=True)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in lines] == [(10, 1.0), (20, 1.0), (30, 0.5)]
+
+
+def test_log_line_reads_like_progress():
+    line = format_line(
+        {**row(120), "mfu": 0.45}, last_step=240, started=time.perf_counter() - 10, first_step=0
+    )
+    assert line.startswith("step 120/240 (50%) | epoch 0 | loss 1.0000 | acc 50.0%")
+    assert "MFU 45.0%" in line and "eta 0:00:1" in line
+
+
+def test_training_curve_is_a_png(tmp_path):
+    path = plot_training_curve(
+        [row(s, loss=2.0 / s) for s in range(10, 101, 10)], str(tmp_path / "curve.png")
+    )
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.width > 400 and im.height > 200
+        # Not a blank canvas: the two curves put more than a handful of colours on it.
+        assert len(im.convert("RGB").getcolors(maxcolors=100_000)) > 20

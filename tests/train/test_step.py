@@ -1,0 +1,165 @@
+"""The optimizer step, schedule, decay rules and checkpoints, in one process (a world of one)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeline import dcp
+from pipeline.data.dataset import rebatch
+from pipeline.train import checkpoint
+from pipeline.train.config import TrainConfig
+from pipeline.train.model import build_model, init_distributed, model_config
+from pipeline.train.optim import lr_factor, param_groups
+from pipeline.train.step import TrainStep
+
+CONFIG = TrainConfig(
+    model="vit_tiny_test",
+    image_size=32,
+    num_classes=4,
+    batch_size=8,
+    micro_batch_size=8,
+    num_workers=1,
+    lr=1e-3,
+    warmup_steps=2,
+    max_steps=100,
+    use_gpu=False,
+    data="unused",
+    out="unused",
+)
+
+
+@pytest.fixture(scope="module")
+def world():
+    rank, size, device = init_distributed()
+    assert (rank, size) == (0, 1)
+    yield device
+    dist.destroy_process_group()
+
+
+def batch(n: int, seed: int, config: TrainConfig = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mcfg = model_config(config)
+    patches = torch.randint(0, 256, (n, mcfg.num_patches, mcfg.patch_dim), dtype=torch.uint8, generator=g)
+    return patches, torch.randint(0, config.num_classes, (n,), generator=g)
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    # Parameters are FSDP2 DTensors; buffers (the input normalization) are plain tensors.
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in full.items()}
+
+
+def test_schedule_warms_up_then_decays_to_min():
+    cfg = CONFIG.replace(warmup_steps=10, max_steps=110, min_lr=1e-4, lr=1e-3)
+    factors = [lr_factor(s, cfg) for s in range(111)]
+    assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert factors[10] == pytest.approx(1.0)
+    assert factors[60] == pytest.approx(0.1 + 0.9 * 0.5)  # cosine halfway
+    assert factors[110] == pytest.approx(0.1)  # min_lr / lr
+    assert all(a >= b for a, b in itertools.pairwise(factors[10:]))  # never rises after warmup
+    linear = cfg.replace(lr_schedule="linear")
+    assert lr_factor(60, linear) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(35, linear) == pytest.approx(0.1 + 0.9 * 0.75)
+
+
+def test_no_decay_on_biases_norms_position_and_cls(world):
+    model = build_model(CONFIG, world)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    decay_names = {names[id(p)] for p in decay["params"]}
+    assert {"pos_embed", "cls_token"} <= no_decay_names
+    assert all(n.endswith(".weight") and "norm" not in n for n in decay_names)
+    assert any("norm" in n for n in no_decay_names) and any(n.endswith(".bias") for n in no_decay_names)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert len(decay_names) + len(no_decay_names) == len(list(model.parameters()))
+
+
+def test_accumulation_equals_one_big_batch(world):
+    patches, labels = batch(8, seed=1)
+    one = build_model(CONFIG, world)
+    TrainStep(one, CONFIG, world)(0, [(patches, labels)], global_count=8)
+    two_cfg = CONFIG.replace(micro_batch_size=4)
+    two = build_model(two_cfg, world)
+    TrainStep(two, two_cfg, world)(0, [(patches[:4], labels[:4]), (patches[4:], labels[4:])], global_count=8)
+    a, b = params(one), params(two)
+    assert a.keys() == b.keys()
+    changed = 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+        changed += not torch.equal(a[k], params(build_model(CONFIG, world))[k])
+    assert changed > 0  # the step did update the weights
+
+
+def test_loss_falls_on_a_fixed_batch(world):
+    model = build_model(CONFIG, world)
+    step = TrainStep(model, CONFIG, world)
+    patches, labels = batch(8, seed=2)
+    losses = [step(i, [(patches, labels)], 8).loss_sum.item() / 8 for i in range(30)]
+    assert losses[-1] < 0.5 * losses[0]
+    stats = step(30, [(patches, labels)], 8)
+    assert stats.count == 8 and 0 <= stats.correct.item() <= 8
+    assert stats.lr == pytest.approx(CONFIG.lr * lr_factor(30, CONFIG))
+    assert torch.isfinite(stats.grad_norm)
+
+
+def test_checkpoint_round_trip(world, tmp_path):
+    model = build_model(CONFIG, world)
+    step = TrainStep(model, CONFIG, world)
+    patches, labels = batch(8, seed=3)
+    for i in range(3):
+        step(i, [(patches, labels)], 8)
+    state = {"step": 3, "epoch": 1, "shards_started": ["a.tar"], "seed": 0}
+    mcfg = model_config(CONFIG)
+    path = tmp_path / dcp.checkpoint_name(3)
+    checkpoint.save(path, model, step.optimizer, state, {"model_config": mcfg.to_dict()})
+    assert dcp.is_complete(path) and dcp.latest_complete(tmp_path) == str(path)
+    (tmp_path / dcp.checkpoint_name(9)).mkdir()  # a save that never finished
+    assert dcp.latest_complete(tmp_path) == str(path)
+
+    fresh = build_model(CONFIG.replace(seed=7), world)
+    fresh_step = TrainStep(fresh, CONFIG, world)
+    loaded = checkpoint.load(path, fresh, fresh_step.optimizer)
+    assert {k: loaded[k] for k in state} == state
+    for k, v in params(model).items():
+        assert torch.equal(v, params(fresh)[k]), k
+    # Same state, same next step: optimizer moments came back too.
+    step(3, [(patches, labels)], 8)
+    fresh_step(3, [(patches, labels)], 8)
+    for k, v in params(model).items():
+        torch.testing.assert_close(v, params(fresh)[k], rtol=0, atol=0)
+
+    other = CONFIG.replace(model_overrides={"embed_dim": 32, "num_heads": 2})
+    with pytest.raises(ValueError, match=r"another model: embed_dim 64 \(checkpoint\) vs 32"):
+        checkpoint.check_compatible(path, model_config(other))
+
+
+def test_rebatch_cuts_exact_sizes_and_drops_the_tail():
+    def b(start: int, n: int) -> dict[str, np.ndarray]:
+        return {
+            "label": np.arange(start, start + n),
+            "url": np.array([f"u{i}" for i in range(start, start + n)]),
+        }
+
+    out = list(rebatch(iter([b(0, 4), b(4, 3), b(7, 6), b(13, 2)]), 4))
+    assert [len(x["label"]) for x in out] == [4, 4, 4]
+    assert np.concatenate([x["label"] for x in out]).tolist() == list(range(12))
+    assert out[2]["url"].tolist() == ["u8", "u9", "u10", "u11"]
+
+
+def test_config_validation_and_round_trip():
+    cfg = CONFIG.replace(crop_scale=(0.2, 1.0))
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert TrainConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    with pytest.raises(ValueError, match="not a multiple of --micro-batch-size"):
+        CONFIG.replace(batch_size=12, micro_batch_size=8).validate()
+    with pytest.raises(ValueError, match="no training data"):
+        CONFIG.replace(data="").validate()
+    with pytest.raises(ValueError, match="unknown training config fields"):
+        TrainConfig.from_dict({"modle": "vit_b16"})
