@@ -1,18 +1,19 @@
-"""Everything that runs on Ray: the data stages, the Ray Train worker loop, the embedding stage.
+"""The system around the model, in three rooms whose arrows only go down.
 
-Importing the package imports nothing heavy: no Ray, no torch. Modules that need Ray import it
-themselves (and `pipeline.data` only inside the functions that build datasets), so that the
-training step can be imported and benchmarked on a bare GPU machine without Ray installed.
+    pipeline.train  pretraining on Ray Train + FSDP2: config and presets, model setup, the optimizer step,
+                    checkpoints, metrics, the worker loop, the driver (checks before any cluster work, fit)
+    pipeline.embed  the embedding job: config, what --weights resolves to, the model actor, Parquet output
+         |  (train and embed never import each other)
+         v
+    pipeline.data   shards -> uint8 patch rows: shard URLs, the tar stream, decode/crop/patchify, the Ray
+                    datasource, dataset assembly and batching, bad-sample accounting, shard writing
+         |
+         v
+    pipeline.storage (fsspec paths, staged writes, uploads), pipeline.dcp (a checkpoint's layout and its
+    model read back safely, shared by train and embed), pipeline.compat (the one module touching private
+    APIs of torch / fsspec / Ray), pipeline.cli (the command-line dialect every job shares), and `vit`
 
-Data side, in the order a sample meets it:
-
-- `pipeline.data.shards`: shard URLs (path, dir, glob, brace range, s3://, any fsspec URL) -> a list
-- `pipeline.data.tar`: tar bytes -> members -> WebDataset samples (pure Python, no Ray)
-- `pipeline.data.rows`: samples -> Arrow blocks of rows {key, url, image, label, error} (no Ray)
-- `pipeline.data.source`: the Ray Datasource, one read task per shard running `pipeline.rows.read_shard`
-- `pipeline.data.decode`: decode -> crop -> patchify, as one batch function
-- `pipeline.data`: `DataConfig`, `shard_order`, `build_dataset` (the one place that chains the stages),
-  `iter_batches`
-- `pipeline.data.bad_samples`: counting and budgeting the samples that could not be used
-- `pipeline.data.writing`, `pipeline.data.synthetic`: writing shards, from an image folder or a generator
+Importing the package imports nothing heavy: no Ray, no torch. `pipeline.data` never imports torch
+(every Ray Data decode worker imports it); modules that need Ray import it inside the functions that
+use it, so the training step runs and benchmarks on a bare GPU machine without Ray installed.
 """

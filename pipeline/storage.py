@@ -65,13 +65,28 @@ def read_text(uri: str, storage_options: dict[str, Any] | None = None) -> str:
         return f.read()
 
 
+TEMP_MARK = ".tmp-"  # in the name of every file that is not yet committed
+
+
+def temporary_name(path: str | Path) -> Path:
+    """Where a local file is written before it is renamed onto ``path``: a hidden name beside it,
+    ``.<name>.tmp-<random>``, unique per writer, ignored by Parquet readers and by `is_temporary`."""
+    path = Path(path)
+    return path.parent / f".{path.name}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
+
+
+def is_temporary(name: str) -> bool:
+    """True for a name that `temporary_name` made (a file not yet committed)."""
+    return TEMP_MARK in name
+
+
 def write_text(uri: str, text: str, storage_options: dict[str, Any] | None = None) -> None:
     """Write a whole small file; atomic on local disk (rename), one PUT on object stores."""
     fs, path = filesystem(uri, storage_options)
     if is_local(uri):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        Path(tmp).write_text(text)
+        tmp = temporary_name(path)
+        tmp.write_text(text)
         os.replace(tmp, path)
     else:
         with fs.open(path, "w") as f:
@@ -90,7 +105,7 @@ def upload_dir(local_dir: str | Path, uri: str, storage_options: dict[str, Any] 
     for child in sorted(Path(local_dir).iterdir()):
         target = f"{path.rstrip('/')}/{child.name}"
         if is_local(uri):
-            tmp = f"{target}.tmp-{os.getpid()}"
+            tmp = temporary_name(target)
             shutil.copyfile(child, tmp)
             os.replace(tmp, target)
         else:
@@ -98,14 +113,6 @@ def upload_dir(local_dir: str | Path, uri: str, storage_options: dict[str, Any] 
 
 
 # --- whole-file commits and listings, for outputs that are resumed file by file ---------------------
-
-TEMP_MARK = ".tmp-"  # in the name of every file that is not yet committed
-
-
-def is_temporary(name: str) -> bool:
-    """True for a name that `staged_file` or `write_text` uses before the file is committed."""
-    return TEMP_MARK in name
-
 
 def list_files(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, int]:
     """``{name: size in bytes}`` of the files directly inside directory ``uri``; {} when it does not exist.
@@ -136,8 +143,7 @@ def remove(uri: str, storage_options: dict[str, Any] | None = None) -> None:
 def staged_file(uri: str, storage_options: dict[str, Any] | None = None) -> Iterator[str]:
     """A local path to write a whole file into; on a clean exit the file appears at ``uri`` complete.
 
-    Local: the path is a hidden temporary name beside ``uri`` (``.<name>.tmp-<random>``), renamed onto
-    ``uri`` at the end, so a reader never sees a partial file; a crash leaves only the hidden name,
+    Local: the path is `temporary_name` of ``uri``, renamed onto ``uri`` at the end, so a reader never sees a partial file; a crash leaves only the hidden name,
     which `is_temporary` recognizes. Object stores: the path is in a local temporary directory and
     the file is uploaded in one go at the end (an object is visible only once its upload completes).
     On an exception nothing appears at ``uri`` and the staged file is removed.
@@ -145,7 +151,7 @@ def staged_file(uri: str, storage_options: dict[str, Any] | None = None) -> Iter
     if is_local(uri):
         target = Path(local_path(uri))
         target.parent.mkdir(parents=True, exist_ok=True)
-        staged = target.parent / f".{target.name}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
+        staged = temporary_name(target)
         try:
             yield str(staged)
             os.replace(staged, target)

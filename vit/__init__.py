@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from vit.config import VARIANTS, ViTConfig, get_config
+from vit.config import ARCHITECTURE_FIELDS, VARIANTS, ViTConfig, get_config
 from vit.flops import count_flops, flops_breakdown
 from vit.patchify import patchify, unpatchify
 
@@ -34,6 +34,7 @@ _LAZY = {
     "save_pretrained": "vit.weights",
 }
 __all__ = [
+    "ARCHITECTURE_FIELDS",
     "VARIANTS",
     "ViTConfig",
     "VisionTransformer",

@@ -19,6 +19,11 @@ VIT_STD = (0.5, 0.5, 0.5)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
+# The fields that decide the shape of every encoder tensor at a given resolution, in the order a
+# mismatch is reported. Checks add what else they care about: the image size (pos_embed's length), the
+# head (its shapes), the number of heads (same tensors, another computation).
+ARCHITECTURE_FIELDS = ("embed_dim", "depth", "mlp_dim", "patch_size", "num_channels", "qkv_bias")
+
 
 @dataclass(frozen=True)
 class ViTConfig:
@@ -74,6 +79,10 @@ class ViTConfig:
         if self.head == "pretrain":
             return self.representation_size or self.embed_dim
         return self.embed_dim
+
+    def architecture(self) -> dict[str, Any]:
+        """``{field: value}`` of `ARCHITECTURE_FIELDS`: equal for two configs whose encoders share shapes."""
+        return {name: getattr(self, name) for name in ARCHITECTURE_FIELDS}
 
     # --- checks ----------------------------------------------------------------------------------
     def validate(self) -> None:

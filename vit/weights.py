@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vit.config import ViTConfig
+from vit.config import ARCHITECTURE_FIELDS, ViTConfig
 from vit.convert import config_from_state_dict
 from vit.model import VisionTransformer
 
@@ -28,9 +29,6 @@ WEIGHTS_FILE = "weights.safetensors"
 CONFIG_FILE = "config.json"
 FORMAT = "vitray"
 HEAD_FIELDS = ("head", "num_classes", "representation_size")
-
-# Compared, in this order, to name the first difference between weights and a config.
-_SHAPE_FIELDS = ("embed_dim", "depth", "mlp_dim", "patch_size", "num_channels", "image_size", "qkv_bias")
 
 
 def preprocessing(config: ViTConfig) -> dict[str, Any]:
@@ -67,11 +65,14 @@ def save_pretrained(
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     meta = {"format": FORMAT, "model": config.to_dict(), "preprocessing": preprocessing(config), **extra}
     with _local_dir(directory, write=True) as local:
-        # Write under temporary names and rename: a reader never sees a half-written file.
-        save_file(tensors, local / (WEIGHTS_FILE + ".tmp"), metadata={"format": "pt"})
-        os.replace(local / (WEIGHTS_FILE + ".tmp"), local / WEIGHTS_FILE)
-        (local / (CONFIG_FILE + ".tmp")).write_text(json.dumps(meta, indent=2) + "\n")
-        os.replace(local / (CONFIG_FILE + ".tmp"), local / CONFIG_FILE)
+        # Weights first, config last (a config.json present means the export is complete), each under a
+        # temporary name and renamed, so a reader never sees a half-written file.
+        tmp = _temporary_name(local / WEIGHTS_FILE)
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, local / WEIGHTS_FILE)
+        tmp = _temporary_name(local / CONFIG_FILE)
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp, local / CONFIG_FILE)
     return str(directory)
 
 
@@ -145,7 +146,7 @@ def check_weights(state_dict: dict[str, torch.Tensor], config: ViTConfig, what: 
         except (ValueError, KeyError, IndexError):
             inferred = None
         if inferred is not None:
-            for field in (*_SHAPE_FIELDS, "head", "pre_logits_dim", "num_classes"):
+            for field in (*ARCHITECTURE_FIELDS, "image_size", "head", "pre_logits_dim", "num_classes"):
                 have, want = getattr(inferred, field), getattr(config, field)
                 if have != want:
                     raise ValueError(
@@ -168,6 +169,12 @@ def check_weights(state_dict: dict[str, torch.Tensor], config: ViTConfig, what: 
                 f"{what} normalizes inputs with {name} {have.tolist()}, the config says "
                 f"{list(getattr(config, name))}: they come from different models"
             )
+
+
+def _temporary_name(path: Path) -> Path:
+    # The scheme of `pipeline.storage.temporary_name` (vit/ imports nothing from pipeline/): hidden, unique
+    # per writer, recognized as uncommitted by the jobs that list output directories.
+    return path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
 
 
 def _export_dir(path: str | os.PathLike) -> str:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from pipeline.storage import temporary_name
+
 KEPT_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # stored as they are
 _NUMBERED = re.compile(r"^(.*?)(\d+)(\.tar(?:\.gz)?)$")
 FOLDER_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm")
@@ -97,7 +99,7 @@ class ShardWriter:
         suffix = ".tar.gz" if self.gzip else ".tar"
         path = self.out_dir / f"{self.prefix}-{len(self.urls):06d}{suffix}"
         self.urls.append(str(path))
-        self._raw = open(f"{path}.partial", "wb")  # noqa: SIM115 - closed in _finish_shard
+        self._raw = open(temporary_name(path), "wb")  # noqa: SIM115 - closed in _finish_shard
         # mtime=0 in the gzip header too, so the bytes do not depend on when they were written.
         self._zip = _gzip.GzipFile(fileobj=self._raw, mode="wb", mtime=0) if self.gzip else None
         self._tar = tarfile.open(fileobj=self._zip or self._raw, mode="w", format=tarfile.GNU_FORMAT)  # noqa: SIM115

@@ -40,9 +40,6 @@ FORMATS = ("auto", "vitray", "timm", "torchvision", "hf")
 FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
-# Fields that decide every tensor's shape; compared between the weights and --model.
-SHAPE_FIELDS = ("embed_dim", "depth", "mlp_dim", "patch_size", "num_channels")
-
 
 @dataclass
 class ModelSource:
@@ -188,17 +185,15 @@ def _data_config_dict(values: Any) -> dict[str, Any] | None:
 
 def _check_named(config: vit.ViTConfig, named: vit.ViTConfig, path: str) -> None:
     """One line when the weights' shapes are not those of the variant named with --model."""
-    have = {f: getattr(config, f) for f in SHAPE_FIELDS}
-    want = {f: getattr(named, f) for f in SHAPE_FIELDS}
+    have, want = config.architecture(), named.architecture()
     if have != want:
-        like = next(
-            (v.name for v in vit.VARIANTS.values() if {f: getattr(v, f) for f in SHAPE_FIELDS} == have), None
-        )
-        diff = ", ".join(f"{f} {have[f]}" for f in SHAPE_FIELDS if have[f] != want[f])
+        like = next((v.name for v in vit.VARIANTS.values() if v.architecture() == have), None)
+        changed = [f for f in have if have[f] != want[f]]
+        diff = ", ".join(f"{f} {have[f]}" for f in changed)
         hint = f"pass --model {like}" if like else "drop --model to use the weights' own config"
         raise ValueError(
             f"--weights {path} hold a ViT with {diff}{f' (a {like})' if like else ''}, not {named.name} "
-            f"({', '.join(f'{f} {want[f]}' for f in SHAPE_FIELDS if have[f] != want[f])}); {hint}, or other weights"
+            f"({', '.join(f'{f} {want[f]}' for f in changed)}); {hint}, or other weights"
         )
 
 

@@ -92,7 +92,7 @@ def check_compatible(directory: str | Path, model_config: vit.ViTConfig) -> None
         )
     saved = json.loads(path.read_text()).get("model_config", {})
     mine = model_config.to_dict()
-    keys = ("embed_dim", "depth", "num_heads", "mlp_dim", "patch_size", "num_classes")
+    keys = (*vit.ARCHITECTURE_FIELDS, "num_heads", "num_classes")
     diff = {k: (saved.get(k), mine.get(k)) for k in keys if saved.get(k) != mine.get(k)}
     if diff:
         described = ", ".join(f"{k} {a} (checkpoint) vs {b} (this run)" for k, (a, b) in diff.items())
