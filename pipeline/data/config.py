@@ -51,8 +51,8 @@ class DataConfig:
     block_rows: int = 256  # samples per read block
     # Ray's target block size for this dataset: a decode batch is up to this much encoded data (often a
     # whole shard), an output block about this much patch data (~430 rows at 224 px, patch 14). Fewer,
-    # larger blocks cost the consumer less per image: on 2 cores, 32 MiB gave 0.87x and 64 MiB 0.99x
-    # the throughput of webdataset + DataLoader. Peak memory per read task is about 4 blocks.
+    # larger blocks cost the consumer less per image (BENCHMARKS.md, "Data pipeline"); peak memory per
+    # read task is about 4 blocks.
     block_bytes: int = 64 << 20
     read_concurrency: int | None = None  # read tasks at once (None: as many as CPUs allow)
 

@@ -66,7 +66,7 @@ def build_dataset(shards: list[str], config: DataConfig, *, train: bool, epoch: 
     ds.context.execution_options.preserve_order = True
     ds.context.target_max_block_size = config.block_bytes
     # Reservation splits the CPU budget between operators and a shared pool; with our single fused
-    # operator it kept about one task running on a 2-CPU node (1.1 busy cores of 2; 1.8 without it).
+    # operator it left CPUs idle (BENCHMARKS.md, "Data pipeline").
     ds.context.op_resource_reservation_enabled = False
     return ds
 
