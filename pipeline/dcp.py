@@ -10,12 +10,14 @@ process without a process group). Both sides share this module, so neither impor
 A directory counts only once `.metadata` and `train_state.json` are both there; `latest_complete`
 skips anything else (a crash mid-save leaves an ignorable directory).
 
-DCP's `.metadata` is a pickle. It is read through `MetadataUnpickler`, which admits only the classes
-checkpoint metadata holds, never torch's own unpickler.
+DCP's `.metadata` is a pickle. It is read through `MetadataUnpickler`, which admits only the exact
+classes checkpoint metadata holds, never torch's own unpickler. DCP reads a non-tensor entry with
+``torch.load(weights_only=False)``, so every entry the model read would take must be a tensor.
 """
 
 from __future__ import annotations
 
+import importlib
 import pickle
 import warnings
 from pathlib import Path
@@ -54,30 +56,37 @@ def latest_complete(run_dir: str | Path, storage_options: dict[str, Any] | None 
 
 
 class MetadataUnpickler(pickle.Unpickler):
-    """Admits only what DCP metadata holds: its own dataclasses, torch.Size, dtypes and layouts."""
+    """Admits only what DCP metadata holds, as exact ``(module, name)`` pairs: DCP's own dataclasses,
+    torch.Size, dtypes, layouts and paths. Never a whole module and never a dotted name: with pickle
+    protocol 4 a name like ``os.system`` would be resolved through an allowed module's own imports."""
 
-    MODULES: ClassVar[tuple[str, ...]] = (
-        "torch.distributed.checkpoint.metadata",
-        "torch.distributed.checkpoint.filesystem",
+    NAMES: ClassVar[frozenset[tuple[str, str]]] = frozenset(
+        {
+            ("torch.distributed.checkpoint.metadata", n)
+            for n in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",  # admitted to read the layout; `load_model_state` reads no such entry
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "_MEM_FORMAT_ENCODING",
+            )
+        }
+        | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+        | {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+        | {("torch", n) for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+        | {("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
     )
-    NAMES: ClassVar[set[tuple[str, str]]] = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-    }
-    NAMES |= {
-        ("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
-    }
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in self.NAMES or module in self.MODULES
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            allowed = True
-        if not allowed:
+        if (module, name) not in self.NAMES:
             raise pickle.UnpicklingError(
                 f"checkpoint metadata refers to {module}.{name}; refusing to unpickle it"
             )
-        return super().find_class(module, name)
+        # A plain getattr: the base class would walk a dotted ``name`` attribute by attribute.
+        return getattr(importlib.import_module(module), name)
 
 
 def load_model_state(
@@ -91,15 +100,16 @@ def load_model_state(
     else:
         reader = _safe_reader(compat.fsspec_checkpoint_reader())(directory, **(storage_options or {}))
     try:
-        reader.read_metadata()  # first on its own: DCP would bury a refusal in its own exception
+        metadata = reader.read_metadata()  # first on its own: DCP would bury a refusal in its own exception
     except pickle.UnpicklingError as e:
         raise ValueError(f"--weights {directory}: {e}") from e
     model = vit.VisionTransformer(config, device="meta").to_empty(device="cpu")
     state = {"model": model.state_dict()}  # only the model: the optimizer's tensors are never read
+    _refuse_non_tensors(directory, metadata, [f"model.{name}" for name in state["model"]])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load(state, storage_reader=reader, planner=_tensors_only_planner(), no_dist=True)
         except Exception as e:
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             raise ValueError(
@@ -107,6 +117,33 @@ def load_model_state(
                 "is it a complete checkpoint of the model its config.json names?"
             ) from e
     return dict(state["model"])
+
+
+def _refuse_non_tensors(directory: str, metadata: Any, names: list[str]) -> None:
+    """DCP reads a non-tensor entry with ``torch.load(weights_only=False)``, which runs whatever the
+    entry's pickle says: every entry this load reads must be a tensor (other entries are never read)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for name in names:
+        entry = metadata.state_dict_metadata.get(name)
+        if entry is not None and not isinstance(entry, TensorStorageMetadata):
+            raise ValueError(
+                f"--weights {directory}: checkpoint entry {name} is not a tensor ({type(entry).__name__}); "
+                "refusing to read it, since reading it would unpickle code: use a checkpoint written by vitray"
+            )
+
+
+def _tensors_only_planner() -> Any:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class TensorsOnlyPlanner(DefaultLoadPlanner):
+        # A second lock on the same door: DCP's own byte path would unpickle with weights_only=False.
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            raise ValueError(
+                f"checkpoint entry {read_item.dest_index.fqn} is not a tensor; refusing to read it"
+            )
+
+    return TensorsOnlyPlanner()
 
 
 def _safe_reader(base: type) -> type:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -112,8 +114,24 @@ def test_the_named_model_must_fit_the_weights(run_dir):
 
 
 class _Exploit:
+    """Unpickling it runs ``touch <sentinel>``: the sentinel's absence proves nothing ran."""
+
+    def __init__(self, sentinel):
+        self.sentinel = sentinel
+
     def __reduce__(self):
-        return (os.system, ("echo pwned > /dev/null",))
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def dotted_name_pickle(module: str, name: str, argument: str) -> bytes:
+    """A protocol-4 pickle that calls ``module``'s ``name`` (a dotted path) with one string: the
+    STACK_GLOBAL opcode makes the unpickler walk ``name`` through ``module``'s own attributes."""
+
+    def text(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s.encode())]) + s.encode()  # SHORT_BINUNICODE
+
+    # PROTO 4, module, name, STACK_GLOBAL, (argument,) TUPLE1, REDUCE, STOP
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(argument) + b"\x85R."
 
 
 def timm_layout(sd: dict[str, torch.Tensor], config: vit.ViTConfig) -> dict[str, torch.Tensor]:
@@ -141,10 +159,12 @@ def test_timm_file_loads_the_same_weights_and_pickles_are_refused(tmp_path):
     assert source.config.name == TINY and source.sha256 == state_dict_sha256(sd)
     assert load_model_source(str(tmp_path / "timm.pth"), weights_format="timm").sha256 == source.sha256
 
-    torch.save({"model": _Exploit()}, tmp_path / "evil.pth")  # unpickling it would run a command
+    sentinel = tmp_path / "pwned"
+    torch.save({"model": _Exploit(sentinel)}, tmp_path / "evil.pth")  # unpickling it runs a command
     with pytest.raises(ValueError, match="holds more than tensors") as info:
         load_model_source(str(tmp_path / "evil.pth"), weights_format="timm")
     assert "\n" not in str(info.value)
+    assert not sentinel.exists()
 
 
 def test_transformers_directory_converts_and_embeds_like_transformers(tmp_path):
@@ -188,15 +208,51 @@ def test_paths_that_hold_no_weights_fail_in_one_line(tmp_path):
         load_model_source(str(tmp_path), weights_format="onnx")
 
 
+def crafted_checkpoint(run_dir, where) -> None:
+    """A copy of the run's complete checkpoint at ``where``, whose ``.metadata`` the test replaces."""
+    shutil.copytree(run_dir / dcp.checkpoint_name(1), where)
+
+
 def test_checkpoint_metadata_is_unpickled_only_as_checkpoint_metadata(run_dir, tmp_path):
+    sentinel = tmp_path / "pwned"
     bad = tmp_path / "checkpoint_00000001"
-    bad.mkdir()
-    (bad / ".metadata").write_bytes(pickle.dumps(_Exploit()))
-    (bad / "train_state.json").write_text("{}")
-    (bad / "config.json").write_text((run_dir / dcp.checkpoint_name(1) / "config.json").read_text())
-    with pytest.raises(ValueError, match=r"refers to posix\.system; refusing to unpickle it"):
+    crafted_checkpoint(run_dir, bad)
+    (bad / ".metadata").write_bytes(pickle.dumps(_Exploit(sentinel)))
+    with pytest.raises(ValueError, match=r"refers to posix\.system; refusing to unpickle it") as info:
         load_model_source(str(bad))
+    assert "\n" not in str(info.value) and not sentinel.exists()
     assert json.loads((bad / "config.json").read_text())["model_config"]["name"] == TINY
+
+    # A dotted name under a module that checkpoint metadata does use: that module imports os, so
+    # resolving "os.system" through it would reach the shell.
+    for module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
+        (bad / ".metadata").write_bytes(dotted_name_pickle(module, "os.system", f"touch {sentinel}"))
+        with pytest.raises(ValueError, match=r"refers to .*os\.system; refusing to unpickle it") as info:
+            load_model_source(str(bad))
+        assert "\n" not in str(info.value) and not sentinel.exists()
+
+
+def test_a_checkpoint_entry_that_is_not_a_tensor_is_refused_before_it_is_read(run_dir, tmp_path):
+    """DCP reads a byte entry with torch.load(weights_only=False): a pickle that runs code."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    sentinel = tmp_path / "pwned"
+    bad = tmp_path / "checkpoint_00000001"
+    crafted_checkpoint(run_dir, bad)
+    payload = io.BytesIO()
+    torch.save(_Exploit(sentinel), payload)
+    (bad / "evil.distcp").write_bytes(payload.getvalue())
+    with open(bad / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # the test's own file, written by DCP just above
+    fqn = "model.pos_embed"
+    metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+    metadata.storage_data[MetadataIndex(fqn)] = _StorageInfo("evil.distcp", 0, len(payload.getvalue()))
+    with open(bad / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(ValueError, match=r"model\.pos_embed is not a tensor .*refusing to read it") as info:
+        load_model_source(str(bad))
+    assert "\n" not in str(info.value) and not sentinel.exists()
 
 
 def test_packed_weights_are_shared_not_copied():
