@@ -17,17 +17,25 @@ import vit
 from pipeline.train.config import TrainConfig
 from pipeline.train.optim import build_optimizer, lr_factor
 
-# Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s), for MFU. Matched against
-# torch.cuda.get_device_name(); the first matching key wins, so longer names come first.
+# Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s), for MFU, keyed by the exact
+# name torch.cuda.get_device_name() reports. Exact, not by substring: "NVIDIA L4" is inside
+# "NVIDIA L40S", and an H100 NVL or PCIe card is not the SXM part; a name missing here gets no MFU
+# rather than another part's peak (add it from its datasheet: half the "with sparsity" figure).
 PEAK_BF16_TFLOPS = {
-    "H100 PCIe": 756.0,
-    "H100": 989.0,  # SXM5
-    "H200": 989.0,
-    "GH200": 989.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "L4": 121.0,
-    "A10G": 70.0,
+    "NVIDIA H100 80GB HBM3": 989.0,  # SXM5
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H200": 989.0,  # SXM
+    "NVIDIA H200 NVL": 835.0,
+    "NVIDIA GH200 480GB": 989.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA L40S": 362.0,
+    "NVIDIA L40": 181.0,
+    "NVIDIA L4": 121.0,
+    "NVIDIA A10G": 70.0,
 }
 
 
@@ -106,10 +114,10 @@ def peak_tflops(device: torch.device) -> tuple[float | None, str]:
     if device.type != "cuda":
         return None, "no MFU on CPU"
     name = torch.cuda.get_device_name(device)
-    for key, tflops in PEAK_BF16_TFLOPS.items():
-        if key in name:
-            return tflops, f"{name}: {tflops:.0f} TFLOP/s dense bf16 (datasheet)"
-    return None, f"{name}: peak unknown, no MFU"
+    tflops = PEAK_BF16_TFLOPS.get(name.strip())
+    if tflops is None:
+        return None, f"{name}: unknown GPU, MFU not reported"
+    return tflops, f"{name}: {tflops:.0f} TFLOP/s dense bf16 (datasheet)"
 
 
 def train_flops_per_image(config: vit.ViTConfig) -> float:
