@@ -41,6 +41,7 @@ class DataConfig:
     image_keys: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
     label_key: str | None = "cls"
     require_labels: bool = True
+    num_classes: int | None = None  # labels outside [0, num_classes) are bad samples; None: no check
     seed: int = 0
     shuffle_buffer: int = 1024  # samples in the consumer-side shuffle buffer; 0 disables it
     # Bad samples: the job fails once bad > max_bad_fraction * max(seen, bad_grace_samples).
@@ -88,6 +89,10 @@ class DataConfig:
                 "shuffle_buffer >= 0 and block_rows > 0 please",
             ),
             (not self.image_keys, "image_keys must name at least one member extension, e.g. ('jpg',)"),
+            (
+                self.num_classes is not None and self.num_classes <= 0,
+                f"num_classes {self.num_classes} must be positive (or None for no label check)",
+            ),
         ]
         for bad, message in problems:
             if bad:
@@ -99,7 +104,7 @@ class DataConfig:
 
     @property
     def row_spec(self) -> RowSpec:
-        return RowSpec(self.image_keys, self.label_key, self.require_labels)
+        return RowSpec(self.image_keys, self.label_key, self.require_labels, self.num_classes)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values; secrets in ``storage_options`` are replaced by ``"***"``."""

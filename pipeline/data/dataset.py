@@ -110,7 +110,8 @@ def check_shards(shards: list[str], config: DataConfig, *, probe: int = 16) -> N
     """Fail fast, before any Ray work, when the first shard cannot be what the job expects.
 
     Reads up to ``probe`` samples of the first shard: a `ShardError` if it cannot be opened, holds no
-    image member, or (with ``require_labels``) carries no label member at all.
+    image member, (with ``require_labels``) carries no label member at all, or (with ``num_classes``)
+    holds more labels outside ``[0, num_classes)`` than the bad-sample share allows: a wrong class count.
     """
     if not shards:
         raise ShardError("no shards to read; pass at least one shard URL")
@@ -134,6 +135,14 @@ def check_shards(shards: list[str], config: DataConfig, *, probe: int = 16) -> N
         raise ShardError(
             f"shard {url} carries no label member .{spec.label_member} in its first {len(samples)} samples "
             f"(members: {', '.join(seen)}); set label_key, or run without labels (require_labels=False)"
+        )
+    labeled = [(s.key, spec.label(s)) for s in samples if spec.label_member in s.members]
+    outside = [(key, error) for key, (_, error) in labeled if error.startswith("label out of range")]
+    if outside and len(outside) > config.max_bad_fraction * len(labeled):
+        key, error = outside[0]
+        raise ShardError(
+            f"shard {url}: {len(outside)} of the first {len(labeled)} labels are out of range (key {key!r}: "
+            f"{error.split(': ', 1)[1]}); set --num-classes to the dataset's class count, or fix the labels"
         )
 
 

@@ -41,11 +41,14 @@ class RowSpec:
 
     ``label_key`` is a member extension holding a decimal integer (``"cls"``), ``"json:<field>"`` for
     a field of the ``.json`` member (dots walk nested objects: ``"json:meta.label"``), or None.
+    With ``num_classes``, a label outside ``[0, num_classes)`` makes the sample bad (``label out of
+    range``): it would otherwise reach the loss as an index past the logits.
     """
 
     image_keys: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
     label_key: str | None = "cls"
     require_labels: bool = False
+    num_classes: int | None = None
 
     @property
     def label_member(self) -> str | None:
@@ -74,9 +77,12 @@ class RowSpec:
                 return -1, f"missing label: no .{member} member (label_key={self.label_key!r})"
             return -1, ""
         try:
-            return parse_label(raw, self.label_key), ""
+            label = parse_label(raw, self.label_key)
         except ValueError as e:
             return -1, f"bad label: {e}" if self.require_labels else ""
+        if self.num_classes is not None and label >= self.num_classes:
+            return -1, f"label out of range: {label} is not in [0, {self.num_classes}) (num_classes)"
+        return label, ""
 
 
 def parse_label(raw: bytes, label_key: str) -> int:

@@ -122,6 +122,7 @@ def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
         eval_interpolation=config.interpolation or base.eval_interpolation,
         label_key=label_key,
         require_labels=False,
+        num_classes=None,  # any label is kept as it is: the training run's class count is no rule here
         max_bad_fraction=config.max_bad_fraction,
         storage_options=config.storage_options,
     )

@@ -28,7 +28,10 @@ class TrainConfig:
     data: str = ""  # shard URL(s): path, dir, glob, brace range, s3://, gs://, comma-separated
     label_key: str = "cls"  # member extension holding the label, or "json:<field>"
     shuffle_buffer: int = 2000  # local sample shuffle buffer per worker
-    crop_scale: tuple[float, float] = (0.08, 1.0)  # random-resized-crop area range
+    # Augmentation: random-resized-crop area share and aspect range (w/h), horizontal flips.
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: bool = True
     max_bad_fraction: float = 0.01  # share of corrupt samples that fails the run
 
     # --- optimization (defaults: the ViT paper's pretraining recipe) --------------------------
@@ -102,6 +105,10 @@ class TrainConfig:
             )
         if self.lr_schedule not in ("cosine", "linear"):
             raise ValueError(f"--lr-schedule must be 'cosine' or 'linear', got {self.lr_schedule!r}")
+        if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
+            raise ValueError(f"--crop-scale {self.crop_scale} must satisfy 0 < MIN <= MAX <= 1, e.g. 0.08,1")
+        if not 0 < self.crop_ratio[0] <= self.crop_ratio[1]:
+            raise ValueError(f"--crop-ratio {self.crop_ratio} must satisfy 0 < MIN <= MAX, e.g. 0.75,1.33")
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ValueError(f"--max-bad-fraction must be in [0, 1], got {self.max_bad_fraction}")
         if self.warmup_steps >= self.max_steps and self.max_steps > 1:
@@ -141,8 +148,11 @@ def data_config(config: TrainConfig, patch_size: int) -> DataConfig:
         image_size=config.image_size,
         patch_size=patch_size,
         scale=config.crop_scale,
+        ratio=config.crop_ratio,
+        hflip=config.hflip,
         label_key=config.label_key,
         require_labels=True,
+        num_classes=config.num_classes,
         seed=config.seed,
         shuffle_buffer=config.shuffle_buffer,
         max_bad_fraction=config.max_bad_fraction,

@@ -101,6 +101,30 @@ def test_check_shards_fails_fast_on_unlabeled_or_imageless_shards(tmp_path, synt
         check_shards([str(texts)], CONFIG)
 
 
+def test_check_shards_fails_fast_when_the_first_labels_pass_the_class_count(tmp_path, synthetic_shards):
+    from pipeline.train.config import TrainConfig, data_config
+
+    train = TrainConfig(num_classes=3, data="unused", out="unused")
+    assert data_config(train, 16).num_classes == 3  # the training run's head size reaches the data stage
+    first = synthetic_shards.urls[0]
+    labels = {synthetic_shards.labels[k] for k in images_by_key([first])}
+    check_shards([first], DataConfig(**{**CONFIG.to_dict(), "num_classes": max(labels) + 1}))
+    with pytest.raises(ShardError, match=r"labels are out of range .*set --num-classes") as info:
+        check_shards([first], DataConfig(**{**CONFIG.to_dict(), "num_classes": max(labels)}))
+    assert "\n" not in str(info.value)
+    # One stray label among 20 is a bad sample for the budget, not a wrong class count.
+    one_off = tmp_path / "one_off.tar"
+    members = [
+        (f"{i:04d}.{ext}", b"J" if ext == "jpg" else b"1") for i in range(20) for ext in ("jpg", "cls")
+    ]
+    one_off.write_bytes(tar_bytes([("0000.jpg", b"J"), ("0000.cls", b"7"), *members[2:]]))
+    check_shards(
+        [str(one_off)], DataConfig(**{**CONFIG.to_dict(), "num_classes": 2, "max_bad_fraction": 0.1})
+    )
+    with pytest.raises(ShardError, match="1 of the first 16 labels"):
+        check_shards([str(one_off)], DataConfig(**{**CONFIG.to_dict(), "num_classes": 2}))
+
+
 # --- with Ray ----------------------------------------------------------------------------------
 
 

@@ -6,9 +6,11 @@ import io
 import random
 import tarfile
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
+from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples
 from pipeline.data.rows import SCHEMA, RowSpec, parse_label, read_shard, sample_rows
 from pipeline.data.tar import iter_members, iter_samples, open_tar_stream, split_name
 from pipeline.data.writing import tar_bytes
@@ -160,6 +162,34 @@ def test_rows_take_the_first_image_key_and_report_missing_members():
         ("0003", -1, "missing image"),
         ("0004", -1, ""),
     ]
+
+
+def test_a_label_outside_the_classes_is_a_bad_sample_and_counted():
+    members = [(f"{i:04d}.{ext}", str(i).encode()) for i in range(6) for ext in ("cls", "jpg")]
+    members += [("0006.json", b'{"y": 9}'), ("0006.jpg", b"J")]
+    samples = list(iter_samples(io.BytesIO(tar_bytes(members))))
+    rows = list(sample_rows(samples[:6], RowSpec(label_key="cls", num_classes=4)))
+    assert [(k, label, e) for k, _, label, e in rows[:4]] == [(f"{i:04d}", i, "") for i in range(4)]
+    assert [(k, label, image, e.split(":")[0]) for k, image, label, e in rows[4:]] == [
+        ("0004", -1, b"", "label out of range"),
+        ("0005", -1, b"", "label out of range"),
+    ]
+    assert "5 is not in [0, 4)" in rows[5][3]
+    (json_row,) = sample_rows(samples[6:], RowSpec(label_key="json:y", num_classes=9))
+    assert json_row[3].startswith("label out of range: 9")
+    assert list(sample_rows(samples[:6], RowSpec(label_key="cls")))[5][2] == 5  # None: no check
+
+    bad = BadSamples(max_bad_fraction=0.2)
+    bad.filter(
+        {
+            "key": np.array([r[0] for r in rows], object),
+            "url": np.array(["s.tar"] * 6, object),
+            "error": np.array([r[3] for r in rows], object),
+        }
+    )
+    assert (bad.total, bad.bad, dict(bad.by_reason)) == (6, 2, {"label out of range": 2})
+    with pytest.raises(BadSampleBudgetError, match="2 label out of range"):
+        bad.check_budget(final=True)  # 2 of 6 > 20%
 
 
 def test_read_shard_yields_arrow_blocks_and_survives_a_missing_file(tmp_path):
