@@ -93,16 +93,25 @@ def write_text(uri: str, text: str, storage_options: dict[str, Any] | None = Non
             f.write(text)
 
 
-def upload_dir(local_dir: str | Path, uri: str, storage_options: dict[str, Any] | None = None) -> None:
+def upload_dir(
+    local_dir: str | Path,
+    uri: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    commit_last: str | None = None,
+) -> None:
     """Copy a local directory's files into `uri` (a directory), each file replaced whole.
 
     Local: copied under a temporary name, then renamed, so a reader never sees half a file (and a
     file already open, or memory-mapped, keeps its old contents). Object stores: one upload per
-    file, which becomes visible only once complete.
+    file, which becomes visible only once complete. `commit_last` names the file readers take as
+    the commit (an export's config.json): it is copied after every other file, so a crash part-way
+    never leaves a new commit beside old files.
     """
     fs, path = filesystem(uri, storage_options)
     fs.makedirs(path, exist_ok=True)
-    for child in sorted(Path(local_dir).iterdir()):
+    children = sorted(Path(local_dir).iterdir(), key=lambda child: (child.name == commit_last, child.name))
+    for child in children:
         target = f"{path.rstrip('/')}/{child.name}"
         if is_local(uri):
             tmp = temporary_name(target)
@@ -113,6 +122,7 @@ def upload_dir(local_dir: str | Path, uri: str, storage_options: dict[str, Any] 
 
 
 # --- whole-file commits and listings, for outputs that are resumed file by file ---------------------
+
 
 def list_files(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, int]:
     """``{name: size in bytes}`` of the files directly inside directory ``uri``; {} when it does not exist.

@@ -250,5 +250,5 @@ def _export(model, mcfg, config: TrainConfig, dcfg: DataConfig, metrics: dict[st
     }
     with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
         if checkpoint.export_final(tmp, model, mcfg, extra) is not None:
-            storage.upload_dir(tmp, storage.join(config.out, "final"))
+            storage.upload_dir(tmp, storage.join(config.out, "final"), commit_last="config.json")
             log_line(f"exported {storage.join(config.out, 'final')}")
