@@ -41,7 +41,11 @@ def apply_local_ray_env() -> None:
 
 @dataclass(frozen=True)
 class Flag:
-    """One flag that sets one config field; its parser follows the field's type unless given."""
+    """One flag that sets one config field; its parser follows the field's type unless given.
+
+    A bool field is a switch: ``--field`` sets it True, or, with ``negate``, ``--no-field`` sets it False
+    (for a field that is on by default, such as ``hflip``).
+    """
 
     field: str
     help: str
@@ -49,10 +53,11 @@ class Flag:
     choices: Sequence[str] | None = None
     required: bool = False
     metavar: str | None = None
+    negate: bool = False
 
     @property
     def option(self) -> str:
-        return "--" + self.field.replace("_", "-")
+        return ("--no-" if self.negate else "--") + self.field.replace("_", "-")
 
 
 def pair(text: str) -> tuple[float, float]:
@@ -113,7 +118,8 @@ def add_flags(
             text += f" (default: {getattr(defaults, flag.field)})"
         kind = flag.type or _parser_for(hints[flag.field])
         if kind is None:
-            parser.add_argument(flag.option, dest=flag.field, action="store_true", default=None, help=text)
+            action = "store_false" if flag.negate else "store_true"
+            parser.add_argument(flag.option, dest=flag.field, action=action, default=None, help=text)
             continue
         parser.add_argument(
             flag.option,

@@ -22,7 +22,16 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # The fields that decide the shape of every encoder tensor at a given resolution, in the order a
 # mismatch is reported. Checks add what else they care about: the image size (pos_embed's length), the
 # head (its shapes), the number of heads (same tensors, another computation).
-ARCHITECTURE_FIELDS = ("embed_dim", "depth", "mlp_dim", "patch_size", "num_channels", "qkv_bias")
+ARCHITECTURE_FIELDS = (
+    "embed_dim",
+    "depth",
+    "mlp_dim",
+    "patch_size",
+    "num_channels",
+    "qkv_bias",
+    "backbone_layers",
+    "backbone_width",
+)
 
 
 @dataclass(frozen=True)
@@ -46,11 +55,18 @@ class ViTConfig:
     # Input normalization over [0, 1] pixels, applied inside the model to uint8 patches.
     mean: tuple[float, ...] = VIT_MEAN
     std: tuple[float, ...] = VIT_STD
+    # Hybrid (Sec. 3.1): a ResNet (vit/hybrid.py) whose feature map becomes the tokens through 1x1
+    # patches. Bottleneck units per stage, e.g. (3, 4, 9) for R50+ViT-B/16; None: the plain ViT. The
+    # hybrid still reads uint8 patches: patch_size is then the ResNet's total stride, 4 * 2^(stages-1).
+    backbone_layers: tuple[int, ...] | None = None
+    backbone_width: int | None = None  # the stem's channels (64 in ResNet-50); stage i: 4 * width * 2^i out
 
     def __post_init__(self) -> None:
         # JSON gives lists; keep the dataclass hashable and comparable.
         object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
         object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        if self.backbone_layers is not None and not isinstance(self.backbone_layers, (str, int)):
+            object.__setattr__(self, "backbone_layers", tuple(self.backbone_layers))
         self.validate()
 
     # --- derived sizes ---------------------------------------------------------------------------
@@ -68,6 +84,20 @@ class ViTConfig:
     def patch_dim(self) -> int:
         """P*P*C, the length of one flattened patch."""
         return self.patch_size**2 * self.num_channels
+
+    @property
+    def backbone_stride(self) -> int | None:
+        """The hybrid ResNet's total stride (4 for the stem, x2 per stage after the first); None if plain."""
+        if self.backbone_layers is None:
+            return None
+        return 4 * 2 ** (len(self.backbone_layers) - 1)
+
+    @property
+    def backbone_channels(self) -> int | None:
+        """C', the channels of the hybrid's feature map (what the 1x1 patch projection reads); None if plain."""
+        if self.backbone_layers is None or self.backbone_width is None:
+            return None
+        return 4 * self.backbone_width * 2 ** (len(self.backbone_layers) - 1)
 
     @property
     def head_dim(self) -> int:
@@ -120,6 +150,31 @@ class ViTConfig:
             raise ValueError(f"std must be positive, got {self.std}")
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        self._validate_backbone()
+
+    def _validate_backbone(self) -> None:
+        layers, width = self.backbone_layers, self.backbone_width
+        if layers is None:
+            if width is not None:
+                raise ValueError(
+                    "backbone_width applies to hybrids only; set backbone_layers too, or drop it"
+                )
+            return
+        if (
+            not isinstance(layers, tuple)
+            or not layers
+            or any(not isinstance(n, int) or n <= 0 for n in layers)
+        ):
+            raise ValueError(f"backbone_layers must be a non-empty list of positive integers, got {layers!r}")
+        if not isinstance(width, int) or width <= 0 or width % 32:
+            raise ValueError(
+                f"backbone_width must be a positive multiple of 32 (GroupNorm uses 32 groups), got {width!r}"
+            )
+        if self.patch_size != self.backbone_stride:
+            raise ValueError(
+                f"a hybrid's patch_size is its ResNet's stride: {len(layers)} stage(s) give "
+                f"{self.backbone_stride}, not {self.patch_size}; set patch_size={self.backbone_stride}"
+            )
 
     # --- plain data ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -168,6 +223,18 @@ VARIANTS: dict[str, ViTConfig] = {
         _variant("vit_h14", 14, 1280, 32, 5120, 16),  # ViT paper
         _variant("vit_g14", 14, 1408, 40, 6144, 16),  # Zhai et al.
         _variant("vit_G14", 14, 1664, 48, 8192, 16),  # Zhai et al.
+        # 4-pixel patches for 32-64 px images (Fashion-MNIST, CIFAR sizes): the `small` preset's model,
+        # which learns real small images on 2 CPU workers in minutes.
+        ViTConfig(
+            name="vit_mini4",
+            image_size=32,
+            patch_size=4,
+            embed_dim=128,
+            depth=6,
+            num_heads=4,
+            mlp_dim=512,
+            num_classes=10,
+        ),
         # Small enough to train on 2 CPU workers in seconds: the tests' and the demo's model.
         ViTConfig(
             name="vit_tiny_test",
@@ -178,6 +245,35 @@ VARIANTS: dict[str, ViTConfig] = {
             num_heads=4,
             mlp_dim=128,
             num_classes=10,
+        ),
+        # Hybrids, paper Sec. 3.1 and Appendix D.2: ResNet-50 stages as the stem, 1x1 patches on its
+        # feature map. For /16 the paper drops stage 4 and moves its 3 units into stage 3: (3, 4, 9);
+        # for /32 it keeps ResNet-50 whole: (3, 4, 6, 3). patch_size is the stem's stride.
+        ViTConfig(
+            name="vit_r50_b16", patch_size=16, backbone_layers=(3, 4, 9), backbone_width=64
+        ),  # timm vit_base_r50_s16_224
+        ViTConfig(
+            name="vit_r50_l32",
+            patch_size=32,
+            embed_dim=1024,
+            depth=24,
+            num_heads=16,
+            mlp_dim=4096,
+            backbone_layers=(3, 4, 6, 3),
+            backbone_width=64,
+        ),  # timm vit_large_r50_s32_224
+        # The tests' hybrid: vit_tiny_test's encoder on a two-stage ResNet of stride 8 (same patches).
+        ViTConfig(
+            name="vit_r_tiny_test",
+            image_size=32,
+            patch_size=8,
+            embed_dim=64,
+            depth=2,
+            num_heads=4,
+            mlp_dim=128,
+            num_classes=10,
+            backbone_layers=(1, 1),
+            backbone_width=32,
         ),
     )
 }

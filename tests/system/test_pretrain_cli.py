@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.train.config import TrainConfig, data_config
+
 ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN = ROOT / "jobs" / "pretrain.py"
 
@@ -18,7 +20,7 @@ FLAGS = {
     "--preset", "--data", "--out", "--model", "--image-size", "--num-classes", "--num-workers",
     "--cpus-per-worker", "--placement-strategy", "--max-steps", "--stop-at-step", "--batch-size", "--micro-batch-size", "--lr",
     "--min-lr", "--weight-decay", "--warmup-steps", "--lr-schedule", "--grad-clip", "--seed", "--label-key",
-    "--shuffle-buffer", "--max-bad-fraction", "--log-every", "--checkpoint-every", "--keep-checkpoints",
+    "--shuffle-buffer", "--crop-scale", "--crop-ratio", "--no-hflip", "--max-bad-fraction", "--log-every", "--checkpoint-every", "--keep-checkpoints",
     "--max-failures", "--cpu", "--activation-checkpointing", "--compile", "--address", "--num-cpus",
     "--print-config", "--help",
 }  # fmt: skip
@@ -49,6 +51,22 @@ def test_flags_override_the_preset():
         False,
         4096,
     )
+
+
+def test_augmentation_flags_reach_the_data_stage():
+    result = run(
+        "--data", "x", "--out", "y", "--crop-scale", "0.25,0.9", "--crop-ratio", "0.5,2", "--no-hflip",
+        "--print-config",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    config = TrainConfig.from_dict(json.loads(result.stdout))
+    data = data_config(config, patch_size=8)
+    assert (data.scale, data.ratio, data.hflip) == ((0.25, 0.9), (0.5, 2.0), False)
+    # Left out, they keep the preset's values: the paper's crop and flips.
+    default = data_config(
+        TrainConfig.from_dict(json.loads(run("--data", "x", "--out", "y", "--print-config").stdout)), 8
+    )
+    assert (default.scale, default.ratio, default.hflip) == ((0.08, 1.0), (0.75, 4 / 3), True)
 
 
 @pytest.mark.parametrize(
