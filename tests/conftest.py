@@ -61,7 +61,7 @@ def ray_session():
 def synthetic_shards(tmp_path_factory):
     """A tiny labeled shard set: 4 shards x 12 samples of 64x64 JPEGs, 4 classes (no Ray needed).
 
-    Returns a `pipeline.shardwriter.ShardSet`: ``.dir``, ``.urls`` (sorted shard paths), ``.keys``,
+    Returns a `pipeline.data.writing.ShardSet`: ``.dir``, ``.urls`` (sorted shard paths), ``.keys``,
     ``.labels`` (key -> int), ``.num_classes``, ``.image_size``, ``.brace_url``.
     """
     from pipeline.data.synthetic import write_synthetic_shards

@@ -5,10 +5,10 @@
 
 (a) model only: random uint8 patches straight into ``model.embed`` (no decode): the compute ceiling of
     this device for this model and batch size;
-(b) naive loop: one process reads each shard (`pipeline.rows.read_shard`), decodes it with the job's
-    eval transform (`pipeline.preprocess.preprocess_batch`), embeds in batches of ``--batch-size`` and
+(b) naive loop: one process reads each shard (`pipeline.data.rows.read_shard`), decodes it with the job's
+    eval transform (`pipeline.data.decode.preprocess_batch`), embeds in batches of ``--batch-size`` and
     writes one Parquet file per shard with pyarrow: what one would write without Ray;
-(c) the job: `pipeline.embed.prepare` + `run`, the function ``jobs/embed.py`` runs, on a local Ray.
+(c) the job: `pipeline.embed.job.prepare` + `run`, the function ``jobs/embed.py`` runs, on a local Ray.
     Its rate is taken between the first and the last shard commit ("steady", after the model actor
     has started) and over the whole run ("end to end", actor start included).
 
@@ -40,9 +40,8 @@ import numpy as np
 import torch
 
 import vit
+from jobs.benchmarks.process_cpu import RAY_KINDS
 from jobs.benchmarks.report import print_table, write_json
-
-RAY_KINDS = ("ray workers", "raylet", "gcs_server", "ray daemons")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -146,7 +145,7 @@ def job_run(config: Any) -> tuple[int, float, float]:
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    from jobs.benchmarks.data import process_tree_cpu
+    from jobs.benchmarks.process_cpu import process_tree_cpu
     from pipeline.data.config import DataConfig
 
     args = parse_args(argv)

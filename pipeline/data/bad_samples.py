@@ -54,7 +54,7 @@ class BadSamples:
 
     @classmethod
     def from_config(cls, config: Any) -> BadSamples:
-        """From a `pipeline.data.DataConfig` (its ``max_bad_fraction`` and ``bad_grace_samples``)."""
+        """From a `pipeline.data.config.DataConfig` (its ``max_bad_fraction`` and ``bad_grace_samples``)."""
         return cls(max_bad_fraction=config.max_bad_fraction, grace_samples=config.bad_grace_samples)
 
     def filter(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
