@@ -114,6 +114,20 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(config.embed_dim, eps=config.norm_eps, device=device)
         self.mlp = MLP(config, device)
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        # Xavier-uniform weights (QKV as three D x D matrices), zero biases, LayerNorm ones/zeros.
+        d = self.attn.proj.in_features
+        bound = math.sqrt(6.0 / (2 * d))  # Xavier-uniform of one D x D slice of QKV
+        nn.init.uniform_(self.attn.qkv.weight, -bound, bound)
+        if self.attn.qkv.bias is not None:
+            nn.init.zeros_(self.attn.qkv.bias)
+        for linear in (self.attn.proj, self.mlp.fc1, self.mlp.fc2):
+            nn.init.xavier_uniform_(linear.weight)
+            nn.init.zeros_(linear.bias)
+        self.norm1.reset_parameters()
+        self.norm2.reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
@@ -188,23 +202,28 @@ class VisionTransformer(nn.Module):
         nn.init.zeros_(self.cls_token)
         nn.init.normal_(self.pos_embed, std=0.02)
         for block in self.blocks:
-            bound = math.sqrt(6.0 / (2 * c.embed_dim))  # Xavier-uniform of one D x D slice of QKV
-            nn.init.uniform_(block.attn.qkv.weight, -bound, bound)
-            if block.attn.qkv.bias is not None:
-                nn.init.zeros_(block.attn.qkv.bias)
-            for linear in (block.attn.proj, block.mlp.fc1, block.mlp.fc2):
-                nn.init.xavier_uniform_(linear.weight)
-                nn.init.zeros_(linear.bias)
-            block.norm1.reset_parameters()
-            block.norm2.reset_parameters()
+            block.reset_parameters()
         self.norm.reset_parameters()
         self.head.reset_parameters()
 
     # --- staged forward --------------------------------------------------------------------------
-    def prepare_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """Input -> the encoder's input sequence ``(B, 1+N, D)``: [CLS] and patch tokens plus pos_embed."""
-        x = self.patch_embed(x)  # (B, N, D)
+    def prepare_tokens(self, x: torch.Tensor, ids_keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Input -> the encoder's input sequence ``(B, 1+N, D)``: [CLS] and patch tokens plus pos_embed.
+
+        With ``ids_keep`` ``(B, n)`` (int64), ``x`` holds only the ``n`` patches at those grid positions
+        (uint8 ``(B, n, P*P*C)``, as masked autoencoding sends them) and the sequence is ``(B, 1+n, D)``:
+        each token gets the position embedding of where it sits in the full grid.
+        """
+        x = self.patch_embed(x)  # (B, N, D), or (B, n, D) with ids_keep
         b, n, d = x.shape
+        if ids_keep is not None:
+            if ids_keep.shape != (b, n):
+                raise ValueError(
+                    f"ids_keep has shape {tuple(ids_keep.shape)}; expected {(b, n)}, one per patch"
+                )
+            pos = self.pos_embed[1:][ids_keep]  # (B, n, D): gathered, so gradients reach those rows only
+            cls = (self.cls_token + self.pos_embed[0]).view(1, 1, d).expand(b, -1, -1)  # (B, 1, D)
+            return torch.cat([cls, x + pos], dim=1)  # (B, 1+n, D)
         if n != self.config.num_patches:
             c = self.config
             raise ValueError(
@@ -215,9 +234,12 @@ class VisionTransformer(nn.Module):
         cls = self.cls_token.view(1, 1, d).expand(b, -1, -1)  # (B, 1, D)
         return torch.cat([cls, x], dim=1) + self.pos_embed  # (B, 1+N, D)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """uint8 patches ``(B, N, P*P*C)`` or float images ``(B, C, H, W)`` -> tokens ``(B, 1+N, D)``."""
-        x = self.prepare_tokens(x)
+    def forward_features(self, x: torch.Tensor, ids_keep: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 patches ``(B, N, P*P*C)`` or float images ``(B, C, H, W)`` -> tokens ``(B, 1+N, D)``.
+
+        With ``ids_keep`` ``(B, n)``: a subset of the patches, at those grid positions -> ``(B, 1+n, D)``.
+        """
+        x = self.prepare_tokens(x, ids_keep)
         for block in self.blocks:
             x = block(x)
         return self.norm(x)
