@@ -7,8 +7,8 @@ process without a process group). Both sides share this module, so neither impor
     <run>/checkpoint_00001000/  __<rank>_0.distcp (each rank's shards), .metadata (DCP's global layout,
                                 written last), train_state.json (step, data position, RNG), config.json
 
-A directory counts only once `.metadata` and `train_state.json` are both there; `latest_complete`
-skips anything else (a crash mid-save leaves an ignorable directory).
+A directory counts only once `.metadata`, `train_state.json` and every shard file the metadata names
+are there; `latest_complete` skips anything else (a crash mid-save leaves an ignorable directory).
 
 DCP's `.metadata` is a pickle. It is read through `MetadataUnpickler`, which admits only the exact
 classes checkpoint metadata holds, never torch's own unpickler. DCP reads a non-tensor entry with
@@ -38,9 +38,25 @@ def checkpoint_name(step: int) -> str:
 
 
 def is_complete(directory: str | Path, storage_options: dict[str, Any] | None = None) -> bool:
-    """True once a checkpoint directory (local or URL) holds its `.metadata` and `train_state.json`."""
+    """True once a checkpoint directory (local or URL) holds its `.metadata`, `train_state.json` and
+    every shard file the metadata names. Rank 0 writes the first two, so they alone do not show that
+    the other ranks' `__<rank>_0.distcp` files arrived; metadata that cannot be read (refused by
+    `MetadataUnpickler`, truncated) makes the directory incomplete, never an error."""
     fs, path = storage.filesystem(str(directory), storage_options)
-    return fs.isfile(f"{path}/{METADATA}") and fs.isfile(f"{path}/{TRAIN_STATE}")
+    fs.invalidate_cache(path)  # a listing cached before the last rank's upload would hide its file
+    try:
+        present = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if not {METADATA, TRAIN_STATE} <= present:
+        return False
+    try:
+        with fs.open(f"{path}/{METADATA}", "rb") as stream:
+            metadata = MetadataUnpickler(stream).load()
+        referenced = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError):
+        return False
+    return referenced <= present
 
 
 def latest_complete(run_dir: str | Path, storage_options: dict[str, Any] | None = None) -> str | None:

@@ -1,0 +1,83 @@
+"""A checkpoint is complete only when every shard file its metadata names is there, read through the
+restricted unpickler; rank 0's `.metadata` and `train_state.json` alone do not show the other ranks'
+files arrived."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as tdcp
+
+from pipeline import dcp
+
+
+def write_checkpoint(path) -> list[str]:
+    """A DCP checkpoint spread over two shard files (two writer threads stand in for two ranks), plus
+    rank 0's train_state.json; returns the shard file names."""
+    state = {"model": {"a": torch.arange(64.0), "b": torch.ones(8, 8), "c": torch.zeros(3)}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        tdcp.save(state, storage_writer=tdcp.FileSystemWriter(str(path), thread_count=2), no_dist=True)
+    (path / dcp.TRAIN_STATE).write_text('{"step": 3}')
+    shards = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    assert len(shards) == 2, shards
+    return shards
+
+
+def test_a_checkpoint_with_all_its_files_is_complete(tmp_path):
+    path = tmp_path / dcp.checkpoint_name(3)
+    write_checkpoint(path)
+    assert dcp.is_complete(path)
+    assert dcp.latest_complete(tmp_path) == str(path)
+
+
+def test_a_missing_shard_file_makes_it_incomplete(tmp_path):
+    older, newer = tmp_path / dcp.checkpoint_name(2), tmp_path / dcp.checkpoint_name(3)
+    write_checkpoint(older)
+    shards = write_checkpoint(newer)
+    os.remove(newer / shards[1])  # another rank's upload never arrived
+    assert (newer / dcp.METADATA).is_file() and (newer / dcp.TRAIN_STATE).is_file()
+    assert not dcp.is_complete(newer)
+    assert dcp.latest_complete(tmp_path) == str(older)
+
+
+def test_missing_train_state_or_metadata_makes_it_incomplete(tmp_path):
+    for name in (dcp.TRAIN_STATE, dcp.METADATA):
+        path = tmp_path / name.strip(".") / dcp.checkpoint_name(3)
+        write_checkpoint(path)
+        os.remove(path / name)
+        assert not dcp.is_complete(path)
+    assert not dcp.is_complete(tmp_path / "no_such_checkpoint")
+
+
+class Marker:
+    """Unpickling this would run code: a metadata file must never get that far."""
+
+    ran = False
+
+    def __reduce__(self):
+        return (Marker._run, ())
+
+    @staticmethod
+    def _run():
+        Marker.ran = True
+
+
+@pytest.mark.parametrize("content", ["hostile", "truncated"])
+def test_unreadable_metadata_makes_it_incomplete_without_running_anything(tmp_path, content):
+    path = tmp_path / dcp.checkpoint_name(3)
+    write_checkpoint(path)
+    metadata = path / dcp.METADATA
+    if content == "hostile":
+        buffer = io.BytesIO()
+        pickle.dump(Marker(), buffer)
+        metadata.write_bytes(buffer.getvalue())
+    else:
+        metadata.write_bytes(metadata.read_bytes()[:40])
+    assert not dcp.is_complete(path)
+    assert not Marker.ran
