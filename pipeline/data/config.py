@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.data.rows import RowSpec
+from pipeline.data.rows import Retry, RowSpec
 
 # Resampling filters by name (`pipeline.data.decode.RESAMPLE` maps them to PIL's).
 INTERPOLATIONS = ("nearest", "box", "bilinear", "bicubic", "lanczos")
@@ -56,6 +56,10 @@ class DataConfig:
     # read task is about 4 blocks.
     block_bytes: int = 64 << 20
     read_concurrency: int | None = None  # read tasks at once (None: as many as CPUs allow)
+    # A shard whose storage fails is tried read_attempts times in all, waiting read_backoff_s, then
+    # twice that, ... between tries (at most 3.5 s with the defaults), before it counts as lost.
+    read_attempts: int = 4
+    read_backoff_s: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("scale", "ratio", "image_keys"):  # from_dict / JSON give lists
@@ -93,6 +97,10 @@ class DataConfig:
                 self.num_classes is not None and self.num_classes <= 0,
                 f"num_classes {self.num_classes} must be positive (or None for no label check)",
             ),
+            (
+                self.read_attempts < 1 or self.read_backoff_s < 0,
+                "read_attempts >= 1 and read_backoff_s >= 0 please",
+            ),
         ]
         for bad, message in problems:
             if bad:
@@ -105,6 +113,10 @@ class DataConfig:
     @property
     def row_spec(self) -> RowSpec:
         return RowSpec(self.image_keys, self.label_key, self.require_labels, self.num_classes)
+
+    @property
+    def retry(self) -> Retry:
+        return Retry(self.read_attempts, self.read_backoff_s)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values; secrets in ``storage_options`` are replaced by ``"***"``."""

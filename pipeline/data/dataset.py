@@ -24,6 +24,7 @@ import numpy as np
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig, shuffle_seed
 from pipeline.data.decode import preprocess_batch
+from pipeline.data.rows import raise_lost_shard
 from pipeline.data.shards import ShardError, open_shard
 from pipeline.data.tar import iter_samples, open_tar_stream
 
@@ -49,7 +50,11 @@ def build_dataset(shards: list[str], config: DataConfig, *, train: bool, epoch: 
             "no shards to read; pass at least one shard URL (see pipeline.data.shards.expand_shards)"
         )
     source = TarShardDatasource(
-        list(shards), config.row_spec, storage_options=config.storage_options, block_rows=config.block_rows
+        list(shards),
+        config.row_spec,
+        storage_options=config.storage_options,
+        block_rows=config.block_rows,
+        retry=config.retry,
     )
     # override_num_blocks = one per shard: Ray would otherwise split read outputs, which blocks fusion.
     ds = ray.data.read_datasource(
@@ -86,7 +91,8 @@ def iter_batches(
     """Numpy batches of ``ds``; with ``shuffle``, through a seeded local shuffle buffer.
 
     With ``bad_samples``, error rows are recorded and removed (batches may then be smaller than
-    ``batch_size``) and the bad-sample budget is checked after every batch and at the end.
+    ``batch_size``) and the bad-sample budget is checked after every batch and at the end; a shard
+    lost to storage raises `ShardLostError` (its samples are unknown: not one bad sample).
     """
     use_buffer = shuffle and config.shuffle_buffer > 0
     batches = ds.iter_batches(
@@ -99,6 +105,7 @@ def iter_batches(
     )
     for batch in batches:
         if bad_samples is not None:
+            raise_lost_shard(batch)
             batch = bad_samples.filter(batch)
             bad_samples.check_budget()
         yield batch

@@ -10,18 +10,27 @@ Rows (one per sample, Arrow blocks of up to ``block_rows`` samples, no per-sampl
 
 A shard that cannot be opened, a truncated tar or a sample with a problem becomes an error row;
 reading never raises on bad data. Pure Python + pyarrow: no Ray here (`pipeline.data.source` wraps it).
+
+Storage failures are retried (`Retry`): the shard is opened again and read from its start, the samples
+already made into rows are skipped (their keys checked), so a retry neither repeats nor drops a sample.
+A shard still unreadable after the last try ends in one ``unreadable shard`` row: its samples are
+unknown, so a consumer must not count it as one bad sample (training stops with `ShardLostError`;
+the embedding job commits nothing for it and retries it on its next run).
 """
 
 from __future__ import annotations
 
 import json
+import random
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
 
+from pipeline.data.bad_samples import BadSampleBudgetError
 from pipeline.data.shards import open_shard
-from pipeline.data.tar import Sample, iter_samples, open_tar_stream
+from pipeline.data.tar import Sample, ShardReadError, iter_samples, open_tar_stream
 
 SCHEMA = pa.schema(
     [
@@ -33,6 +42,31 @@ SCHEMA = pa.schema(
     ]
 )
 MAX_BLOCK_BYTES = 64 << 20  # encoded bytes per block; far below Arrow's 2 GiB binary-array limit
+UNREADABLE = "unreadable shard"
+# Failures that another try cannot mend: the shard is not there, or not ours to read.
+_FINAL = (FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+class ShardLostError(BadSampleBudgetError):
+    """A shard stayed unreadable after every try. A `BadSampleBudgetError`, so that consumers which stop
+    cleanly (one line) on a passed budget stop on this too: its samples are unknown, not one bad one."""
+
+
+class _ShardChangedError(Exception):
+    """The shard read on a retry is not the one read before (another sample where the last one was)."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How hard a read task tries one shard: ``attempts`` tries in all, waiting ``backoff_s``, then twice
+    that, and so on between them (each wait shortened by a random share of up to half, so that tasks
+    failing together do not retry together): at most ``backoff_s * (2 ** (attempts - 1) - 1)`` seconds."""
+
+    attempts: int = 4
+    backoff_s: float = 0.5
+
+    def wait(self, failures: int) -> float:
+        return self.backoff_s * 2 ** (failures - 1) * random.uniform(0.5, 1.0)
 
 
 @dataclass(frozen=True)
@@ -127,29 +161,70 @@ def sample_rows(samples: Iterable[Sample], spec: RowSpec) -> Iterator[tuple[str,
         yield sample.key, image, label, error
 
 
-def read_shard(url: str, spec: RowSpec, storage_options: dict | None, block_rows: int) -> Iterator[pa.Table]:
+def read_shard(
+    url: str, spec: RowSpec, storage_options: dict | None, block_rows: int, retry: Retry | None = None
+) -> Iterator[pa.Table]:
     """Arrow blocks of rows for one shard, in tar order; never raises on bad data.
 
-    A shard that cannot be opened or read adds one ``unreadable shard`` error row (key "") after the
-    rows read before the failure; a shard without samples gives one ``empty shard`` error row.
+    A storage failure is retried as ``retry`` says (see the module docstring); a shard still unreadable
+    then adds one ``unreadable shard`` error row (key "") after the rows read before; a shard without
+    samples gives one ``empty shard`` error row.
     """
+    retry = retry or Retry()
     rows: list[tuple[str, bytes, int, str]] = []
-    nbytes, seen = 0, 0
-    try:
-        with open_shard(url, storage_options) as fileobj:
-            for row in sample_rows(iter_samples(open_tar_stream(fileobj, url), spec.wanted), spec):
+    nbytes, done, last_key = 0, 0, ""  # done: samples made into rows, by every try so far
+    failures, waited = 0, 0.0
+    while True:
+        try:
+            for row in _rows_after(url, spec, storage_options, done, last_key):
                 rows.append(row)
                 nbytes += len(row[1])
-                seen += 1
+                done, last_key = done + 1, row[0]
                 if len(rows) >= block_rows or nbytes >= MAX_BLOCK_BYTES:
                     yield _table(rows, url)
                     rows, nbytes = [], 0
-        if not seen:  # so that consumers tracking shards (the embedding job) still see this one
-            rows.append(("", b"", -1, "empty shard: the tar holds no samples"))
-    except Exception as e:  # a vanished, unreachable or unreadable shard: one error row, the job goes on
-        rows.append(("", b"", -1, f"unreadable shard: {type(e).__name__}: {_one_line(e)}"))
+            if not done:  # so that consumers tracking shards (the embedding job) still see this one
+                rows.append(("", b"", -1, "empty shard: the tar holds no samples"))
+            break
+        except Exception as e:  # a vanished, unreachable or unreadable shard
+            failures += 1
+            if failures >= retry.attempts or isinstance(e, (*_FINAL, _ShardChangedError)):
+                tries = "1 try" if failures == 1 else f"{failures} tries over {waited:.1f} s"
+                what = (
+                    _one_line(e) if isinstance(e, ShardReadError) else f"{type(e).__name__}: {_one_line(e)}"
+                )
+                rows.append(("", b"", -1, f"{UNREADABLE}: {what} ({tries}; {done} read)"))
+                break
+            pause = retry.wait(failures)
+            time.sleep(pause)
+            waited += pause
     if rows:
         yield _table(rows, url)
+
+
+def _rows_after(
+    url: str, spec: RowSpec, storage_options: dict | None, skip: int, last_key: str
+) -> Iterator[tuple[str, bytes, int, str]]:
+    """The shard's rows from its ``skip``-th sample on; sample ``skip - 1`` must have key ``last_key``."""
+    with open_shard(url, storage_options) as fileobj:
+        for index, sample in enumerate(iter_samples(open_tar_stream(fileobj, url), spec.wanted)):
+            if index >= skip:
+                yield from sample_rows([sample], spec)
+            elif index == skip - 1 and sample.key != last_key:
+                raise _ShardChangedError(
+                    f"shard changed between tries: sample {index} is {sample.key!r}, was {last_key!r}"
+                )
+
+
+def raise_lost_shard(batch: dict) -> None:
+    """Raise `ShardLostError` (one line) when a batch of rows holds an ``unreadable shard`` row."""
+    for url, error in zip(batch["url"], batch["error"], strict=True):
+        if error.startswith(UNREADABLE):
+            raise ShardLostError(
+                f"shard {url} was lost: {error}; its samples are unknown, so the run stops rather than "
+                "skip them: check the storage, then run the same command again (it resumes from its last "
+                "checkpoint)"
+            )
 
 
 def _table(rows: list[tuple[str, bytes, int, str]], url: str) -> pa.Table:

@@ -1,6 +1,6 @@
 """The read stage on Ray: a Datasource with one read task per tar shard, streaming rows in tar order.
 
-Each read task runs `pipeline.rows.read_shard` for its shard. ``storage_options`` travel inside each
+Each read task runs `pipeline.data.rows.read_shard` for its shard (retrying storage failures itself). ``storage_options`` travel inside each
 read task, so Ray worker processes reach the same endpoint with the same credentials as the driver.
 """
 
@@ -11,20 +11,27 @@ import functools
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from pipeline.data.rows import RowSpec, read_shard
+from pipeline.data.rows import Retry, RowSpec, read_shard
 
 
 class TarShardDatasource(Datasource):
     """One read task per shard, in the order given (Ray keeps that order with ``preserve_order``)."""
 
     def __init__(
-        self, shards: list[str], spec: RowSpec, *, storage_options: dict | None = None, block_rows: int = 256
+        self,
+        shards: list[str],
+        spec: RowSpec,
+        *,
+        storage_options: dict | None = None,
+        block_rows: int = 256,
+        retry: Retry | None = None,
     ):
         super().__init__()
         self._shards = list(shards)
         self._spec = spec
         self._storage_options = storage_options
         self._block_rows = block_rows
+        self._retry = retry or Retry()
 
     def get_read_tasks(
         self, parallelism: int, per_task_row_limit: int | None = None, data_context: object | None = None
@@ -32,7 +39,9 @@ class TarShardDatasource(Datasource):
         # One task per shard whatever `parallelism` asks: the shard is the unit of ordering and resumption.
         return [
             ReadTask(
-                functools.partial(read_shard, url, self._spec, self._storage_options, self._block_rows),
+                functools.partial(
+                    read_shard, url, self._spec, self._storage_options, self._block_rows, self._retry
+                ),
                 BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=[url]),
                 per_task_row_limit=per_task_row_limit,
             )

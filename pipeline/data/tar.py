@@ -13,6 +13,7 @@ sample are consecutive; names without a dot (or starting with one) are ignored.
 Problems become samples with ``error`` set, never exceptions, so a reader keeps every good sample:
 ``duplicate member``, ``split sample`` (a key seen again after other keys), ``member too large``, and,
 once per shard, ``truncated tar`` / ``corrupt tar`` (for the sample in progress, or key "" if none).
+A storage failure is no problem of the data: it raises `ShardReadError`, and the reader decides.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ _GZIP_MAGIC = b"\x1f\x8b"
 
 class TarStreamError(Exception):
     """The stream cannot be parsed further; its message starts with the reason category."""
+
+
+class ShardReadError(OSError):
+    """Storage failed mid-stream (network, service): not the shard's fault, so a reader may try again.
+    Unlike `TarStreamError` it is raised out of `iter_samples`, not turned into an error sample."""
 
 
 @dataclass
@@ -160,7 +166,7 @@ def _read(stream: IO[bytes], n: int, offset: int) -> bytes:
         except (zlib.error, gzip.BadGzipFile) as e:
             raise TarStreamError(f"corrupt tar: bad compressed data near byte {offset} ({e})") from e
         except Exception as e:  # network or storage errors mid-stream (after the filesystem's own retries)
-            raise TarStreamError(f"unreadable shard: {type(e).__name__}: {e} near byte {offset}") from e
+            raise ShardReadError(f"{type(e).__name__}: {e} near byte {offset}") from e
         if not chunk:
             break
         chunks.append(chunk)
