@@ -31,6 +31,15 @@ FLAGS = [
     cli.Flag("num_workers", "training workers (one GPU each unless --cpu)"),
     cli.Flag("cpus_per_worker", "CPUs reserved per training worker; the rest decode data"),
     cli.Flag("placement_strategy", "workers over nodes: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"),
+    cli.Flag(
+        "data_cpus_per_worker",
+        "decode CPUs of each worker's data pipeline (default: the cluster's spare CPUs, re-read each epoch)",
+    ),
+    cli.Flag(
+        "shard_group_size",
+        "workers per FSDP shard group; groups replicate each other (HSDP) (default: the workers of a node)",
+    ),
+    cli.Flag("shared_out", "a local --out is one filesystem mounted at the same path on every node"),
     cli.Flag("max_steps", "optimizer steps of the schedule"),
     cli.Flag("stop_at_step", "end this run at that step (schedule unchanged); rerun to continue"),
     cli.Flag("batch_size", "global batch: images per optimizer step across all workers"),
@@ -81,15 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from pipeline.train import driver
-
         config = resolve(args)
         if args.print_config:
             cli.print_config(config)
             return 0
+        from pipeline.train import driver
+
         shards = driver.prepare(config)
-        if cli.connect_ray(args, needed_cpus=driver.local_cpus_needed(config)):
-            driver.check_local_ray(config)
+        local = cli.connect_ray(args, needed_cpus=driver.local_cpus_needed(config))
+        driver.check_cluster(config, local_ray=local)
         summary = driver.fit(config, shards)
         print(driver.format_summary(summary, config))
         return 0

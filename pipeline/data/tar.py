@@ -12,7 +12,8 @@ sample are consecutive; names without a dot (or starting with one) are ignored.
 
 Problems become samples with ``error`` set, never exceptions, so a reader keeps every good sample:
 ``duplicate member``, ``split sample`` (a key seen again after other keys), ``member too large``, and,
-once per shard, ``truncated tar`` / ``corrupt tar`` (for the sample in progress, or key "" if none).
+once per shard, ``truncated tar`` / ``corrupt tar``, keyed by the member cut or damaged (key "" when
+the stream stops in a header or padding). Every sample whose members all end before that point is kept.
 A storage failure is no problem of the data: it raises `ShardReadError`, and the reader decides.
 """
 
@@ -33,7 +34,12 @@ _GZIP_MAGIC = b"\x1f\x8b"
 
 
 class TarStreamError(Exception):
-    """The stream cannot be parsed further; its message starts with the reason category."""
+    """The stream cannot be parsed further; its message starts with the reason category. ``member``
+    names the member whose data was cut or damaged (None when it stopped in or between headers)."""
+
+    def __init__(self, message: str, member: str | None = None):
+        super().__init__(message)
+        self.member = member
 
 
 class ShardReadError(OSError):
@@ -80,7 +86,10 @@ def iter_members(
     offset = 0
     long_name: str | None = None
     pax: dict[str, str] = {}
+    cut_in_padding = False
     while True:
+        if cut_in_padding:  # raised only now: the member before the cut has been yielded whole
+            raise TarStreamError(f"truncated tar: shard ends inside padding before byte {offset}")
         header = _read(stream, BLOCK, offset)
         if not header:
             return  # ends on a member boundary without the end-of-archive blocks: accept what is there
@@ -96,8 +105,8 @@ def iter_members(
             size = _pax_size(pax["size"], offset)
         offset += BLOCK
         padded = (size + BLOCK - 1) // BLOCK * BLOCK
-        if kind in _METADATA:
-            data = _read_exact(stream, padded, offset, name)[:size]
+        if kind in _METADATA:  # a cut here is no member's: the name it carries is not known yet
+            data = _read_exact(stream, padded, offset, None)[:size]
             offset += padded
             if kind == b"L":
                 long_name = data.split(b"\0", 1)[0].decode("utf-8", "replace")
@@ -107,10 +116,16 @@ def iter_members(
         long_name, pax = None, {}
         if kind in _REGULAR and size <= MAX_MEMBER_BYTES and (want is None or want(name)):
             data = _read_exact(stream, size, offset, name)
-            _read_exact(stream, padded - size, offset + size, name)
         else:
             data = None
-            _skip(stream, padded, offset, name)
+            _skip(stream, size, offset, name)
+        # The padding holds no data: a cut inside it leaves this member whole.
+        try:
+            cut_in_padding = len(_read(stream, padded - size, offset + size)) < padded - size
+        except TarStreamError as e:
+            if not str(e).startswith("truncated tar"):
+                raise
+            cut_in_padding = True
         offset += padded
         if kind in _REGULAR:
             yield name, data, size
@@ -150,21 +165,33 @@ def iter_samples(stream: IO[bytes], wanted: Callable[[str], bool] | None = None)
             if data is not None:
                 current.members[ext] = data
     except TarStreamError as e:
-        yield Sample(current.key if current is not None else "", {}, str(e))
+        # Keep the sample in progress when the members it has are whole, that is, unless the member
+        # cut or damaged is its own; the error row takes the key of the member cut, when known.
+        parts = split_name(e.member) if e.member is not None else None
+        if current is not None and parts is not None and parts[0] == current.key:
+            yield Sample(current.key, {}, str(e))
+            return
+        if current is not None:
+            yield current
+        yield Sample(parts[0] if parts is not None else "", {}, str(e))
         return
     if current is not None:
         yield current
 
 
-def _read(stream: IO[bytes], n: int, offset: int) -> bytes:
+def _read(stream: IO[bytes], n: int, offset: int, name: str | None = None) -> bytes:
     chunks, got = [], 0
     while got < n:
         try:
             chunk = stream.read(n - got)
         except EOFError as e:  # gzip stream cut before its end marker
-            raise TarStreamError(f"truncated tar: compressed stream ends early near byte {offset}") from e
+            raise TarStreamError(
+                f"truncated tar: compressed stream ends early near byte {offset + got}", name
+            ) from e
         except (zlib.error, gzip.BadGzipFile) as e:
-            raise TarStreamError(f"corrupt tar: bad compressed data near byte {offset} ({e})") from e
+            raise TarStreamError(
+                f"corrupt tar: bad compressed data near byte {offset + got} ({e})", name
+            ) from e
         except Exception as e:  # network or storage errors mid-stream (after the filesystem's own retries)
             raise ShardReadError(f"{type(e).__name__}: {e} near byte {offset}") from e
         if not chunk:
@@ -174,14 +201,15 @@ def _read(stream: IO[bytes], n: int, offset: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _read_exact(stream: IO[bytes], n: int, offset: int, name: str) -> bytes:
-    data = _read(stream, n, offset)
+def _read_exact(stream: IO[bytes], n: int, offset: int, name: str | None) -> bytes:
+    data = _read(stream, n, offset, name)
     if len(data) < n:
-        raise TarStreamError(f"truncated tar: shard ends inside member {name!r} at byte {offset + len(data)}")
+        where = f"member {name!r}" if name is not None else "a member header"
+        raise TarStreamError(f"truncated tar: shard ends inside {where} at byte {offset + len(data)}", name)
     return data
 
 
-def _skip(stream: IO[bytes], n: int, offset: int, name: str) -> None:
+def _skip(stream: IO[bytes], n: int, offset: int, name: str | None) -> None:
     while n > 0:
         step = min(n, 1 << 20)
         _read_exact(stream, step, offset, name)

@@ -56,6 +56,9 @@ class TrainConfig:
     use_gpu: bool = True
     cpus_per_worker: float = 1.0  # the rest of the cluster's CPUs decode data
     placement_strategy: str = "PACK"  # of the workers over nodes: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
+    data_cpus_per_worker: float | None = None  # decode CPUs per worker; None: decided each epoch from the cluster
+    shard_group_size: int | None = None  # ranks sharing one FSDP shard group (HSDP); None: the workers of a node
+    shared_out: bool = False  # a local --out is one filesystem mounted at the same path on every node
 
     # --- run -----------------------------------------------------------------------------------
     out: str = ""  # run directory: local path, s3:// or gs://
@@ -102,6 +105,15 @@ class TrainConfig:
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValueError(
                 f"--placement-strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {self.placement_strategy!r}"
+            )
+        if self.data_cpus_per_worker is not None and self.data_cpus_per_worker <= 0:
+            raise ValueError(f"--data-cpus-per-worker must be positive, got {self.data_cpus_per_worker}")
+        if self.shard_group_size is not None and (
+            self.shard_group_size < 1 or self.num_workers % self.shard_group_size
+        ):
+            raise ValueError(
+                f"--shard-group-size {self.shard_group_size} does not divide --num-workers {self.num_workers}; "
+                "use a divisor of it (usually the GPUs of one node), or leave it out"
             )
         if self.lr_schedule not in ("cosine", "linear"):
             raise ValueError(f"--lr-schedule must be 'cosine' or 'linear', got {self.lr_schedule!r}")

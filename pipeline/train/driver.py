@@ -18,8 +18,10 @@ from pipeline import storage
 from pipeline.data.dataset import check_shards
 from pipeline.data.shards import expand_shards
 from pipeline.train.config import TrainConfig, data_config
-from pipeline.train.metrics import METRICS_FILE
-from pipeline.train.model import model_config
+from pipeline.train.resources import local_out_problem, worker_resources
+
+# torch comes in with pipeline.train.model and .metrics; they are imported where used, so that
+# `--print-config` and the one-line errors before cluster work stay quick.
 
 
 class TrainingError(RuntimeError):
@@ -44,6 +46,8 @@ def prepare(config: TrainConfig) -> list[str]:
     patch size does not divide, missing shards, a first shard without images or labels, fewer
     shards than workers.
     """
+    from pipeline.train.model import model_config
+
     config.validate()
     patch_size = model_config(config).patch_size
     shards = expand_shards(config.data)
@@ -61,26 +65,27 @@ def local_cpus_needed(config: TrainConfig) -> float:
     return math.ceil(config.num_workers * config.cpus_per_worker) + 2 * config.num_workers
 
 
-def check_local_ray(config: TrainConfig) -> None:
-    """After starting a local Ray: a one-line ValueError when it lacks the GPUs the run asks for (a
-    cluster's autoscaler may still bring them, so a joined cluster is not checked)."""
+def check_cluster(config: TrainConfig, *, local_ray: bool) -> None:
+    """The checks that need the connected Ray, before any work is submitted; a one-line ValueError.
+
+    A local Ray must have the GPUs the run asks for (a joined cluster's autoscaler may still bring
+    them). A joined cluster must not get a local `--out` that its nodes do not share
+    (`pipeline.train.resources.local_out_problem`).
+    """
     import ray
 
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if config.use_gpu and gpus < config.num_workers:
-        raise ValueError(
-            f"the local Ray has {gpus:.0f} GPUs for {config.num_workers} GPU workers; pass --cpu, fewer "
-            "--num-workers, or submit to a GPU cluster"
-        )
-
-
-def data_cpus_per_worker(config: TrainConfig) -> float:
-    """CPUs each worker's data pipeline may use: what the cluster has beyond the training workers."""
-    import ray
-
-    total = ray.cluster_resources().get("CPU", 0.0)
-    spare = total - config.num_workers * config.cpus_per_worker
-    return max(1.0, math.floor(spare / config.num_workers))
+    if local_ray:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if config.use_gpu and gpus < config.num_workers:
+            raise ValueError(
+                f"the local Ray has {gpus:.0f} GPUs for {config.num_workers} GPU workers; pass --cpu, fewer "
+                "--num-workers, or submit to a GPU cluster"
+            )
+        return
+    nodes = [{"resources": n.get("Resources", {})} for n in ray.nodes() if n.get("Alive")]
+    problem = local_out_problem(config, nodes, worker_resources(config))
+    if problem:
+        raise ValueError(problem)
 
 
 def fit(config: TrainConfig, shards: list[str]) -> dict[str, Any]:
@@ -99,12 +104,14 @@ def fit(config: TrainConfig, shards: list[str]) -> dict[str, Any]:
         train_loop_config={
             "train": config.to_dict(),
             "shards": shards,
-            "data_cpus_per_worker": data_cpus_per_worker(config),
+            # None: each worker decides every epoch (pipeline.train.resources); the cluster the
+            # driver sees now may not have its GPU and decode nodes yet.
+            "data_cpus_per_worker": config.data_cpus_per_worker,
         },
         scaling_config=ScalingConfig(
             num_workers=config.num_workers,
             use_gpu=config.use_gpu,
-            resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
+            resources_per_worker=worker_resources(config),
             placement_strategy=config.placement_strategy,
         ),
         run_config=RunConfig(
@@ -116,6 +123,8 @@ def fit(config: TrainConfig, shards: list[str]) -> dict[str, Any]:
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
     )
+    if config.data_cpus_per_worker is not None:
+        print(f"{config.data_cpus_per_worker:g} decode CPUs per worker (--data-cpus-per-worker)", flush=True)
     summary = trainer.fit().return_value or {}
     if summary.get("error"):
         raise TrainingError(summary["error"])
@@ -124,6 +133,8 @@ def fit(config: TrainConfig, shards: list[str]) -> dict[str, Any]:
 
 def read_metrics(out: str) -> list[dict[str, Any]]:
     """The logged steps of a run (`<out>/metrics.jsonl`)."""
+    from pipeline.train.metrics import METRICS_FILE
+
     text = storage.read_text(storage.join(out, METRICS_FILE))
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 

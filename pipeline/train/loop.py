@@ -34,6 +34,7 @@ from pipeline.train import checkpoint
 from pipeline.train.config import TrainConfig, data_config
 from pipeline.train.metrics import MetricsLog, format_line, log_line
 from pipeline.train.model import build_model, model_config
+from pipeline.train.resources import data_cpus_per_worker
 from pipeline.train.step import TrainStep, peak_tflops, train_flops_per_image
 
 
@@ -94,7 +95,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             rank=rank,
             size=config.micro_batch_size,
             bad_samples=bad,
-            data_cpus=loop_config["data_cpus_per_worker"],
+            data_cpus=loop_config["data_cpus_per_worker"] or data_cpus_per_worker(config, world, rank, epoch),
         )
         epoch_steps = 0
         while step < last_step:

@@ -106,7 +106,7 @@ def test_refused_opens_and_dropped_connections_are_retried_to_every_sample_once(
     clean = rows_of(url)
     assert [r["key"] for r in clean] == [f"{i:04d}" for i in range(12)] and not any(r["error"] for r in clean)
     cut = len(raw) // 2  # inside a sample's data: blocks before it have been handed on already
-    for faults in (["open", "open"], [cut], [cut, "open", cut + 700], [700, 5000]):
+    for faults in (["open", "open"], [cut], [cut, "open", cut + len(raw) // 4], [len(raw) // 8, cut]):
         flaky.faults, flaky.opens = list(faults), 0
         assert rows_of(url) == clean, faults
         assert flaky.opens == len(faults) + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import random
 import tarfile
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +28,8 @@ CLEAN = [
 
 
 def samples_of(raw: bytes, wanted=None):
-    return [(s.key, s.members, s.error) for s in iter_samples(io.BytesIO(raw), wanted)]
+    """``(key, members, error)`` per sample of a tar (or gzip-compressed tar) held in memory."""
+    return [(s.key, s.members, s.error) for s in iter_samples(open_tar_stream(io.BytesIO(raw)), wanted)]
 
 
 def test_split_name_follows_webdataset_key_rules():
@@ -95,18 +97,68 @@ def test_duplicate_member_and_split_sample_are_error_samples_neighbours_kept():
     ]
 
 
-def test_every_truncation_keeps_the_samples_before_the_cut_and_adds_one_error():
+def member_ends(raw: bytes) -> dict[str, int]:
+    """Sample key -> the byte offset (in the uncompressed tar) where its last member's data ends."""
+    ends = {}
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        for info in tar:
+            key = split_name(info.name)[0]
+            ends[key] = info.offset_data + info.size
+    return ends
+
+
+def check_cut(got, full, ends: dict[str, int], available: int, where: str) -> None:
+    """Samples whose members all end within ``available`` bytes are kept whole, in order; after them
+    at most the next sample with some of its members (a cut between or inside headers cannot tell
+    whether more were coming), then at most one error row, last."""
+    errors = [g for g in got if g[2]]
+    good = [g for g in got if not g[2]]
+    whole = sum(1 for end in ends.values() if end <= available)
+    assert good[:whole] == full[:whole], where
+    assert len(good) <= whole + 1, where
+    if len(good) == whole + 1:
+        key, members, _ = good[-1]
+        assert key == full[whole][0] and members.items() <= full[whole][1].items(), where
+    assert len(errors) <= 1 and got[len(got) - len(errors) :] == errors, where
+
+
+@pytest.mark.parametrize("gzip", [False, True])
+def test_every_truncation_keeps_every_sample_that_ends_before_the_cut(gzip):
     raw = tar_bytes(CLEAN)
-    full = samples_of(raw)
-    end_of_data = len(tar_bytes(CLEAN)) - 10240  # past this only end-of-archive padding remains
-    for cut in range(0, len(raw), 97):
-        got = samples_of(raw[:cut])
-        errors = [g for g in got if g[2]]
-        good = [g for g in got if not g[2]]
-        assert good == full[: len(good)], cut
-        if cut < end_of_data and cut % 512 != 0:
-            assert len(errors) == 1 and errors[0][2].startswith("truncated tar"), cut
-        assert len(errors) <= 1 and got[-len(errors) or len(got) :] == errors, cut
+    packed = tar_bytes(CLEAN, gzip=True) if gzip else raw
+    full, ends = samples_of(raw), member_ends(raw)
+    end_of_data = max(ends.values())
+    for cut in range(len(packed) + 1):
+        available = len(zlib.decompressobj(31).decompress(packed[:cut])) if gzip else cut
+        got = samples_of(packed[:cut])
+        check_cut(got, full, ends, available, f"cut at {cut} ({available} bytes of tar)")
+        if available < end_of_data and ((gzip and cut > 0) or cut % 512 != 0):
+            assert got and got[-1][2].startswith("truncated tar"), cut
+
+
+@pytest.mark.parametrize("gzip", [False, True])
+def test_the_sample_just_before_a_cut_is_kept(gzip):
+    raw = tar_bytes(CLEAN)
+    ends = member_ends(raw)
+    header = ends["a/0001"] + (-ends["a/0001"]) % 512  # where a/0002's first header starts
+    for cut, where, error_key in [
+        (header + 100, "inside the next sample's first header", ""),
+        (header + 512 + 1, "inside the next sample's first member's data", "a/0002"),
+        (ends["a/0001"] + 3, "inside the padding after the sample's last member", ""),
+    ]:
+        plain = raw[:cut]
+        packed = gzip_prefix(plain) if gzip else plain
+        got = samples_of(packed)
+        assert [(k, e.split(":")[0]) for k, _, e in got] == [("a/0001", ""), (error_key, "truncated tar")], (
+            where
+        )
+        assert got[0] == samples_of(raw)[0], where
+
+
+def gzip_prefix(tar_prefix: bytes) -> bytes:
+    """A gzip stream that holds exactly ``tar_prefix`` and then stops without its end marker."""
+    compressor = zlib.compressobj(6, zlib.DEFLATED, 31)
+    return compressor.compress(tar_prefix) + compressor.flush(zlib.Z_SYNC_FLUSH)
 
 
 def test_truncated_gzip_and_corrupt_header_are_one_error_each():
@@ -116,8 +168,8 @@ def test_truncated_gzip_and_corrupt_header_are_one_error_each():
     raw = bytearray(tar_bytes(CLEAN))
     raw[raw.find(b"a/0002.cls") + 3] ^= 0xFF  # a later header's name: its checksum no longer matches
     got = samples_of(bytes(raw))
-    # The sample in progress when parsing stops cannot be known complete: it becomes the error row.
-    assert [(k, e.split(":")[0]) for k, _, e in got] == [("a/0001", "corrupt tar")]
+    # The sample in progress when parsing stops has all its members whole: it is kept.
+    assert [(k, e.split(":")[0]) for k, _, e in got] == [("a/0001", ""), ("", "corrupt tar")]
 
 
 def test_labels_from_a_member_or_a_json_field():
