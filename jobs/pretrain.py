@@ -50,6 +50,9 @@ FLAGS = [
     cli.Flag("warmup_steps", "linear warmup steps"),
     cli.Flag("lr_schedule", "decay after warmup: cosine or linear"),
     cli.Flag("grad_clip", "global gradient-norm clipping threshold"),
+    cli.Flag(
+        "max_skipped_steps", "steps in a row skipped for a non-finite loss or gradient that fail the run"
+    ),
     cli.Flag("seed", "seed of initialization, shard order, crops and shuffling"),
     cli.Flag("label_key", "where labels are: a member extension (cls) or json:<field>"),
     cli.Flag("shuffle_buffer", "samples in each worker's local shuffle buffer"),

@@ -45,6 +45,7 @@ class TrainConfig:
     max_steps: int = 100_000  # length of the schedule
     lr_schedule: str = "cosine"  # "cosine" or "linear" decay after warmup
     grad_clip: float = 1.0  # global-norm clipping
+    max_skipped_steps: int = 5  # steps in a row skipped for a non-finite loss/gradient that fail the run
     seed: int = 0
 
     # --- systems -------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ class TrainConfig:
             "num_workers",
             "log_every",
             "checkpoint_every",
+            "max_skipped_steps",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

@@ -1,5 +1,8 @@
 """The Ray Train worker loop: data in, FSDP2 steps, metrics and checkpoints out.
 
+    train_loop_per_worker -> Trainer(set up, resume) -> train(): epochs -> steps -> report / checkpoint
+                                                      -> finish(): every rank's bad samples, the export
+
 Data: each epoch has one shard order, a pure function of (seed, epoch). Rank r streams
 `order[r::world]` through its own Ray Data pipeline (read -> decode -> crop -> patchify), so which
 sample lands on which rank at which step is deterministic, and a resumed run picks up exactly the
@@ -11,11 +14,12 @@ dry ends the epoch for all, so no rank waits in a collective that the others nev
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import resource
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,14 +32,61 @@ from ray.train import Checkpoint
 
 from pipeline import dcp, storage
 from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples, LabelsMissingError
-from pipeline.data.config import DataConfig, shard_order
+from pipeline.data.config import shard_order
 from pipeline.data.dataset import Batch, micro_batches
-from pipeline.train import checkpoint
+from pipeline.train import checkpoint, sinks
 from pipeline.train.config import TrainConfig, data_config
-from pipeline.train.metrics import MetricsLog, format_line, log_line
+from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, log_line
 from pipeline.train.model import build_model, model_config
 from pipeline.train.resources import data_cpus_per_worker
-from pipeline.train.step import TrainStep, peak_tflops, train_flops_per_image
+from pipeline.train.state import (
+    StepAgreement,
+    TrainState,
+    agree_on_shards_started,
+    agree_on_step,
+    agree_weights_are_finite,
+    gather_bad_samples,
+)
+from pipeline.train.step import StepStats, TrainStep, peak_tflops, train_flops_per_image
+
+
+class StopRun(Exception):
+    """The run ends on an error every rank agreed on; the message is the one line the driver shows."""
+
+
+class RaySession:
+    """This worker's link to Ray Train: who it is, the checkpoint to resume from, where reports go."""
+
+    def __init__(self) -> None:
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    @contextlib.contextmanager
+    def resume_from(self) -> Iterator[tuple[Path, str] | None]:
+        """(local directory, where it came from) of the checkpoint to resume from, or None."""
+        resumed = ray.train.get_checkpoint()
+        if resumed is None:
+            yield None
+            return
+        with resumed.as_directory() as directory:
+            yield Path(directory), resumed.path
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None = None, name: str = "") -> None:
+        """Collective: hand metrics (and this rank's part of a checkpoint) to Ray Train."""
+        if checkpoint_dir is None:
+            ray.train.report(metrics)
+        else:
+            ray.train.report(
+                metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir), checkpoint_dir_name=name
+            )
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of every Ray Train worker (see `pipeline.train.driver.fit`); returns the run summary."""
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # a line per rank per epoch otherwise
+    return Trainer(loop_config, RaySession()).train()
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -45,211 +96,237 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor
 
 
-def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of every Ray Train worker (see `pipeline.trainer.fit`); returns the run summary."""
-    config = TrainConfig.from_dict(loop_config["train"])
-    shards: list[str] = loop_config["shards"]
-    logging.getLogger("ray.data").setLevel(logging.WARNING)  # a line per rank per epoch otherwise
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
-    mcfg = model_config(config)
-    dcfg = data_config(config, mcfg.patch_size)
-    accum = config.batch_size // (config.micro_batch_size * world)
+class Trainer:
+    """One rank's part of a run. `train()` returns the summary that rank 0 hands to the driver:
+    `metrics` (the last logged step), `bad_samples` (all ranks merged), `error` ("" or one line)."""
 
-    model = build_model(config, device)
-    step_fn = TrainStep(model, config, device)
-    state: dict[str, Any] = {"step": 0, "epoch": 0, "shards_started": [], "seed": config.seed}
-    resumed = ray.train.get_checkpoint()
-    if resumed is not None:
-        with resumed.as_directory() as directory:
-            checkpoint.check_compatible(directory, mcfg)
-            state = checkpoint.load(directory, model, step_fn.optimizer)
-        if rank == 0:
-            log_line(f"resumed from {resumed.path} at step {state['step']} (epoch {state['epoch']})")
-    log = MetricsLog(config.out, resume_step=state["step"]) if rank == 0 else None
-    saved_config = {"train": config.to_dict(), "model_config": mcfg.to_dict(), "data": dcfg.to_dict()}
-    peak, peak_note = peak_tflops(device)
-    nodes = [None] * world
-    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    if rank == 0:
-        log_line(
-            f"{mcfg.name}: {world} workers on {len(set(nodes))} node(s), {config.micro_batch_size} images x "
-            f"{accum} accumulation each = batch {config.batch_size}; {len(shards)} shards; {peak_note}"
-        )
+    def __init__(self, loop_config: dict[str, Any], session: RaySession):
+        self.config = config = TrainConfig.from_dict(loop_config["train"])
+        self.shards: list[str] = loop_config["shards"]
+        self.data_cpus: float = loop_config["data_cpus_per_worker"]
+        self.session = session
+        self.rank, self.world, self.device = session.rank, session.world, session.device
+        self.model_config = model_config(config)
+        self.data_config = data_config(config, self.model_config.patch_size)
+        self.accum = config.batch_size // (config.micro_batch_size * self.world)
+        self.model = build_model(config, self.device)
+        self.step_fn = TrainStep(self.model, config, self.device)
+        self.state = self.resume()
+        self.bad = self.state.bad_samples_of(self.rank, self.world, self.data_config)
+        self.skipped_in_a_row = 0
+        self.log = sinks.attach(MetricsLog(config.out, self.state.step), config) if self.rank == 0 else None
+        self.saved_config = {
+            "train": config.to_dict(),
+            "model_config": self.model_config.to_dict(),
+            "data": self.data_config.to_dict(),
+        }
+        self.peak_tflops, peak_note = peak_tflops(self.device)
+        self.flops_per_image = train_flops_per_image(self.model_config)
+        self.last_metrics: dict[str, Any] = {}
+        self.started: set[str] = set()  # shards of the current epoch this rank has started
+        self.first_step, self.run_start = self.state.step, time.perf_counter()
+        self.window = MetricsWindow(self.device)
+        self.announce(peak_note)
 
-    bad = BadSamples.from_config(dcfg)
-    step, last_step = state["step"], config.last_step
-    first_step, run_start = step, time.perf_counter()
-    window = _new_window()
-    last_metrics: dict[str, Any] = {}
-    error = ""
-    while step < last_step and not error:
-        epoch = state["epoch"]
-        started = set(state["shards_started"])
-        remaining = [s for s in shard_order(shards, config.seed, epoch) if s not in started]
-        stream = micro_batches(
-            remaining[rank::world],
-            dcfg,
-            epoch=epoch,
-            rank=rank,
-            size=config.micro_batch_size,
-            bad_samples=bad,
-            data_cpus=loop_config["data_cpus_per_worker"] or data_cpus_per_worker(config, world, rank, epoch),
-        )
-        epoch_steps = 0
-        while step < last_step:
-            wait_start = time.perf_counter()
-            batches, error = _take(stream, accum)
-            window["wait"] += time.perf_counter() - wait_start
-            local = sum(len(b["label"]) for b in batches)
-            agree = torch.tensor(
-                [local, len(batches) < accum, bool(error)], dtype=torch.float64, device=device
+    # --- set up ----------------------------------------------------------------------------------
+    def resume(self) -> TrainState:
+        """Collective: load the checkpoint Ray Train hands over, if any; the state to continue from."""
+        with self.session.resume_from() as resumed:
+            if resumed is None:
+                return TrainState(seed=self.config.seed)
+            directory, source = resumed
+            checkpoint.check_compatible(directory, self.model_config)
+            state = TrainState.from_dict(checkpoint.load(directory, self.model, self.step_fn.optimizer))
+        if self.rank == 0:
+            log_line(f"resumed from {source} at step {state.step} (epoch {state.epoch})")
+        return state
+
+    def announce(self, peak_note: str) -> None:
+        """Collective: the run's shape in one log line (rank 0 writes it)."""
+        nodes: list[Any] = [None] * self.world
+        dist.all_gather_object(nodes, self.session.node_id)
+        if self.rank == 0:
+            c = self.config
+            log_line(
+                f"{self.model_config.name}: {self.world} workers on {len(set(nodes))} node(s), "
+                f"{c.micro_batch_size} images x {self.accum} accumulation each = batch {c.batch_size}; "
+                f"{len(self.shards)} shards; {peak_note}"
             )
-            dist.all_reduce(agree)
-            if agree[2] > 0:
-                error = _first_error(error)
-                break
-            if agree[1] > 0:  # some rank ran dry: the epoch is over for everyone
-                break
-            for b in batches:
-                started.update(b["url"].tolist())
-            tensors = [(to_device(b["patches"], device), to_device(b["label"], device)) for b in batches]
-            stats = step_fn(step, tensors, global_count=int(agree[0]))
-            step += 1
-            epoch_steps += 1
-            window["loss"] += stats.loss_sum.item()
-            window["correct"] += stats.correct.item()
-            window["count"] += stats.count
 
-            save_now = step % config.checkpoint_every == 0 or step == last_step
-            if step % config.log_every and not save_now:
-                continue
-            last_metrics = _reduce_metrics(window, stats, step, epoch, bad, world, device, mcfg, peak)
-            if rank == 0:
-                log_line(format_line(last_metrics, last_step, run_start, first_step))
-                log.append(last_metrics, flush=save_now)
-            if save_now:
-                state = {**state, "step": step, "shards_started": _union_started(started)}
-                _save_and_report(model, step_fn.optimizer, state, saved_config, last_metrics)
-            else:
-                ray.train.report(last_metrics)
-            # A new measuring window, started after any checkpoint so it does not count as training time.
-            window = _new_window()
-        stream.close()  # stops this epoch's Ray Data execution if it is still running
-        if error or step >= last_step:
-            break
-        if epoch_steps == 0 and not started:
-            error = (
-                f"epoch {epoch} gave no full step: {len(shards)} shards hold fewer than "
-                f"{config.batch_size} readable samples per step across {world} workers; "
+    # --- the run ---------------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        error = ""
+        try:
+            while self.state.step < self.config.last_step:
+                self.train_epoch()
+        except StopRun as stop:
+            error = str(stop)
+        return self.finish(error)
+
+    def train_epoch(self) -> None:
+        """Steps until the schedule ends or some rank runs dry; then the next epoch begins."""
+        state, last_step = self.state, self.config.last_step
+        self.started = set(state.shards_started)
+        stream = self.epoch_stream()
+        steps = 0
+        try:
+            while state.step < last_step:
+                batches, agreement = self.next_step_batches(stream)
+                if agreement.error:
+                    raise StopRun(agreement.error)
+                if agreement.someone_ran_dry:
+                    break
+                self.train_step(batches, agreement)
+                steps += 1
+        finally:
+            stream.close()  # stops this epoch's Ray Data execution if it is still running
+        if state.step >= last_step:
+            return
+        if steps == 0 and not self.started:
+            raise StopRun(
+                f"epoch {state.epoch} gave no full step: {len(self.shards)} shards hold fewer than "
+                f"{self.config.batch_size} readable samples per step across {self.world} workers; "
                 "use more data or a smaller --batch-size"
             )
-            break
-        state = {**state, "epoch": epoch + 1, "shards_started": []}
+        state.epoch += 1
+        state.shards_started = []
 
-    # What the driver gets back (rank 0's return value): the last metrics, every rank's bad
-    # samples merged, and the error all ranks stopped on, if any.
-    bad_all = [None] * world
-    dist.all_gather_object(bad_all, bad.to_dict())
-    merged = BadSamples.from_config(dcfg)
-    for counts in bad_all:
-        merged.merge(counts)
-    if not error:
-        _export(model, mcfg, config, dcfg, last_metrics, step)
-    return {"metrics": last_metrics, "bad_samples": merged.to_dict(), "error": error}
-
-
-def _new_window() -> dict[str, float]:
-    return {"loss": 0.0, "correct": 0.0, "count": 0.0, "wait": 0.0, "start": time.perf_counter()}
-
-
-def _take(stream: Iterator[Batch], n: int) -> tuple[list[Batch], str]:
-    """Up to n micro-batches from the stream, and the message of a data error if one stops it."""
-    out: list[Batch] = []
-    try:
-        for _ in range(n):
-            out.append(next(stream))
-    except StopIteration:
-        pass
-    except (BadSampleBudgetError, LabelsMissingError) as e:  # one line each, saying what to do
-        return out, str(e)
-    return out, ""
-
-
-def _first_error(mine: str) -> str:
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, mine)
-    return next(e for e in errors if e)
-
-
-def _union_started(started: set[str]) -> list[str]:
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(started))
-    return sorted(set().union(*gathered))
-
-
-def _reduce_metrics(window, stats, step, epoch, bad, world, device, mcfg, peak) -> dict[str, Any]:
-    elapsed = time.perf_counter() - window["start"]
-    sums = torch.tensor(
-        [window["loss"], window["correct"], window["count"], window["wait"], bad.total, bad.bad],
-        dtype=torch.float64,
-        device=device,
-    )
-    dist.all_reduce(sums)
-    loss, correct, count, wait, seen, n_bad = sums.tolist()
-    memory = torch.tensor([_memory_gib(device)], dtype=torch.float64, device=device)
-    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-    images_per_s = count / elapsed
-    mfu = None
-    if peak:
-        mfu = images_per_s * train_flops_per_image(mcfg) / (world * peak * 1e12)
-    return {
-        "step": step,
-        "epoch": epoch,
-        "loss": loss / max(count, 1),
-        "accuracy": correct / max(count, 1),
-        "lr": stats.lr,
-        "grad_norm": stats.grad_norm.item(),
-        "images_per_s": images_per_s,
-        "images_per_s_per_worker": images_per_s / world,
-        "mfu": mfu,
-        "data_wait_share": wait / (world * elapsed),
-        "samples_seen": int(seen),
-        "bad_samples": int(n_bad),
-        "memory_gib": memory.item(),
-    }
-
-
-def _memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def _save_and_report(model, optimizer, state, saved_config, metrics) -> None:
-    with tempfile.TemporaryDirectory(prefix="vitray-ckpt-") as tmp:
-        checkpoint.save(tmp, model, optimizer, state, saved_config)
-        ray.train.report(
-            metrics,
-            checkpoint=Checkpoint.from_directory(tmp),
-            checkpoint_dir_name=dcp.checkpoint_name(state["step"]),
+    def epoch_stream(self) -> Iterator[Batch]:
+        """This rank's micro-batches of the current epoch, skipping shards started before a resume."""
+        order = shard_order(self.shards, self.config.seed, self.state.epoch)
+        remaining = [s for s in order if s not in self.started]
+        return micro_batches(
+            remaining[self.rank :: self.world],
+            self.data_config,
+            epoch=self.state.epoch,
+            rank=self.rank,
+            size=self.config.micro_batch_size,
+            bad_samples=self.bad,
+            data_cpus=self.data_cpus
+            or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch),
         )
 
+    def next_step_batches(self, stream: Iterator[Batch]) -> tuple[list[Batch], StepAgreement]:
+        """Collective: this rank's micro-batches for the next step, and what all ranks agree on."""
+        wait_start = time.perf_counter()
+        batches: list[Batch] = []
+        error = ""
+        try:
+            for _ in range(self.accum):
+                batches.append(next(stream))
+        except StopIteration:
+            pass
+        except (BadSampleBudgetError, LabelsMissingError) as e:  # one line each, saying what to do
+            error = str(e)
+        self.window.data_wait += time.perf_counter() - wait_start
+        samples = sum(len(b["label"]) for b in batches)
+        return batches, agree_on_step(samples, len(batches) < self.accum, error, self.device)
 
-def _export(model, mcfg, config: TrainConfig, dcfg: DataConfig, metrics: dict[str, Any], step: int) -> None:
-    extra = {
-        "preprocessing": dcfg.to_dict(),
-        "training": {
-            "step": step,
-            "max_steps": config.max_steps,
-            "finished": step >= config.max_steps,
-            "loss": metrics.get("loss"),
-            "accuracy": metrics.get("accuracy"),
-            "config": config.to_dict(),
-        },
-    }
-    with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
-        if checkpoint.export_final(tmp, model, mcfg, extra) is not None:
-            storage.upload_dir(tmp, storage.join(config.out, "final"), commit_last="config.json")
-            log_line(f"exported {storage.join(config.out, 'final')}")
+    def train_step(self, batches: list[Batch], agreement: StepAgreement) -> None:
+        for b in batches:
+            self.started.update(b["url"].tolist())
+        tensors = [
+            (to_device(b["patches"], self.device), to_device(b["label"], self.device)) for b in batches
+        ]
+        stats = self.step_fn(self.state.step, tensors, global_count=agreement.samples)
+        self.state.step += 1
+        self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
+        self.count_skipped(stats)
+        step, config = self.state.step, self.config
+        save = step % config.checkpoint_every == 0 or step == config.last_step
+        if save or step % config.log_every == 0:
+            self.report(stats, save=save)
+
+    def count_skipped(self, stats: StepStats) -> None:
+        """Count a step skipped for a non-finite loss or gradient norm; too many in a row end the run.
+
+        Every rank sees the same global gradient norm, so every rank decides alike without a collective.
+        """
+        if not stats.skipped:
+            self.skipped_in_a_row = 0
+            return
+        self.state.skipped_steps += 1
+        self.skipped_in_a_row += 1
+        step, limit = self.state.step, self.config.max_skipped_steps
+        if self.rank == 0:
+            log_line(
+                f"step {step} skipped: non-finite loss or gradient norm ({stats.grad_norm.item()}); "
+                f"{self.skipped_in_a_row} in a row, {self.state.skipped_steps} in the run"
+            )
+        if self.skipped_in_a_row >= limit:
+            raise StopRun(
+                f"{self.skipped_in_a_row} steps in a row (up to step {step}) had a non-finite loss or "
+                f"gradient norm and were skipped, --max-skipped-steps {limit}; resume from the last "
+                "checkpoint with a lower --lr or a smaller --grad-clip, or check the data"
+            )
+
+    # --- report and checkpoint -------------------------------------------------------------------
+    def report(self, stats: StepStats, *, save: bool) -> None:
+        """Collective: a log line and `metrics.jsonl` row, then a report to Ray Train (with a checkpoint)."""
+        metrics = self.window.reduce(
+            step=self.state.step,
+            epoch=self.state.epoch,
+            lr=stats.lr,
+            grad_norm=stats.grad_norm,
+            samples_seen=self.bad.total,
+            bad_samples=self.bad.bad,
+            skipped_steps=self.state.skipped_steps,
+            flops_per_image=self.flops_per_image,
+            peak_tflops=self.peak_tflops,
+        )
+        if self.log is not None:
+            log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
+            self.log.append(metrics, flush=save)
+        if save:
+            self.save_checkpoint(metrics)
+        else:
+            self.session.report(metrics)
+        self.last_metrics = metrics
+        # A new window, started after any checkpoint so that saving does not count as training time.
+        self.window = MetricsWindow(self.device)
+
+    def save_checkpoint(self, metrics: dict[str, Any]) -> None:
+        """Collective: every rank writes its shards and hands them to Ray Train with the metrics.
+
+        Weights that are not finite are never saved: the run stops instead, and its latest checkpoint
+        stays the one to resume from.
+        """
+        if not agree_weights_are_finite(self.model, self.device):
+            raise StopRun(
+                f"the weights hold NaN or inf at step {self.state.step} and were not saved; resume from "
+                "the last checkpoint with a lower --lr or a smaller --grad-clip"
+            )
+        self.state.shards_started = agree_on_shards_started(self.started)
+        self.state.bad_samples = gather_bad_samples(self.bad)
+        with tempfile.TemporaryDirectory(prefix="vitray-ckpt-") as tmp:
+            checkpoint.save(tmp, self.model, self.step_fn.optimizer, self.state.to_dict(), self.saved_config)
+            self.session.report(metrics, tmp, dcp.checkpoint_name(self.state.step))
+
+    # --- finish ----------------------------------------------------------------------------------
+    def finish(self, error: str) -> dict[str, Any]:
+        """Collective: merge every rank's bad samples; export the model unless the run failed."""
+        merged = BadSamples.from_config(self.data_config)
+        for counts in gather_bad_samples(self.bad):
+            merged.merge(counts)
+        if not error:
+            self.export()
+        return {"metrics": self.last_metrics, "bad_samples": merged.to_dict(), "error": error}
+
+    def export(self) -> None:
+        """Collective: `final/weights.safetensors` + `config.json` under the run directory."""
+        config, metrics = self.config, self.last_metrics
+        extra = {
+            "preprocessing": self.data_config.to_dict(),
+            "training": {
+                "step": self.state.step,
+                "max_steps": config.max_steps,
+                "finished": self.state.step >= config.max_steps,
+                "loss": metrics.get("loss"),
+                "accuracy": metrics.get("accuracy"),
+                "config": config.to_dict(),
+            },
+        }
+        with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
+            if checkpoint.export_final(tmp, self.model, self.model_config, extra) is not None:
+                storage.upload_dir(tmp, storage.join(config.out, "final"), commit_last="config.json")
+                log_line(f"exported {storage.join(config.out, 'final')}")

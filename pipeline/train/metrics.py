@@ -1,11 +1,16 @@
-"""Training metrics: one readable log line per interval, and `metrics.jsonl` beside the checkpoints."""
+"""Training metrics: sums over a logging window, one readable log line per interval, and
+`metrics.jsonl` beside the checkpoints."""
 
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from pipeline import storage
 
@@ -17,6 +22,88 @@ def log_line(line: str) -> None:
     show every line twice on the driver (once from stdout, once through its logger)."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+class MetricsWindow:
+    """Sums over the steps since the last log line, on every rank.
+
+    Loss and top-1 hits stay on the device, so adding a step never waits for the GPU; only
+    `reduce`, when a log line is due, reads them back.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)  # summed per-sample loss
+        self.correct = torch.zeros((), dtype=torch.float64, device=device)
+        self.count = 0  # samples stepped over
+        self.scored = 0  # samples of the steps not skipped: what loss and accuracy average over
+        self.data_wait = 0.0  # seconds spent waiting for the next step's batches
+        self.start = time.perf_counter()
+
+    def add_step(self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int, skipped: bool) -> None:
+        """One step's sums on this rank; a skipped step's (non-finite) loss is left out."""
+        self.count += count
+        if not skipped:
+            self.loss += loss_sum
+            self.correct += correct
+            self.scored += count
+
+    def reduce(
+        self,
+        *,
+        step: int,
+        epoch: int,
+        lr: float,
+        grad_norm: torch.Tensor,
+        samples_seen: int,
+        bad_samples: int,
+        skipped_steps: int,
+        flops_per_image: float,
+        peak_tflops: float | None,
+    ) -> dict[str, Any]:
+        """Collective: this window's metrics over all ranks, one `metrics.jsonl` row.
+
+        `samples_seen` and `bad_samples` are this rank's run totals; `grad_norm` and `skipped_steps`
+        (the run's total) are the same on every rank.
+        """
+        world = dist.get_world_size()
+        elapsed = time.perf_counter() - self.start
+        host = torch.tensor(
+            [self.count, self.scored, self.data_wait, samples_seen, bad_samples],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        sums = torch.cat([torch.stack([self.loss, self.correct]), host])
+        dist.all_reduce(sums)
+        loss, correct, count, scored, wait, seen, n_bad = sums.tolist()
+        memory = torch.tensor([_memory_gib(self.device)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        images_per_s = count / elapsed
+        mfu = None
+        if peak_tflops:
+            mfu = images_per_s * flops_per_image / (world * peak_tflops * 1e12)
+        return {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss / scored if scored else float("nan"),
+            "accuracy": correct / scored if scored else float("nan"),
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "images_per_s": images_per_s,
+            "images_per_s_per_worker": images_per_s / world,
+            "mfu": mfu,
+            "data_wait_share": wait / (world * elapsed),
+            "samples_seen": int(seen),
+            "bad_samples": int(n_bad),
+            "skipped_steps": skipped_steps,
+            "memory_gib": memory.item(),
+        }
+
+
+def _memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 class MetricsLog:
@@ -58,6 +145,8 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
     parts.append(f"data wait {100 * m['data_wait_share']:.0f}%")
     parts.append(f"bad samples {m['bad_samples']}")
+    if m.get("skipped_steps"):
+        parts.append(f"skipped steps {m['skipped_steps']}")
     parts.append(f"mem {m['memory_gib']:.1f} GiB")
     done = m["step"] - first_step
     if done > 0:

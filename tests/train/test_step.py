@@ -109,6 +109,34 @@ def test_loss_falls_on_a_fixed_batch(world):
     assert torch.isfinite(stats.grad_norm)
 
 
+def test_a_non_finite_loss_skips_the_update_as_if_the_step_never_ran(world, monkeypatch):
+    good, other = batch(8, seed=4), batch(8, seed=5)
+    straight = build_model(CONFIG, world)
+    straight_step = TrainStep(straight, CONFIG, world)
+    straight_step(0, [good], 8)
+    straight_step(2, [other], 8)
+
+    model = build_model(CONFIG, world)
+    step = TrainStep(model, CONFIG, world)
+    step(0, [good], 8)
+    real_loss = torch.nn.functional.cross_entropy
+    monkeypatch.setattr(
+        torch.nn.functional, "cross_entropy", lambda *a, **k: real_loss(*a, **k) * float("nan")
+    )
+    stats = step(1, [good], 8)
+    monkeypatch.undo()
+    assert stats.skipped and not torch.isfinite(stats.grad_norm)
+    assert all(p.grad is None for p in model.parameters())
+    assert not step(2, [other], 8).skipped
+    # Weights and AdamW's moments and step counts as if step 1 had never been taken.
+    for k, v in params(straight).items():
+        assert torch.equal(v, params(model)[k]), k
+    a, b = straight_step.optimizer.state_dict()["state"], step.optimizer.state_dict()["state"]
+    for i in a:
+        for name in a[i]:
+            assert torch.equal(torch.as_tensor(a[i][name]), torch.as_tensor(b[i][name])), (i, name)
+
+
 def test_checkpoint_round_trip(world, tmp_path):
     model = build_model(CONFIG, world)
     step = TrainStep(model, CONFIG, world)

@@ -1,0 +1,112 @@
+"""What a training run carries across checkpoints, and what the ranks agree on at each step.
+
+`TrainState` is the part of a checkpoint that is not model or optimizer state (`train_state.json`).
+The agreements are the loop's collectives, each named by what the ranks settle: whether everyone has
+a full step of data, the first data error, the shards the epoch has started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.data.bad_samples import BadSamples
+from pipeline.data.config import DataConfig
+
+
+@dataclass
+class TrainState:
+    """Where the run stands: saved beside every checkpoint, the same on every rank."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    # Shards of this epoch's order that some rank has started: a resumed run reads only the others.
+    shards_started: list[str] = field(default_factory=list)
+    seed: int = 0
+    # Run totals, continued by a resumed run: steps skipped for a non-finite loss or gradient norm,
+    # and every rank's bad-sample counts (`BadSamples.to_dict`, one per rank).
+    skipped_steps: int = 0
+    bad_samples: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainState:
+        """From `to_dict`; fields a checkpoint predates keep their defaults, unknown keys are ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    def bad_samples_of(self, rank: int, world: int, data_config: DataConfig) -> BadSamples:
+        """This rank's bad-sample counts to continue from. At the world size that saved them each rank
+        takes its own; at another, rank 0 carries the run's merged counts and the others start at zero,
+        so the run's totals (the sum over ranks) go on either way."""
+        counts = BadSamples.from_config(data_config)
+        if len(self.bad_samples) == world:
+            counts.merge(self.bad_samples[rank])
+        elif rank == 0:
+            for saved in self.bad_samples:
+                counts.merge(saved)
+        return counts
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What every rank knows before a step: whether it runs, and over how many samples."""
+
+    samples: int  # samples of this step across all ranks
+    someone_ran_dry: bool  # some rank lacks a full step of micro-batches: the epoch ends for all
+    error: str  # the first rank's data error, "" when none: the run ends for all
+
+    @property
+    def runs(self) -> bool:
+        return not self.someone_ran_dry and not self.error
+
+
+def agree_on_step(samples: int, ran_dry: bool, error: str, device: torch.device) -> StepAgreement:
+    """Collective: sum the ranks' sample counts and learn whether any rank ran dry or hit an error.
+
+    Every rank calls it once per step, so no rank waits in a step's collectives that another rank,
+    out of data, never joins.
+    """
+    flags = torch.tensor([samples, ran_dry, bool(error)], dtype=torch.float64, device=device)
+    dist.all_reduce(flags)
+    total, dry, failed = flags.tolist()
+    return StepAgreement(int(total), dry > 0, first_error(error) if failed > 0 else "")
+
+
+def first_error(mine: str) -> str:
+    """Collective: the lowest rank's non-empty error message (call only when some rank has one)."""
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, mine)
+    return next(e for e in errors if e)
+
+
+def agree_on_shards_started(mine: set[str]) -> list[str]:
+    """Collective: every shard that some rank has started this epoch, sorted."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(mine))
+    return sorted(set().union(*gathered))
+
+
+def gather_bad_samples(mine: BadSamples) -> list[dict[str, Any]]:
+    """Collective: every rank's bad-sample counts (`BadSamples.to_dict`), in rank order."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine.to_dict())
+    return gathered
+
+
+def agree_weights_are_finite(model: torch.nn.Module, device: torch.device) -> bool:
+    """Collective: whether every rank's shard of every parameter is finite (no NaN or inf)."""
+    finite = torch.stack([torch.isfinite(_local(p)).all() for p in model.parameters()])
+    flag = (~finite).sum().to(device=device, dtype=torch.float64).reshape(1)
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param  # FSDP2 DTensor -> this rank's shard

@@ -1,0 +1,234 @@
+"""The worker loop in one process (a world of one, gloo), without Ray: a local session stands in for
+Ray Train and a fake stream of patch rows for the Ray Data pipeline, so a whole run takes seconds.
+
+Arithmetic: 4 shards x 9 samples, one of them corrupt -> 32 good samples an epoch; micro-batch 4,
+batch 8 -> exactly 4 steps an epoch, so step 4 is an epoch edge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeline import dcp
+from pipeline.data.dataset import rebatch
+from pipeline.train import loop
+from pipeline.train.config import TrainConfig
+from pipeline.train.model import init_distributed, model_config
+from pipeline.train.state import TrainState
+from pipeline.train.step import TrainStep
+
+SHARDS = [f"mem://shard-{i}" for i in range(4)]
+SAMPLES_PER_SHARD = 9
+TIMINGS = ("images_per_s", "images_per_s_per_worker", "data_wait_share", "memory_gib")
+
+
+def config(out: Path, **changes) -> TrainConfig:
+    base = TrainConfig(
+        model="vit_tiny_test",
+        image_size=32,
+        num_classes=4,
+        data="unused",
+        out=str(out),
+        batch_size=8,
+        micro_batch_size=4,
+        num_workers=1,
+        use_gpu=False,
+        lr=1e-3,
+        warmup_steps=2,
+        max_steps=8,
+        log_every=2,
+        checkpoint_every=4,
+    )
+    return base.replace(**changes)
+
+
+@pytest.fixture(scope="module")
+def world():
+    rank, size, device = init_distributed()
+    assert (rank, size) == (0, 1)
+    yield device
+    dist.destroy_process_group()
+
+
+def fake_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, data_cpus):
+    """`pipeline.data.dataset.micro_batches` without Ray: each shard's rows are a pure function of
+    (shard, epoch), and the shard's first sample is corrupt."""
+    mcfg_patches = (data_config.image_size // data_config.patch_size) ** 2
+    patch_dim = data_config.patch_size**2 * 3
+
+    def rows():
+        for url in shards:
+            g = np.random.default_rng([int(url.rsplit("-", 1)[1]), epoch])
+            n = SAMPLES_PER_SHARD
+            batch = {
+                "key": np.array([f"{url}/{i}" for i in range(n)]),
+                "url": np.array([url] * n),
+                "patches": g.integers(0, 256, (n, mcfg_patches, patch_dim), dtype=np.uint8),
+                "label": g.integers(0, 4, n),
+                "error": np.array(["truncated image: test"] + [""] * (n - 1), dtype=object),
+            }
+            yield bad_samples.filter(batch)
+
+    yield from rebatch(rows(), size)
+
+
+class LocalSession:
+    """Ray Train's part, in one process: checkpoints are copied under the run directory."""
+
+    rank, world, node_id = 0, 1, "local"
+
+    def __init__(self, device: torch.device, run_dir: Path):
+        self.device, self.run_dir = device, run_dir
+        self.reports: list[dict] = []
+
+    @contextlib.contextmanager
+    def resume_from(self):
+        latest = dcp.latest_complete(self.run_dir) if self.run_dir.exists() else None
+        yield None if latest is None else (Path(latest), latest)
+
+    def report(self, metrics, checkpoint_dir=None, name=""):
+        self.reports.append(metrics)
+        if checkpoint_dir is not None:
+            shutil.copytree(checkpoint_dir, self.run_dir / name)
+
+
+@pytest.fixture
+def fake_data(monkeypatch):
+    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+
+
+def patch_nan_loss(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
+    """The loss of those (0-based) optimizer steps becomes NaN."""
+    current = {}
+    real_step, real_loss = TrainStep.__call__, torch.nn.functional.cross_entropy
+
+    def step(self, step, micro_batches, global_count):
+        current["step"] = step
+        return real_step(self, step, micro_batches, global_count)
+
+    def loss(logits, labels, **kwargs):
+        value = real_loss(logits, labels, **kwargs)
+        return value * float("nan") if current["step"] in steps else value
+
+    monkeypatch.setattr(TrainStep, "__call__", step)
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", loss)
+
+
+def run(cfg: TrainConfig, device: torch.device) -> tuple[dict, LocalSession]:
+    session = LocalSession(device, Path(cfg.out))
+    loop_config = {"train": cfg.to_dict(), "shards": SHARDS, "data_cpus_per_worker": 1.0}
+    return loop.Trainer(loop_config, session).train(), session
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMINGS} for row in rows]
+
+
+def weights(cfg: TrainConfig, step: int) -> dict[str, torch.Tensor]:
+    return dcp.load_model_state(str(Path(cfg.out) / dcp.checkpoint_name(step)), model_config(cfg))
+
+
+@pytest.fixture(scope="module")
+def straight_and_resumed(world, tmp_path_factory):
+    """A straight 8-step run, and the same run stopped at step 4 (an epoch edge) and resumed; in both,
+    step 1's loss is NaN (skipped), so a skipped-step count has to carry over the resume too."""
+    root = tmp_path_factory.mktemp("loop")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "micro_batches", fake_micro_batches)
+        patch_nan_loss(mp, {1})
+        straight = config(root / "straight")
+        runs = {"straight": run(straight, world)}
+        stopped = config(root / "stopped", stop_at_step=4)
+        runs["stopped"] = run(stopped, world)
+        runs["resumed"] = run(stopped.replace(stop_at_step=None), world)
+    return straight, stopped, runs
+
+
+def test_a_run_stopped_at_an_epoch_edge_and_resumed_ends_equal_to_a_straight_run(
+    straight_and_resumed, tmp_path
+):
+    straight, stopped, runs = straight_and_resumed
+    summary, session = runs["straight"]
+    assert summary["error"] == "" and summary["metrics"]["step"] == 8
+    assert [r["step"] for r in session.reports] == [2, 4, 6, 8]
+    assert [r["epoch"] for r in session.reports] == [0, 0, 1, 1]
+    first, _ = runs["stopped"]
+    assert first["metrics"]["step"] == 4
+    resumed, session = runs["resumed"]
+    assert [r["step"] for r in session.reports] == [6, 8]
+    a, b = weights(straight, 8), weights(stopped, 8)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert resumed["metrics"]["loss"] == summary["metrics"]["loss"]
+
+
+def test_too_little_data_for_one_step_stops_with_one_line(world, fake_data, tmp_path):
+    summary, _ = run(config(tmp_path / "run", batch_size=64, micro_batch_size=32), world)
+    assert summary["error"].startswith("epoch 0 gave no full step: 4 shards hold fewer than 64")
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_run_totals_continue_across_a_resume(straight_and_resumed):
+    _, _, runs = straight_and_resumed
+    (straight, session), (resumed, resumed_session) = runs["straight"], runs["resumed"]
+    # 2 epochs x 4 shards x 9 samples, one corrupt per shard; the resumed run read only epoch 1.
+    assert straight["bad_samples"]["total"] == 72 and straight["bad_samples"]["bad"] == 8
+    assert resumed["bad_samples"] == straight["bad_samples"]
+    # The resumed run's rows are the straight run's rows of steps 6 and 8, timings aside.
+    assert untimed(resumed_session.reports) == untimed(session.reports[2:])
+    assert resumed["metrics"]["skipped_steps"] == 1 and resumed["metrics"]["samples_seen"] == 72
+
+
+def test_a_non_finite_loss_skips_its_step_and_the_run_goes_on(world, fake_data, monkeypatch, tmp_path):
+    patch_nan_loss(monkeypatch, {2})  # the third step, inside the window logged at step 4
+    cfg = config(tmp_path / "run")
+    summary, session = run(cfg, world)
+    assert summary["error"] == ""
+    assert [r["skipped_steps"] for r in session.reports] == [0, 1, 1, 1]
+    assert all(np.isfinite(r["loss"]) for r in session.reports)  # the skipped step's loss left out
+    assert all(torch.isfinite(v).all() for v in weights(cfg, 4).values())
+
+
+def test_too_many_skipped_steps_in_a_row_stop_the_run_without_saving_nan(
+    world, fake_data, monkeypatch, tmp_path
+):
+    patch_nan_loss(monkeypatch, set(range(2, 100)))
+    cfg = config(tmp_path / "run", max_skipped_steps=3)
+    summary, session = run(cfg, world)
+    assert summary["error"].startswith("3 steps in a row (up to step 5) had a non-finite loss")
+    assert "--max-skipped-steps 3" in summary["error"] and "\n" not in summary["error"]
+    assert [r["step"] for r in session.reports] == [2, 4]
+    # Step 4's checkpoint came after two skipped steps: it holds step 2's weights, all finite.
+    assert all(torch.isfinite(v).all() for v in weights(cfg, 4).values())
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_weights_that_are_not_finite_are_never_checkpointed(world, fake_data, monkeypatch, tmp_path):
+    real_step = loop.TrainStep.__call__
+
+    def poisoning_step(self, step, micro_batches, global_count):
+        stats = real_step(self, step, micro_batches, global_count)
+        if step == 2:  # an update that went wrong without a non-finite gradient
+            with torch.no_grad():
+                next(self.model.parameters()).to_local()[0] = float("inf")
+        return stats
+
+    monkeypatch.setattr(loop.TrainStep, "__call__", poisoning_step)
+    summary, _ = run(config(tmp_path / "run"), world)
+    assert summary["error"].startswith("the weights hold NaN or inf at step 4 and were not saved")
+    assert not (tmp_path / "run" / dcp.checkpoint_name(4)).exists()
+
+
+def test_train_state_reads_checkpoints_written_before_its_newer_fields():
+    old = {"step": 8, "epoch": 1, "shards_started": ["a"], "seed": 3, "from_the_future": 1}
+    state = TrainState.from_dict(old)
+    assert (state.step, state.epoch, state.shards_started, state.seed) == (8, 1, ["a"], 3)
+    assert state.skipped_steps == 0 and state.bad_samples == []
+    assert TrainState.from_dict(state.to_dict()) == state
