@@ -1,0 +1,117 @@
+"""jobs/evaluate.py end to end on Parquet files written with the embedding job's own table builder."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.embed.output import FORMAT, MANIFEST, embedding_table
+from pipeline.evaluate.embeddings import load_embeddings
+
+ROOT = Path(__file__).resolve().parents[2]
+# The job script itself, run in this process (its output captured), under a name no package has.
+_spec = importlib.util.spec_from_file_location("vitray_jobs_evaluate", ROOT / "jobs" / "evaluate.py")
+evaluate_job = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(evaluate_job)
+
+
+def write_output(directory: Path, features: np.ndarray, labels: np.ndarray, *, files: int = 2) -> Path:
+    """An output as jobs/embed.py leaves it: ``files`` Parquet files and a manifest listing them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    header = {"format": FORMAT, "model": {"name": "vit_tiny_test"}, "weights": {"sha256": "ab" * 32}}
+    shards = {}
+    for i, (x, y) in enumerate(
+        zip(np.array_split(features, files), np.array_split(labels, files), strict=True)
+    ):
+        name = f"part-{i:06d}.parquet"
+        keys = [f"{i}-{j}" for j in range(len(y))]
+        table = embedding_table(
+            keys, [f"shard-{i}.tar"] * len(y), x, y, {**header, "shard": {"url": f"shard-{i}.tar"}}
+        )
+        pq.write_table(table, directory / name)
+        shards[f"shard-{i}.tar"] = {"file": name, "rows": len(y)}
+    (directory / MANIFEST).write_text(json.dumps({**header, "shards": shards}))
+    return directory
+
+
+def clustered(labels: np.ndarray, dim: int = 6, seed: int = 0) -> np.ndarray:
+    """One direction per class (a one-hot), plus noise far too small to move a row to another class."""
+    rng = np.random.default_rng(seed)
+    return np.eye(dim)[labels] + 0.01 * rng.normal(size=(len(labels), dim))
+
+
+def test_a_known_case_gives_the_hand_computed_accuracies(tmp_path, capsys):
+    # Three well-separated classes, 10 training rows each. The test set has 4 rows, one of which
+    # carries a wrong label (its embedding lies in class 0's direction, its label says 2): every
+    # classifier gets the 3 others right and that one wrong, 75%. 25 shots exceed 10 rows per class.
+    train_y = np.repeat([0, 1, 2], 10)
+    test_y_true = np.array([0, 1, 2, 0])
+    test_y = np.array([0, 1, 2, 2])
+    train = write_output(tmp_path / "train", clustered(train_y), train_y)
+    test = write_output(tmp_path / "test", clustered(test_y_true, seed=1), test_y, files=1)
+    (train / "stray.parquet").write_bytes(b"not listed by the manifest, so never read")
+    out = tmp_path / "scores.json"
+    args = f"--train {train} --test {test} --k 5 --shots 1,5,10,25 --seeds 3 --json {out}"
+    code = evaluate_job.main(args.split())
+    printed = capsys.readouterr().out
+    assert code == 0
+    scores = json.loads(out.read_text())
+    assert scores["train"]["rows"] == 30 and scores["test"]["rows"] == 4 and scores["train"]["dim"] == 6
+    assert scores["linear_probe"]["accuracy"] == 0.75
+    assert scores["knn"] == {"accuracy": 0.75, "k": 5, "vote": "majority"}
+    for shots in ("1", "5", "10"):
+        assert scores["few_shot"][shots]["per_seed"] == [0.75, 0.75, 0.75]
+        assert scores["few_shot"][shots]["mean"] == 0.75
+    assert "fewer than 25 shots" in scores["few_shot"]["25"]["skipped"]
+    assert "75.00%" in printed and "k-NN (k=5, cosine, majority)" in printed and "25-shot" in printed
+
+
+def test_reads_back_exactly_what_was_written(tmp_path):
+    labels = np.arange(7) % 3
+    features = np.random.default_rng(0).normal(size=(7, 5)).astype(np.float32)
+    loaded = load_embeddings(str(write_output(tmp_path / "o", features, labels, files=3)))
+    order = np.argsort([int(k.replace("-", "")) for k in loaded.keys])  # files sorted by name: same order
+    np.testing.assert_array_equal(loaded.features[order], features)
+    np.testing.assert_array_equal(loaded.labels[order], labels)
+    assert loaded.model == "vit_tiny_test" and loaded.dim == 5
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("unlabeled", "rows have no label; evaluation needs labeled embeddings"),
+        ("width", "--train has D = 6 but --test D = 4"),
+        ("missing", "does not exist; pass a directory that jobs/embed.py wrote"),
+        ("one_class", "holds one class only"),
+        ("big_k", "--k 50 is more than the 30 --train rows"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, change, message):
+    train_y = np.repeat([0, 1, 2], 10)
+    train_x = clustered(train_y)
+    test_y, test_x = train_y.copy(), train_x
+    if change == "unlabeled":
+        test_y = np.where(np.arange(30) < 3, -1, test_y)  # -1: no label (a null in the Parquet column)
+    if change == "width":
+        test_x = train_x[:, :4]
+    if change == "one_class":
+        train_y = np.zeros(30, dtype=np.int64)
+    train = write_output(tmp_path / "train", train_x, train_y)
+    test = write_output(tmp_path / "test", test_x, test_y)
+    args = ["--train", str(train), "--test", str(tmp_path / "nowhere" if change == "missing" else test)]
+    if change == "big_k":
+        args += ["--k", "50"]
+    assert evaluate_job.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_print_config_shows_the_resolved_configuration(capsys):
+    assert evaluate_job.main(["--train", "a", "--test", "b", "--shots", "2,4", "--print-config"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config["shots"] == [2, 4] and config["k"] == 20 and config["train"] == "a"
