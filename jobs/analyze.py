@@ -1,0 +1,83 @@
+"""What a trained ViT learned: the three panels of the paper's Fig. 7 as PNGs, and analysis.json.
+
+    python jobs/analyze.py --weights /tmp/run --data /tmp/shards --out /tmp/analysis       # one process, no Ray
+    python jobs/analyze.py --weights s3://b/runs/h14/final --data 's3://b/val-000000.tar' --out /tmp/h14 --images 128
+
+--weights takes what jobs/embed.py takes (a run dir, its final/, a checkpoint_* dir, a transformers
+model dir, a timm / torchvision / transformers weights file). The attention distances are measured
+on the first --images readable images of --data, with the evaluation crop of the model's own
+preprocessing. It runs in this process, without Ray (a few forward passes with explicit attention
+maps): on the GPU where there is one, unless --cpu.
+
+Leaves under --out: patch_embedding_filters.png (first 28 principal components of the patch-embedding
+filters), position_embedding_similarity.png (cosine similarity of each patch's position embedding
+with every other), attention_distance.png (mean attention distance per head, by layer) and
+analysis.json (mean_attention_distance [layer][head] in pixels, position-embedding similarity of
+adjacent and distant patches, the filters' variance shares).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
+
+from pipeline import cli
+from pipeline.embed.weights import FORMATS
+from pipeline.evaluate.config import AnalyzeConfig
+
+FLAGS = [
+    cli.Flag("weights", "run dir, final/ export, checkpoint_* dir, HF dir or weights file", required=True),
+    cli.Flag(
+        "data",
+        "shards to take the images from (path, directory, glob, brace range, s3://, ...)",
+        required=True,
+    ),
+    cli.Flag("out", "directory for the PNGs and analysis.json (local, s3:// or gs://)", required=True),
+    cli.Flag("images", "images the attention distances are averaged over"),
+    cli.Flag("batch_size", "images per forward pass"),
+    cli.Flag("cpu", "stay on CPU where a GPU is"),
+    cli.Flag(
+        "weights_format",
+        "what --weights holds (default: auto, told from the files and their keys)",
+        choices=FORMATS,
+    ),
+    cli.Flag("model", "variant name, checked against the weights; needed where shapes can't tell heads"),
+    cli.Flag(
+        "crop_fraction", "center-crop share of the short side (default: the training run's, else 0.875)"
+    ),
+    cli.Flag("storage_options", "fsspec options as JSON (credentials: prefer the environment)"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jobs/analyze.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    cli.add_flags(parser, AnalyzeConfig, FLAGS, defaults=AnalyzeConfig(weights="", data="", out=""))
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved configuration as JSON and exit"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        from pipeline.evaluate.inspection import analyze
+
+        config = AnalyzeConfig(**cli.overrides(args, FLAGS))
+        if args.print_config:
+            cli.print_config(config)
+            return 0
+        print(analyze(config).format())
+        return 0
+
+    return cli.run_job(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

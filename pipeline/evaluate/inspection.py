@@ -1,0 +1,154 @@
+"""The analyze job: a model's weights and a few images in, the paper's Fig. 7 panels and their numbers out.
+
+    --weights -> load (as the embedding job does: export, run dir, checkpoint, timm/torchvision/HF file)
+    --data    -> the first --images good images, eval crop of the model's preprocessing, in this process
+              -> patch-embedding filters: principal components             -> patch_embedding_filters.png
+              -> position embeddings: cosine similarity, patch by patch    -> position_embedding_similarity.png
+              -> attention maps of every block: mean attention distance    -> attention_distance.png
+              -> analysis.json: the numbers behind the three
+
+One process, no Ray: a few dozen forward passes through explicit attention maps, on the GPU where there
+is one (``cpu`` keeps it on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import vit
+from pipeline import storage
+from pipeline.data.shards import expand_shards
+from pipeline.embed.weights import load_model_source
+from pipeline.evaluate import analysis, figures
+from pipeline.evaluate.attention import attention_distances, patch_distances
+from pipeline.evaluate.config import AnalyzeConfig
+from pipeline.evaluate.samples import eval_config, eval_patches
+
+FILTERS_PNG = "patch_embedding_filters.png"
+POSITIONS_PNG = "position_embedding_similarity.png"
+ATTENTION_PNG = "attention_distance.png"
+ANALYSIS_JSON = "analysis.json"
+
+
+@dataclass
+class AnalysisResult:
+    out: str
+    files: list[str]  # what was written under out
+    numbers: dict[str, Any]  # analysis.json
+
+    def format(self) -> str:
+        n = self.numbers
+        layers = n["mean_attention_distance"]
+        means = [float(np.mean(heads)) for heads in layers]
+        position = n["position_embedding_similarity"]
+        lines = [
+            f"model: {n['model']['name']} ({n['model']['image_size']} px, patch {n['model']['patch_size']}), "
+            f"{n['images']} images ({n['bad_samples']} bad samples skipped)",
+            "mean attention distance (px, mean over heads) by layer: " + ", ".join(f"{m:.1f}" for m in means),
+            f"  (uniform attention: {n['uniform_attention_distance']:.1f} px)",
+            f"position embedding similarity: adjacent {position['adjacent']:.3f}, distant {position['distant']:.3f}",
+        ]
+        lines += [f"wrote {storage.join(self.out, f)}" for f in self.files]
+        return "\n".join(lines)
+
+
+def device_for(config: AnalyzeConfig) -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() and not config.cpu else "cpu")
+
+
+def analyze(config: AnalyzeConfig, log: Callable[[str], None] = print) -> AnalysisResult:
+    """Run the analysis; one-line ValueErrors for bad input, raised before any image is decoded."""
+    config.validate()
+    start = time.perf_counter()
+    shards = expand_shards(config.data, config.storage_options)
+    source = load_model_source(
+        config.weights,
+        weights_format=config.weights_format,
+        model=config.model,
+        storage_options=config.storage_options,
+    )
+    model_config = source.config
+    device = device_for(config)
+    model = vit.VisionTransformer(model_config, device="meta")
+    model.load_state_dict(source.state_dict, assign=True)
+    model = model.to(device).eval().requires_grad_(False)
+    log(f"{source.describe()} on {device}; {len(shards)} shard(s)")
+
+    data_config = eval_config(
+        source.preprocessing,
+        image_size=model_config.image_size,
+        patch_size=model_config.patch_size,
+        crop_fraction=config.crop_fraction,
+        storage_options=config.storage_options,
+    )
+    patches, bad = eval_patches(shards, data_config, config.images)
+    if len(patches) < config.images:
+        log(f"note: --data holds {len(patches)} readable images, fewer than --images {config.images}")
+
+    grid = (model_config.grid_size, model_config.grid_size)
+    pixels_per_patch = model_config.image_size / model_config.grid_size
+    batches = (
+        torch.from_numpy(patches[i : i + config.batch_size])
+        for i in range(0, len(patches), config.batch_size)
+    )
+    distances, seen = attention_distances(model, batches, device=device)
+    uniform = float(patch_distances(grid, pixels_per_patch).mean())
+    similarity = analysis.position_similarity(model.pos_embed.detach().cpu().numpy(), grid)
+
+    numbers: dict[str, Any] = {
+        "model": {
+            "name": model_config.name,
+            "image_size": model_config.image_size,
+            "patch_size": model_config.patch_size,
+            "depth": model_config.depth,
+            "num_heads": model_config.num_heads,
+            "weights_sha256": source.sha256,
+            "weights": source.path,
+        },
+        "images": seen,
+        "bad_samples": bad.bad,
+        "mean_attention_distance": distances.round(4).tolist(),  # [layer][head], pixels
+        "uniform_attention_distance": round(uniform, 4),
+        "position_embedding_similarity": analysis.similarity_by_neighbourhood(similarity),
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        local = Path(storage.local_path(config.out)) if storage.is_local(config.out) else Path(scratch)
+        local.mkdir(parents=True, exist_ok=True)
+        files = []
+        proj = getattr(model.patch_embed, "proj", None)
+        if isinstance(proj, torch.nn.Linear) and proj.in_features == model_config.patch_dim:
+            weight = proj.weight.detach().cpu().numpy()  # (D, P*P*C)
+            components, share = analysis.patch_filter_components(
+                weight, model_config.patch_size, model_config.num_channels
+            )
+            numbers["patch_embedding_filters"] = {
+                "components": len(share),
+                "variance_share": share.round(4).tolist(),
+            }
+            files.append(Path(figures.plot_patch_filters(components, share, str(local / FILTERS_PNG))).name)
+        else:  # a hybrid: the patch embedding reads CNN features, not pixels
+            numbers["patch_embedding_filters"] = {"skipped": "the patch embedding does not read pixels"}
+        files.append(Path(figures.plot_position_similarity(similarity, str(local / POSITIONS_PNG))).name)
+        path = figures.plot_attention_distance(
+            distances,
+            str(local / ATTENTION_PNG),
+            image_size=model_config.image_size,
+            uniform=uniform,
+            images=seen,
+        )
+        files.append(Path(path).name)
+        numbers["seconds"] = round(time.perf_counter() - start, 2)
+        (local / ANALYSIS_JSON).write_text(json.dumps(numbers, indent=1) + "\n")
+        files.append(ANALYSIS_JSON)
+        if not storage.is_local(config.out):
+            storage.upload_dir(local, config.out, config.storage_options)
+    return AnalysisResult(config.out, files, numbers)
