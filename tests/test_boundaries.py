@@ -46,6 +46,16 @@ ALLOWED = {
         "pipeline.compat",
         "vit",
     },
+    # Reads what embed writes and loads weights as embed does; never pipeline.train.
+    "pipeline.evaluate": {
+        "pipeline.evaluate",
+        "pipeline.embed",
+        "pipeline.data",
+        "pipeline.dcp",
+        "pipeline.storage",
+        "pipeline.compat",
+        "vit",
+    },
 }
 
 
