@@ -18,7 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from vit.config import ARCHITECTURE_FIELDS, VARIANTS, ViTConfig, get_config
-from vit.flops import count_flops, flops_breakdown
+from vit.flops import count_flops, count_mae_flops, flops_breakdown, mae_flops_breakdown
 from vit.patchify import patchify, unpatchify
 
 # Names from modules that need torch -> the module defining them.
@@ -28,6 +28,9 @@ _LAZY = {
     "convert_state_dict": "vit.convert",
     "VisionTransformer": "vit.model",
     "create_model": "vit.model",
+    "MAEConfig": "vit.mae",
+    "MaskedAutoencoder": "vit.mae",
+    "create_mae": "vit.mae",
     "resample_pos_embed": "vit.pos_embed",
     "load_config": "vit.weights",
     "load_pretrained": "vit.weights",
@@ -36,17 +39,22 @@ _LAZY = {
 __all__ = [
     "ARCHITECTURE_FIELDS",
     "VARIANTS",
+    "MAEConfig",
+    "MaskedAutoencoder",
     "ViTConfig",
     "VisionTransformer",
     "config_from_hf",
     "config_from_state_dict",
     "convert_state_dict",
     "count_flops",
+    "count_mae_flops",
+    "create_mae",
     "create_model",
     "flops_breakdown",
     "get_config",
     "load_config",
     "load_pretrained",
+    "mae_flops_breakdown",
     "patchify",
     "resample_pos_embed",
     "save_pretrained",
@@ -70,6 +78,9 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from vit.convert import config_from_hf as config_from_hf
     from vit.convert import config_from_state_dict as config_from_state_dict
     from vit.convert import convert_state_dict as convert_state_dict
+    from vit.mae import MAEConfig as MAEConfig
+    from vit.mae import MaskedAutoencoder as MaskedAutoencoder
+    from vit.mae import create_mae as create_mae
     from vit.model import VisionTransformer as VisionTransformer
     from vit.model import create_model as create_model
     from vit.pos_embed import resample_pos_embed as resample_pos_embed

@@ -30,6 +30,9 @@ class DataConfig:
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: bool = True
+    # Masked autoencoding (`pipeline.data.masking`): share of patches hidden from the encoder, drawn per
+    # sample in training datasets; None: no mask. Evaluation and embedding always see every patch.
+    mask_ratio: float | None = None
     # Eval: short side to image_size / crop_fraction (224 -> 256), then the center square.
     crop_fraction: float = 0.875
     train_interpolation: str = "bilinear"
@@ -78,6 +81,10 @@ class DataConfig:
             ),
             (not 0 < self.ratio[0] <= self.ratio[1], f"ratio {self.ratio} must satisfy 0 < lo <= hi"),
             (not 0 < self.crop_fraction <= 1, f"crop_fraction {self.crop_fraction} must be in (0, 1]"),
+            (
+                self.mask_ratio is not None and not 0 < self.mask_ratio < 1,
+                f"mask_ratio {self.mask_ratio} must be strictly between 0 and 1 (MAE's is 0.75), or None",
+            ),
             (
                 self.train_interpolation not in INTERPOLATIONS
                 or self.eval_interpolation not in INTERPOLATIONS,

@@ -3,6 +3,8 @@
     shards (in the order given) -> read: one task per shard, rows {key, url, image, label, error}
                                 -> map_batches(preprocess_batch), fused into the read task
                                 -> rows {key, url, patches uint8 (N, P*P*C), label int64, error}
+                                -> (training with mask_ratio) map_batches(mask_batch), fused too:
+                                   patches -> {visible, masked, ids_shuffle}
                                 -> iter_batches: seeded local shuffle, bad rows counted and removed
                                 -> rebatch / micro_batches: exactly ``size`` good samples each
 
@@ -24,6 +26,7 @@ import numpy as np
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig, shuffle_seed
 from pipeline.data.decode import preprocess_batch
+from pipeline.data.masking import mask_batch
 from pipeline.data.rows import raise_lost_shard
 from pipeline.data.shards import ShardError, open_shard
 from pipeline.data.tar import iter_samples, open_tar_stream
@@ -40,6 +43,8 @@ def build_dataset(shards: list[str], config: DataConfig, *, train: bool, epoch: 
     Rows: ``key`` str, ``url`` str, ``patches`` uint8 ``(N, P*P*C)``, ``label`` int64 (-1 when absent),
     ``error`` str ("" when good; else the reason, with zero patches). Output order is deterministic:
     shard by shard as given, tar order inside a shard.
+    With ``config.mask_ratio`` and ``train``, `pipeline.data.masking.mask_batch` replaces ``patches``
+    by ``visible``, ``masked`` and ``ids_shuffle`` (evaluation datasets are never masked).
     """
     import ray.data
 
@@ -67,6 +72,15 @@ def build_dataset(shards: list[str], config: DataConfig, *, train: bool, epoch: 
         zero_copy_batch=True,
         fn_kwargs={"config": config, "train": train, "epoch": epoch},
     )
+    if train and config.mask_ratio is not None:
+        # Masked autoencoding: the mask is drawn here too, fused into the same read task.
+        ds = ds.map_batches(
+            mask_batch,
+            batch_size=None,
+            batch_format="numpy",
+            zero_copy_batch=True,
+            fn_kwargs={"config": config, "epoch": epoch},
+        )
     # This dataset's own context (a copy made at read time), not the process-global one.
     ds.context.execution_options.preserve_order = True
     ds.context.target_max_block_size = config.block_bytes
