@@ -57,11 +57,12 @@ class EvaluationReport:
             f"{'k-NN (k=' + str(self.knn['k']) + ', cosine, majority)':<34} {_pct(self.knn['accuracy'])}"
         )
         for shots, result in self.few_shot.items():
-            name = f"{shots}-shot linear ({self.config.get('seeds')} seeds)"
+            name = f"{shots}-shot linear (ridge, l2 {self.config.get('l2_reg'):g})"
             if "skipped" in result:
                 lines.append(f"{name:<34} {'-':>10}  ({result['skipped']})")
             else:
-                lines.append(f"{name:<34} {_pct(result['mean'])}  ± {100 * result['std']:.1f}")
+                spread = f"± {100 * result['std']:.1f} (std over {len(result['per_seed'])} seeds)"
+                lines.append(f"{name:<34} {_pct(result['mean'])}  {spread}")
         return "\n".join(lines)
 
 

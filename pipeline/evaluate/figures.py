@@ -13,11 +13,17 @@ import numpy as np
 TILES_PER_ROW = 7  # 28 components as 4 rows of 7, as in the paper
 
 
-def _figure(width: float, height: float):
+def check_matplotlib() -> None:
+    """A one-line ValueError, before any work, where matplotlib is not installed."""
     try:
-        from matplotlib.figure import Figure
+        import matplotlib  # noqa: F401
     except ImportError as e:
         raise ValueError("the figures need matplotlib: pip install 'vitray[plot]' (or matplotlib)") from e
+
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
     return Figure(figsize=(width, height), dpi=120)
 
 

@@ -68,6 +68,7 @@ def device_for(config: AnalyzeConfig) -> torch.device:
 def analyze(config: AnalyzeConfig, log: Callable[[str], None] = print) -> AnalysisResult:
     """Run the analysis; one-line ValueErrors for bad input, raised before any image is decoded."""
     config.validate()
+    figures.check_matplotlib()
     start = time.perf_counter()
     shards = expand_shards(config.data, config.storage_options)
     source = load_model_source(
@@ -78,7 +79,7 @@ def analyze(config: AnalyzeConfig, log: Callable[[str], None] = print) -> Analys
     )
     model_config = source.config
     device = device_for(config)
-    model = vit.VisionTransformer(model_config, device="meta")
+    model = vit.create_model(model_config, device="meta")
     model.load_state_dict(source.state_dict, assign=True)
     model = model.to(device).eval().requires_grad_(False)
     log(f"{source.describe()} on {device}; {len(shards)} shard(s)")
