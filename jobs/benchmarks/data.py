@@ -38,6 +38,7 @@ from jobs.benchmarks.report import print_table, write_json
 from pipeline.data.config import DataConfig
 from pipeline.data.dataset import build_dataset, iter_batches
 from pipeline.data.decode import preprocess_batch
+from pipeline.data.masking import bytes_per_sample
 from pipeline.data.rows import read_shard
 from pipeline.data.shards import expand_shards
 
@@ -387,6 +388,12 @@ def report(
         f"data pipeline, {args.image_size}px patch {args.patch_size}, train transform, {cores} cores, "
         f"Ray num_cpus {args.ray_cpus or cores} (median of {args.repeats})",
         rows,
+    )
+    sizes = figures["bytes_per_sample"] = bytes_per_sample(config, mask_ratio=0.75)
+    print(
+        f"bytes per sample: {sizes['unmasked_total']:,} without masking, {sizes['masked_total']:,} with "
+        f"MAE's mask at 0.75 (targets travel too); encoder input {sizes['encoder_input_unmasked']:,} -> "
+        f"{sizes['encoder_input_masked']:,}"
     )
     if args.json:
         write_json(args.json, figures)
