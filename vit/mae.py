@@ -137,6 +137,35 @@ def pixel_targets(
     return x
 
 
+def reconstruction(
+    pred: torch.Tensor,
+    visible: torch.Tensor,
+    masked: torch.Tensor,
+    ids_shuffle: torch.Tensor,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    *,
+    norm_pix_loss: bool,
+) -> torch.Tensor:
+    """The image an MAE shows: visible patches as they were, masked ones predicted -> uint8 ``(B, N, K)``.
+
+    In grid order (`vit.unpatchify` makes images of it). Predictions are mapped back to pixels with
+    ``mean``/``std``; with ``norm_pix_loss`` they are standardized patches, which are given each
+    masked patch's own mean and spread first (as the paper's figures do: they use the target's).
+    """
+    b, n_mask, k = masked.shape
+    c = len(mean)
+    x = pred[:, -n_mask:].float()  # (B, M, K), in the space of `pixel_targets`
+    if norm_pix_loss:
+        plain = pixel_targets(masked, mean, std, norm_pix_loss=False)
+        x = x * (plain.var(dim=-1, keepdim=True) + 1e-6).sqrt() + plain.mean(dim=-1, keepdim=True)
+    mean_t = torch.tensor(mean, device=x.device)
+    std_t = torch.tensor(std, device=x.device)
+    x = (x.reshape(b, n_mask, k // c, c) * std_t + mean_t).reshape(b, n_mask, k)
+    filled = (x * 255.0).round().clamp(0, 255).to(torch.uint8)  # (B, M, K)
+    return unshuffle(torch.cat([visible, filled], dim=1), ids_shuffle)  # (B, N, K)
+
+
 class MAEDecoder(nn.Module):
     """Encoder tokens ``(B, 1+n, D)`` + ``ids_shuffle`` ``(B, N)`` -> pixel predictions ``(B, N, P*P*C)``.
 

@@ -11,6 +11,7 @@ from vit.mae import (
     create_mae,
     encoder_state_dict,
     pixel_targets,
+    reconstruction,
     sincos_pos_embed,
     take_patches,
     unshuffle,
@@ -206,6 +207,19 @@ def test_unshuffle_restores_grid_order():
     x = patches(2)
     ids = shuffles(2)
     torch.testing.assert_close(unshuffle(take_patches(x, ids), ids), x)
+
+
+@pytest.mark.parametrize("norm_pix_loss", [True, False])
+def test_a_perfect_prediction_reconstructs_the_image(norm_pix_loss):
+    x = vit.patchify(smooth_images(2), 8)
+    visible, masked, ids = masked_input(x)
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    perfect = torch.cat(
+        [torch.zeros(2, 4, 192), pixel_targets(masked, mean, std, norm_pix_loss=norm_pix_loss)], 1
+    )
+    image = reconstruction(perfect, visible, masked, ids, mean, std, norm_pix_loss=norm_pix_loss)
+    assert image.dtype == torch.uint8
+    assert (image.int() - x.int()).abs().max() <= 1  # float round trip: at most one grey level
 
 
 def test_config_is_checked_and_round_trips():
