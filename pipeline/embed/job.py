@@ -240,6 +240,7 @@ def run(plan: EmbedPlan, *, on_commit: Callable[[str, dict], None] | None = None
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0):
             sink.add(batch)
     sink.close()
+    output.finish()
     bad.check_budget(final=True)
     seconds = time.perf_counter() - start
     return EmbedSummary(

@@ -8,12 +8,19 @@ The manifest's leading underscore keeps it out of directory reads: pyarrow, pand
 globs skip ``_`` and ``.`` names, so ``pandas.read_parquet(out)`` reads exactly the embeddings.
 
 Commit protocol, per shard: the complete file is written under a hidden temporary name (local) or into
-a local scratch file (object stores), then renamed onto / uploaded to its final name, then the manifest
-is rewritten (atomically: rename locally, one PUT on object stores). A crash leaves at worst a hidden
-temporary (removed by the next run) or a committed file the manifest does not list (redone and replaced
-by the next run). So the next run's view, "a shard is done when the manifest lists it and its file has
-the listed size and row count", never counts a partial file, and every readable key ends up in exactly
-one row. Two runs writing into one ``--out`` at the same time are not supported.
+a local scratch file (object stores), then renamed onto / uploaded to its final name, then its record,
+``_records/<file>.json`` (url, file, rows, bytes, skipped), is written whole (rename locally, one PUT on
+object stores). A commit costs the same whatever the number of shards: the manifest is not rewritten
+per shard, but once when a run starts and once when it ends, as the merge of the records there.
+A crash leaves at worst a hidden temporary (removed by a later run once it is an hour old) or a
+committed file without a record (redone and replaced by the next run). So a run's view, "a shard is
+done when a record (or the manifest) lists it and its file has the listed size and row count", never
+counts a partial file, and every readable key ends up in exactly one row.
+
+Two runs into one ``--out`` at once are safe: a shard's file name is fixed, so a shard both embed is
+replaced whole by the same rows, every record any run writes stays, and the manifest each run writes
+at its end merges every record present then (the records, read by every run, are the truth; the
+manifest is their summary as of the last run's end).
 
 File names: the shard's file name without its .tar/.tar.gz/.tgz suffix, plus ``.parquet``. When two
 input shards would get the same name (same file name in different directories), each of them gets
@@ -25,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +46,9 @@ from pipeline import storage
 from pipeline.data.shards import SHARD_SUFFIXES
 
 MANIFEST = "_manifest.json"
+RECORDS = "_records"  # one small JSON per committed (or failed) shard; "_" keeps Parquet readers out
+FAILED = ".failed.json"  # record suffix of a shard that could not be read
+STALE_TEMPORARY_S = 3600.0  # a temporary this old belongs to no running commit: a crash left it
 FORMAT = "vitray-embeddings"
 METADATA_KEY = b"vitray"
 PARQUET = ".parquet"
@@ -154,8 +165,10 @@ class EmbeddingOutput:
         self.uri = uri.rstrip("/") or uri
         self.header = header
         self.storage_options = storage_options
-        self.shards: dict[str, dict] = {}
-        self.failed: dict[str, str] = {}
+        self.shards: dict[str, dict] = {}  # url -> record: every committed shard this run knows of
+        self.failed: dict[str, str] = {}  # url -> reason
+        self.names: dict[str, str] = {}  # url -> output file name, for this run's shards
+        self._read_cache: dict[tuple[str, int], dict] = {}  # (record name, size) -> its contents
 
     def path(self, name: str) -> str:
         return storage.join(self.uri, name)
@@ -180,8 +193,9 @@ class EmbeddingOutput:
         model's embeddings and ``overwrite`` is not set."""
         files = storage.list_files(self.uri, self.storage_options)
         old = self.read_manifest()
-        temporaries = sorted(n for n in files if storage.is_temporary(n))
-        listed = dict((old or {}).get("shards", {}))
+        temporaries = sorted(n for n in files if storage.is_temporary(n) and self._stale(n))
+        commits, _ = self.read_records()
+        listed = {**(old or {}).get("shards", {}), **commits}  # records are newer than any manifest
         if old is not None and not overwrite:
             why = difference(old, self.header)
             if why is not None:
@@ -194,7 +208,8 @@ class EmbeddingOutput:
             stale = sorted({r["file"] for r in listed.values()} & set(files))
             mine = set(names.values()) | set(stale)
             strays = sorted(n for n in files if n.endswith(PARQUET) and n not in mine)
-            return OutputPlan(names, {}, list(shards), temporaries + stale, strays, {})
+            records = [f"{RECORDS}/{n}" for n in storage.list_files(self.path(RECORDS), self.storage_options)]
+            return OutputPlan(names, {}, list(shards), temporaries + stale + records, strays, {})
         if old is None and any(n.endswith(PARQUET) for n in files):
             raise ValueError(
                 f"{self.uri} holds Parquet files but no {MANIFEST}: not a vitray embedding output; choose "
@@ -212,34 +227,89 @@ class EmbeddingOutput:
         return OutputPlan(names, done, pending, temporaries, strays, others)
 
     def start(self, plan: OutputPlan) -> None:
-        """Remove leftovers, then write the manifest with this run's header and the shards already done."""
+        """Remove leftovers, then write the manifest: this run's header and every shard committed so far."""
         for name in plan.delete:
             storage.remove(self.path(name), self.storage_options)
+        self.names = dict(plan.names)
         self.shards = {**plan.others, **plan.done}
         self.failed = {}
         self.write_manifest()
 
     def commit(self, url: str, name: str, table: pa.Table, skipped: list[dict[str, str]]) -> dict[str, Any]:
-        """Write one shard's file whole, publish it, then record it in the manifest; returns the record."""
+        """Write one shard's file whole, publish it, then its record; returns the record."""
         target = self.path(name)
         with storage.staged_file(target, self.storage_options) as local:
             pq.write_table(table, local, compression="zstd")
             size = os.path.getsize(local)
         record = {"file": name, "rows": table.num_rows, "bytes": size, "skipped": skipped}
+        storage.write_text(
+            self._record_path(name), json.dumps({"url": url, **record}) + "\n", self.storage_options
+        )
         self.shards[url] = record
-        self.failed.pop(url, None)
-        self.write_manifest()
+        if self.failed.pop(url, None) is not None:
+            storage.remove(self._record_path(name, FAILED), self.storage_options)
         return record
 
     def fail(self, url: str, reason: str) -> None:
         """Record a shard that could not be read (nothing committed; the next run tries it again)."""
         self.failed[url] = reason
+        record = json.dumps({"url": url, "reason": reason}) + "\n"
+        storage.write_text(self._record_path(self.names[url], FAILED), record, self.storage_options)
+
+    def finish(self) -> None:
+        """The run ended: write the manifest once, merging every record there (other runs' too)."""
         self.write_manifest()
 
     def write_manifest(self) -> None:
+        """Rewrite ``_manifest.json`` from the records there and this run's own view (one PUT)."""
+        commits, failures = self.read_records()
+        self.shards = {**self.shards, **commits}
+        self.failed = {u: r for u, r in {**failures, **self.failed}.items() if u not in self.shards}
         manifest = {**self.header, "shards": self.shards, "failed": self.failed}
         text = json.dumps(manifest, indent=1, sort_keys=False) + "\n"
         storage.write_text(self.path(MANIFEST), text, self.storage_options)
+
+    def read_records(self) -> tuple[dict[str, dict], dict[str, str]]:
+        """``(commits, failures)`` from ``_records/``: url -> record, url -> reason. One listing, and one
+        read per record not read before (in parallel)."""
+        listed = storage.list_files(self.path(RECORDS), self.storage_options)
+        todo = [(n, b) for n, b in sorted(listed.items()) if not storage.is_temporary(n)]
+
+        def read(item: tuple[str, int]) -> tuple[tuple[str, int], dict | None]:
+            if item in self._read_cache:
+                return item, self._read_cache[item]
+            try:
+                return item, json.loads(
+                    storage.read_text(self.path(f"{RECORDS}/{item[0]}"), self.storage_options)
+                )
+            except (OSError, ValueError):  # gone (an overwrite) or cut: the shard counts as not done
+                return item, None
+
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(todo)))) as pool:
+            contents = dict(pool.map(read, todo))
+        commits: dict[str, dict] = {}
+        failures: dict[str, str] = {}
+        for (name, size), record in contents.items():
+            if not isinstance(record, dict) or "url" not in record:
+                continue
+            self._read_cache[(name, size)] = record
+            if name.endswith(FAILED):
+                failures[record["url"]] = str(record.get("reason", ""))
+            else:
+                commits[record["url"]] = {k: v for k, v in record.items() if k != "url"}
+        return commits, {u: r for u, r in failures.items() if u not in commits}
+
+    def _record_path(self, name: str, suffix: str = ".json") -> str:
+        return self.path(f"{RECORDS}/{name}{suffix}")
+
+    def _stale(self, name: str) -> bool:
+        """Old enough to be a crash's leftover, not a running commit's (temporaries are local-only)."""
+        if not storage.is_local(self.uri):
+            return True
+        try:
+            return time.time() - os.path.getmtime(storage.local_path(self.path(name))) > STALE_TEMPORARY_S
+        except OSError:
+            return False
 
     def _row_counts(self, names: dict[str, str]) -> dict[str, int]:
         """Row count per shard from each file's footer (one small read each, in parallel), when the

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,7 @@ from pipeline.data.writing import tar_bytes
 from pipeline.embed.actor import embed_rows
 from pipeline.embed.config import EmbedConfig
 from pipeline.embed.job import prepare, run
-from pipeline.embed.output import MANIFEST, METADATA_KEY, assign_names, output_name
+from pipeline.embed.output import MANIFEST, METADATA_KEY, RECORDS, assign_names, output_name
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "vit_tiny_test"
@@ -238,10 +240,13 @@ def test_an_interrupted_run_resumes_to_exactly_one_row_per_key(
 
     with pytest.raises(Killed):
         run(prepare(config), on_commit=die_after_first)
-    assert len(manifest(out)["shards"]) == 1
-    # What a crash at other moments leaves: a half-written temporary, and a shard committed whose
-    # manifest entry was never written (here with garbage in it).
-    (out / ".train-000002.parquet.tmp-0123456789ab").write_bytes(b"PAR1 half a file")
+    # The manifest is written when a run starts and ends; the shard's record holds its commit.
+    assert len(manifest(out)["shards"]) == 0 and len(list((out / RECORDS).iterdir())) == 1
+    # What a crash at other moments leaves: a half-written temporary (an hour old: no run's commit in
+    # flight), and a shard committed whose record was never written (here with garbage in it).
+    half = out / ".train-000002.parquet.tmp-0123456789ab"
+    half.write_bytes(b"PAR1 half a file")
+    os.utime(half, (time.time() - 7200, time.time() - 7200))
     (out / "train-000003.parquet").write_bytes(b"not what the manifest lists")
     plan = prepare(config)
     assert len(plan.work.done) == 1 and len(plan.work.pending) == 3
@@ -250,6 +255,7 @@ def test_an_interrupted_run_resumes_to_exactly_one_row_per_key(
     rows = read_rows(out)
     assert sorted(rows["key"]) == synthetic_shards.keys and len(rows["key"]) == 48
     assert not [p.name for p in out.iterdir() if storage.is_temporary(p.name)]
+    assert len(manifest(out)["shards"]) == 4
 
 
 @pytest.fixture(scope="module")
@@ -344,7 +350,9 @@ def test_s3_output_works_like_local(ray_session, first_run, synthetic_shards, ex
         assert (summary.committed, summary.rows) == (4, 48)
         fs = s3fs.S3FileSystem()
         names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("emb/run1"))
-        assert names == [MANIFEST] + [f"train-00000{i}.parquet" for i in range(4)]
+        assert names == [MANIFEST, RECORDS] + [f"train-00000{i}.parquet" for i in range(4)]
+        records = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"emb/run1/{RECORDS}"))
+        assert records == [f"train-00000{i}.parquet.json" for i in range(4)]
         remote = pd.read_parquet("s3://emb/run1").sort_values("key")
         local = pd.read_parquet(first_run[0].out).sort_values("key")
         assert list(remote["key"]) == list(local["key"])
