@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-EXTRAS := test,dev,s3,gcs,plot
+EXTRAS := test,dev,s3,gcs,plot,wandb
 
 .PHONY: demo test test-fast lint format install clean
 

@@ -61,6 +61,12 @@ FLAGS = [
     cli.Flag("hflip", "no random horizontal flips (on by default)", negate=True),
     cli.Flag("max_bad_fraction", "share of corrupt samples that fails the run"),
     cli.Flag("log_every", "steps between log lines / metrics.jsonl rows"),
+    cli.Flag("tensorboard", "also write TensorBoard event files under <out>/tensorboard/"),
+    cli.Flag(
+        "wandb",
+        "also log to this Weights & Biases project (WANDB_MODE=offline: no network)",
+        metavar="PROJECT",
+    ),
     cli.Flag("checkpoint_every", "steps between checkpoints"),
     cli.Flag("keep_checkpoints", "checkpoints kept (oldest deleted first)"),
     cli.Flag("max_failures", "worker-group restarts from the latest checkpoint after a failure"),

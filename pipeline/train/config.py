@@ -8,6 +8,7 @@ say what it was.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 from dataclasses import dataclass, field
@@ -68,6 +69,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     max_failures: int = 3  # worker-group restarts from the latest checkpoint
     stop_at_step: int | None = None  # end this run early (the schedule still follows max_steps)
+    tensorboard: bool = False  # also write TensorBoard event files under <out>/tensorboard/ (rank 0)
+    wandb: str | None = None  # also log to this Weights & Biases project (rank 0)
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -132,6 +135,8 @@ class TrainConfig:
             )
         if not math.isfinite(self.lr) or self.lr <= 0:
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb needs the wandb package: pip install 'vitray[wandb]'")
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -20,7 +20,7 @@ FLAGS = {
     "--preset", "--data", "--out", "--model", "--image-size", "--num-classes", "--num-workers",
     "--cpus-per-worker", "--placement-strategy", "--max-steps", "--stop-at-step", "--batch-size", "--micro-batch-size", "--lr",
     "--min-lr", "--weight-decay", "--warmup-steps", "--lr-schedule", "--grad-clip", "--max-skipped-steps", "--seed", "--label-key",
-    "--shuffle-buffer", "--crop-scale", "--crop-ratio", "--no-hflip", "--max-bad-fraction", "--log-every", "--checkpoint-every", "--keep-checkpoints",
+    "--shuffle-buffer", "--crop-scale", "--crop-ratio", "--no-hflip", "--max-bad-fraction", "--log-every", "--tensorboard", "--wandb", "--checkpoint-every", "--keep-checkpoints",
     "--max-failures", "--cpu", "--activation-checkpointing", "--compile", "--address", "--num-cpus",
     "--print-config", "--help",
 }  # fmt: skip

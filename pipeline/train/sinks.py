@@ -1,0 +1,149 @@
+"""Where rank 0's logged steps go besides `metrics.jsonl` (which stays the record of a run):
+TensorBoard event files under ``<out>/tensorboard/`` (``--tensorboard``) and a Weights & Biases run
+(``--wandb PROJECT``).
+
+    log = attach(MetricsLog(config.out, resume_step), config)   # rank 0 only
+    log.append(row, flush)   # -> metrics.jsonl, then every sink; flush at checkpoints
+
+Every numeric field of a `metrics.jsonl` row becomes a scalar ``train/<field>`` at that row's step
+(learning rate ``train/lr``, throughput ``train/images_per_s`` among them); fields without a value
+(``mfu`` on CPU) are left out. A run resumed at step S drops what a sink logged past S, as
+`metrics.jsonl` does: TensorBoard through ``purge_step``; W&B keeps one run per ``--out`` and
+ignores steps it has already seen.
+
+Event files of a run on object storage are written locally and uploaded whole at each flush.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import tempfile
+from numbers import Real
+from typing import Any, Protocol
+
+from pipeline import storage
+from pipeline.train.config import TrainConfig
+
+TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
+
+
+class Sink(Protocol):
+    def log(self, row: dict[str, Any]) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """``{"train/<field>": value}`` for every finite number of a metrics row except its step."""
+    return {
+        f"train/{k}": float(v)
+        for k, v in row.items()
+        if k != "step" and isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+class TensorBoardSink:
+    """Event files of one run (`tensorboardX`, which Ray Train already depends on)."""
+
+    def __init__(self, run_uri: str, resume_step: int = 0):
+        from tensorboardX import SummaryWriter
+
+        self.uri = storage.join(run_uri, TENSORBOARD_DIR)
+        self.staging = None if storage.is_local(self.uri) else tempfile.mkdtemp(prefix="vitray-tb-")
+        logdir = self.staging or storage.local_path(self.uri)
+        os.makedirs(logdir, exist_ok=True)
+        # purge_step: TensorBoard hides events at or past it from earlier files of this run.
+        self.writer = SummaryWriter(logdir=logdir, purge_step=resume_step + 1 if resume_step else None)
+
+    def log(self, row: dict[str, Any]) -> None:
+        for tag, value in scalars(row).items():
+            self.writer.add_scalar(tag, value, global_step=row["step"])
+        if self.staging is None:
+            self.writer.flush()  # a local file costs nothing to keep current, as metrics.jsonl is
+
+    def flush(self) -> None:
+        self.writer.flush()
+        if self.staging is not None:
+            storage.upload_dir(self.staging, self.uri)
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+class WandbSink:
+    """One W&B run per run directory (its id comes from ``--out``, so a resumed run continues it).
+
+    ``WANDB_MODE=offline`` (or ``wandb offline``) keeps it on this machine; ``wandb sync`` uploads it later.
+    """
+
+    def __init__(self, config: TrainConfig):
+        import wandb
+
+        local = storage.is_local(config.out)
+        self.dir = storage.local_path(config.out) if local else tempfile.mkdtemp(prefix="vitray-wandb-")
+        os.makedirs(self.dir, exist_ok=True)
+        self.run = wandb.init(
+            project=config.wandb,
+            id=run_id(config.out),
+            name=config.out.rstrip("/").rsplit("/", 1)[-1],
+            dir=self.dir,
+            config=config.to_dict(),
+            resume="allow",
+            # console="off": W&B would otherwise wrap stdout, which Ray already forwards.
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def log(self, row: dict[str, Any]) -> None:
+        if row["step"] < self.run.step:
+            return  # logged before this resume: a W&B run's steps only go forward
+        self.run.log(scalars(row), step=row["step"])
+
+    def flush(self) -> None:
+        """W&B writes (and, online, uploads) in its own process."""
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def run_id(out: str) -> str:
+    """A W&B run id that is the same for every run of one ``--out``."""
+    return "vitray-" + hashlib.sha256(out.rstrip("/").encode()).hexdigest()[:16]
+
+
+class SinkedLog:
+    """A `MetricsLog` that also hands every row to the sinks; its other attributes are the log's."""
+
+    def __init__(self, log: Any, sinks: list[Sink], last_step: int):
+        self.inner, self.sinks, self.last_step = log, sinks, last_step
+
+    def append(self, row: dict[str, Any], flush: bool) -> None:
+        self.inner.append(row, flush)
+        for sink in self.sinks:
+            sink.log(row)
+            if row["step"] >= self.last_step:
+                sink.close()
+            elif flush:
+                sink.flush()
+        if row["step"] >= self.last_step:
+            self.sinks = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def attach(log: Any, config: TrainConfig) -> Any:
+    """``log`` (rank 0's `MetricsLog`) with the sinks ``config`` asks for; ``log`` itself when none."""
+    resume_step = log.rows[-1]["step"] if log.rows else 0
+    sinks: list[Sink] = []
+    if config.tensorboard:
+        sinks.append(TensorBoardSink(config.out, resume_step))
+    if config.wandb:
+        sinks.append(WandbSink(config))
+    return SinkedLog(log, sinks, config.last_step) if sinks else log

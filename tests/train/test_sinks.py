@@ -1,0 +1,107 @@
+"""Metrics sinks: TensorBoard event files and a W&B run hold what metrics.jsonl holds (no Ray, no network)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from pipeline.train.config import TrainConfig
+from pipeline.train.metrics import MetricsLog
+from pipeline.train.sinks import TENSORBOARD_DIR, SinkedLog, attach, run_id, scalars
+
+
+def row(step: int) -> dict:
+    """A metrics.jsonl row as the worker loop writes it (mfu is None on CPU)."""
+    return {
+        "step": step,
+        "epoch": step // 20,
+        "loss": 2.5 - step / 100,
+        "accuracy": step / 100,
+        "lr": 1e-3 * step / 40,
+        "grad_norm": 1.25,
+        "images_per_s": 300.0 + step,
+        "images_per_s_per_worker": 150.0 + step / 2,
+        "mfu": None,
+        "data_wait_share": 0.25,
+        "samples_seen": 64 * step,
+        "bad_samples": 0,
+        "memory_gib": 0.5,
+    }
+
+
+def read_scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    """``{tag: {step: value}}`` from every event file under ``logdir``: TFRecord framing (length,
+    its CRC, payload, its CRC) around `Event` protos, read with tensorboardX's own proto classes."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    found: dict[str, dict[int, float]] = {}
+    files = sorted(logdir.glob("events.out.tfevents.*"))
+    assert files, f"no event files in {logdir}"
+    for path in files:
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                found.setdefault(value.tag, {})[event.step] = value.simple_value
+    return found
+
+
+def test_scalars_take_every_number_but_the_step():
+    values = scalars(row(20))
+    assert "train/step" not in values and "train/mfu" not in values  # the x-axis; no value on CPU
+    expected = {k for k, v in row(20).items() if k != "step" and v is not None}
+    assert set(values) == {f"train/{k}" for k in expected}
+    assert values["train/lr"] == pytest.approx(5e-4) and values["train/images_per_s"] == 320.0
+
+
+def test_tensorboard_event_files_hold_every_logged_scalar(tmp_path):
+    config = TrainConfig(data="x", out=str(tmp_path / "run"), max_steps=40, tensorboard=True)
+    log = attach(MetricsLog(config.out), config)
+    assert isinstance(log, SinkedLog)
+    for step in (10, 20, 30, 40):
+        log.append(row(step), flush=step % 20 == 0)
+    assert [r["step"] for r in log.rows] == [10, 20, 30, 40]  # metrics.jsonl is still written
+
+    found = read_scalars(tmp_path / "run" / TENSORBOARD_DIR)
+    assert set(found) == set(scalars(row(10)))
+    for step in (10, 20, 30, 40):
+        for tag, value in scalars(row(step)).items():
+            assert found[tag][step] == pytest.approx(value, rel=1e-6), (tag, step)
+
+
+def test_no_sink_asked_for_leaves_the_log_as_it_is(tmp_path):
+    log = MetricsLog(str(tmp_path / "run"))
+    assert attach(log, TrainConfig(data="x", out=str(tmp_path / "run"))) is log
+
+
+def test_wandb_offline_run_records_the_scalars(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network, no account
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))  # the sink's own dir must win
+    out = tmp_path / "run"
+    config = TrainConfig(data="x", out=str(out), max_steps=20, wandb="vitray-test")
+    log = attach(MetricsLog(config.out), config)
+    for step in (10, 20):  # the last step closes the run
+        log.append(row(step), flush=False)
+
+    runs = list((out / "wandb").glob(f"offline-run-*-{run_id(str(out))}"))
+    assert len(runs) == 1, list((out / "wandb").iterdir())
+    records = next(runs[0].glob("*.wandb")).read_bytes()
+    for tag in scalars(row(10)):
+        assert tag.encode() in records, tag
+
+
+def test_wandb_without_the_package_is_a_one_line_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    with pytest.raises(ValueError, match=r"--wandb needs the wandb package: pip install"):
+        TrainConfig(data="x", out="y", wandb="p").validate()
