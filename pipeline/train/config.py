@@ -52,6 +52,7 @@ class TrainConfig:
     # --- systems -------------------------------------------------------------------------------
     activation_checkpointing: bool = False
     compile: bool = False
+    prefetch_steps: int = 2  # steps of input built ahead on a background thread (0: built by the step)
 
     # --- cluster shape -------------------------------------------------------------------------
     num_workers: int = 2
@@ -120,6 +121,8 @@ class TrainConfig:
                 f"--shard-group-size {self.shard_group_size} does not divide --num-workers {self.num_workers}; "
                 "use a divisor of it (usually the GPUs of one node), or leave it out"
             )
+        if self.prefetch_steps < 0:
+            raise ValueError(f"prefetch_steps must be 0 or more, got {self.prefetch_steps}")
         if self.lr_schedule not in ("cosine", "linear"):
             raise ValueError(f"--lr-schedule must be 'cosine' or 'linear', got {self.lr_schedule!r}")
         if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:

@@ -10,6 +10,11 @@ shards no rank had started. (Ray's `get_dataset_shard` balances blocks across wo
 which is neither reproducible nor resumable mid-epoch; that is why the split is done here.)
 Every step, ranks agree on whether all of them have a full step of data; the first rank to run
 dry ends the epoch for all, so no rank waits in a collective that the others never join.
+
+The GPU is not kept waiting on the host: the next steps' input is built on a background thread
+(`pipeline.train.prefetch`), the ranks' agreements go through a CPU group, and loss and accuracy
+stay on the device until a log line is due. The one wait per step is the skip decision
+(`pipeline.train.step`).
 """
 
 from __future__ import annotations
@@ -22,28 +27,28 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 import ray.train
 import ray.train.torch
-import torch
 import torch.distributed as dist
 from ray.train import Checkpoint
 
 from pipeline import dcp, storage
-from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples, LabelsMissingError
+from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
-from pipeline.data.dataset import Batch, micro_batches
-from pipeline.train import checkpoint, sinks
+from pipeline.data.dataset import micro_batches
+from pipeline.train import checkpoint
 from pipeline.train.config import TrainConfig, data_config
 from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, log_line
 from pipeline.train.model import build_model, model_config
+from pipeline.train.prefetch import Prefetcher, StepInput
 from pipeline.train.state import (
     StepAgreement,
     TrainState,
     agree_on_shards_started,
     agree_on_step,
     agree_weights_are_finite,
+    control_group,
     gather_bad_samples,
 )
 from pipeline.train.step import StepStats, TrainStep, peak_tflops, train_flops_per_image
@@ -88,13 +93,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     return Trainer(loop_config, RaySession()).train()
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
-
-
 class Trainer:
     """One rank's part of a run. `train()` returns the summary that rank 0 hands to the driver:
     `metrics` (the last logged step), `bad_samples` (all ranks merged), `error` ("" or one line)."""
@@ -111,9 +109,13 @@ class Trainer:
         self.model = build_model(config, self.device)
         self.step_fn = TrainStep(self.model, config, self.device)
         self.state = self.resume()
-        self.bad = self.state.bad_samples_of(self.rank, self.world, self.data_config)
+        self.group = control_group()
+        # This rank's counts as of the last step's input: what reports, checkpoints and the summary
+        # hold. The data thread counts into a copy of its own, so samples it read ahead for steps
+        # that never ran (the run stopped, another rank ran dry) are not counted.
+        self.bad_samples = self.state.bad_samples_of(self.rank, self.world, self.data_config)
         self.skipped_in_a_row = 0
-        self.log = sinks.attach(MetricsLog(config.out, self.state.step), config) if self.rank == 0 else None
+        self.log = MetricsLog(config.out, resume_step=self.state.step) if self.rank == 0 else None
         self.saved_config = {
             "train": config.to_dict(),
             "model_config": self.model_config.to_dict(),
@@ -166,19 +168,19 @@ class Trainer:
         """Steps until the schedule ends or some rank runs dry; then the next epoch begins."""
         state, last_step = self.state, self.config.last_step
         self.started = set(state.shards_started)
-        stream = self.epoch_stream()
+        data = self.epoch_input()
         steps = 0
         try:
             while state.step < last_step:
-                batches, agreement = self.next_step_batches(stream)
+                step_input, agreement = self.next_step_input(data)
                 if agreement.error:
                     raise StopRun(agreement.error)
                 if agreement.someone_ran_dry:
                     break
-                self.train_step(batches, agreement)
+                self.train_step(data, step_input, agreement)
                 steps += 1
         finally:
-            stream.close()  # stops this epoch's Ray Data execution if it is still running
+            data.close()  # stops this epoch's Ray Data execution if it is still running
         if state.step >= last_step:
             return
         if steps == 0 and not self.started:
@@ -190,43 +192,43 @@ class Trainer:
         state.epoch += 1
         state.shards_started = []
 
-    def epoch_stream(self) -> Iterator[Batch]:
-        """This rank's micro-batches of the current epoch, skipping shards started before a resume."""
+    def epoch_input(self) -> Prefetcher:
+        """This rank's steps of input for the current epoch, skipping shards started before a resume."""
         order = shard_order(self.shards, self.config.seed, self.state.epoch)
         remaining = [s for s in order if s not in self.started]
-        return micro_batches(
+        counts = BadSamples.from_dict(self.bad_samples.to_dict())
+        stream = micro_batches(
             remaining[self.rank :: self.world],
             self.data_config,
             epoch=self.state.epoch,
             rank=self.rank,
             size=self.config.micro_batch_size,
-            bad_samples=self.bad,
+            bad_samples=counts,
             data_cpus=self.data_cpus,
         )
+        return Prefetcher(
+            stream,
+            accum=self.accum,
+            columns=("patches", "label"),
+            bad_samples=counts,
+            pin=self.device.type == "cuda",
+            depth=self.config.prefetch_steps,
+        )
 
-    def next_step_batches(self, stream: Iterator[Batch]) -> tuple[list[Batch], StepAgreement]:
-        """Collective: this rank's micro-batches for the next step, and what all ranks agree on."""
+    def next_step_input(self, data: Prefetcher) -> tuple[StepInput, StepAgreement]:
+        """Collective: this rank's input for the next step, and what all ranks agree on."""
         wait_start = time.perf_counter()
-        batches: list[Batch] = []
-        error = ""
-        try:
-            for _ in range(self.accum):
-                batches.append(next(stream))
-        except StopIteration:
-            pass
-        except (BadSampleBudgetError, LabelsMissingError) as e:  # one line each, saying what to do
-            error = str(e)
+        step_input = data.next()
         self.window.data_wait += time.perf_counter() - wait_start
-        samples = sum(len(b["label"]) for b in batches)
-        return batches, agree_on_step(samples, len(batches) < self.accum, error, self.device)
+        self.bad_samples = step_input.bad_samples
+        agreement = agree_on_step(step_input.samples, step_input.ran_dry, step_input.error, self.group)
+        return step_input, agreement
 
-    def train_step(self, batches: list[Batch], agreement: StepAgreement) -> None:
-        for b in batches:
-            self.started.update(b["url"].tolist())
-        tensors = [
-            (to_device(b["patches"], self.device), to_device(b["label"], self.device)) for b in batches
-        ]
-        stats = self.step_fn(self.state.step, tensors, global_count=agreement.samples)
+    def train_step(self, data: Prefetcher, step_input: StepInput, agreement: StepAgreement) -> None:
+        self.started |= step_input.urls
+        micro_batches = step_input.to_device(self.device)
+        data.release(step_input)
+        stats = self.step_fn(self.state.step, micro_batches, global_count=agreement.samples)
         self.state.step += 1
         self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
         self.count_skipped(stats)
@@ -266,8 +268,8 @@ class Trainer:
             epoch=self.state.epoch,
             lr=stats.lr,
             grad_norm=stats.grad_norm,
-            samples_seen=self.bad.total,
-            bad_samples=self.bad.bad,
+            samples_seen=self.bad_samples.total,
+            bad_samples=self.bad_samples.bad,
             skipped_steps=self.state.skipped_steps,
             flops_per_image=self.flops_per_image,
             peak_tflops=self.peak_tflops,
@@ -294,8 +296,8 @@ class Trainer:
                 f"the weights hold NaN or inf at step {self.state.step} and were not saved; resume from "
                 "the last checkpoint with a lower --lr or a smaller --grad-clip"
             )
-        self.state.shards_started = agree_on_shards_started(self.started)
-        self.state.bad_samples = gather_bad_samples(self.bad)
+        self.state.shards_started = agree_on_shards_started(self.started, self.group)
+        self.state.bad_samples = gather_bad_samples(self.bad_samples, self.group)
         with tempfile.TemporaryDirectory(prefix="vitray-ckpt-") as tmp:
             checkpoint.save(tmp, self.model, self.step_fn.optimizer, self.state.to_dict(), self.saved_config)
             self.session.report(metrics, tmp, dcp.checkpoint_name(self.state.step))
@@ -304,7 +306,7 @@ class Trainer:
     def finish(self, error: str) -> dict[str, Any]:
         """Collective: merge every rank's bad samples; export the model unless the run failed."""
         merged = BadSamples.from_config(self.data_config)
-        for counts in gather_bad_samples(self.bad):
+        for counts in gather_bad_samples(self.bad_samples, self.group):
             merged.merge(counts)
         if not error:
             self.export()

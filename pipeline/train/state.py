@@ -67,36 +67,43 @@ class StepAgreement:
         return not self.someone_ran_dry and not self.error
 
 
-def agree_on_step(samples: int, ran_dry: bool, error: str, device: torch.device) -> StepAgreement:
+def control_group() -> dist.ProcessGroup | None:
+    """Collective, once at set-up: a CPU (gloo) group for the agreements below, so that none of them
+    waits for the GPU's queued work (an NCCL collective read back on the host would); None where the
+    default group is gloo already."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def agree_on_step(samples: int, ran_dry: bool, error: str, group: dist.ProcessGroup | None) -> StepAgreement:
     """Collective: sum the ranks' sample counts and learn whether any rank ran dry or hit an error.
 
     Every rank calls it once per step, so no rank waits in a step's collectives that another rank,
-    out of data, never joins.
+    out of data, never joins. `group` is `control_group()`'s.
     """
-    flags = torch.tensor([samples, ran_dry, bool(error)], dtype=torch.float64, device=device)
-    dist.all_reduce(flags)
+    flags = torch.tensor([samples, ran_dry, bool(error)], dtype=torch.float64)
+    dist.all_reduce(flags, group=group)
     total, dry, failed = flags.tolist()
-    return StepAgreement(int(total), dry > 0, first_error(error) if failed > 0 else "")
+    return StepAgreement(int(total), dry > 0, first_error(error, group) if failed > 0 else "")
 
 
-def first_error(mine: str) -> str:
+def first_error(mine: str, group: dist.ProcessGroup | None) -> str:
     """Collective: the lowest rank's non-empty error message (call only when some rank has one)."""
     errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, mine)
+    dist.all_gather_object(errors, mine, group=group)
     return next(e for e in errors if e)
 
 
-def agree_on_shards_started(mine: set[str]) -> list[str]:
+def agree_on_shards_started(mine: set[str], group: dist.ProcessGroup | None) -> list[str]:
     """Collective: every shard that some rank has started this epoch, sorted."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(mine))
+    dist.all_gather_object(gathered, sorted(mine), group=group)
     return sorted(set().union(*gathered))
 
 
-def gather_bad_samples(mine: BadSamples) -> list[dict[str, Any]]:
+def gather_bad_samples(mine: BadSamples, group: dist.ProcessGroup | None) -> list[dict[str, Any]]:
     """Collective: every rank's bad-sample counts (`BadSamples.to_dict`), in rank order."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine.to_dict())
+    dist.all_gather_object(gathered, mine.to_dict(), group=group)
     return gathered
 
 

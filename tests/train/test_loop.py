@@ -232,3 +232,16 @@ def test_train_state_reads_checkpoints_written_before_its_newer_fields():
     assert (state.step, state.epoch, state.shards_started, state.seed) == (8, 1, ["a"], 3)
     assert state.skipped_steps == 0 and state.bad_samples == []
     assert TrainState.from_dict(state.to_dict()) == state
+
+
+def test_input_built_ahead_on_a_thread_trains_exactly_like_input_built_by_the_step(
+    world, fake_data, tmp_path
+):
+    inline = config(tmp_path / "inline", max_steps=6, prefetch_steps=0)
+    ahead = config(tmp_path / "ahead", max_steps=6, prefetch_steps=3)
+    (a, a_session), (b, b_session) = run(inline, world), run(ahead, world)
+    assert untimed(a_session.reports) == untimed(b_session.reports)  # losses, accuracy, grad norms
+    assert a["bad_samples"] == b["bad_samples"]
+    wa, wb = weights(inline, 6), weights(ahead, 6)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name

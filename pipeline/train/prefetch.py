@@ -1,0 +1,193 @@
+"""The next steps' micro-batches, built on a background thread while the current step runs.
+
+Building a step's input is host work: pull micro-batches from the Ray Data stream (which rebatches
+and filters bad samples), turn the numpy columns into tensors and, on CUDA, copy them into pinned
+memory so the copy to the device can run without blocking. Done after each step returns, that work
+would leave the GPU idle; here a thread does it up to `depth` steps ahead, and the step only starts
+the (non-blocking) copies to the device.
+
+Pinned buffers are reused: a buffer goes back to the pool with a CUDA event recorded after its copy
+to the device was issued, and the thread waits on that event before writing into it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples, LabelsMissingError
+from pipeline.data.dataset import Batch
+
+_DONE = object()  # the producer has stopped
+
+
+@dataclass
+class StepInput:
+    """One rank's input to one optimizer step, as the data thread built it."""
+
+    micro_batches: list[tuple[torch.Tensor, ...]]  # host tensors (pinned on CUDA), one tuple per micro-batch
+    urls: set[str]  # the shards these samples came from
+    samples: int
+    ran_dry: bool  # fewer micro-batches than a step takes: the stream has ended
+    error: str  # a data error's one line (bad-sample budget, unlabeled shards), "" when none
+    bad_samples: BadSamples  # this rank's counts as of this step's last micro-batch (a copy)
+    buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)  # pinned, back to the pool after use
+
+    def to_device(self, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+        """The micro-batches on `device`; on CUDA the copies are queued, not waited for."""
+        if device.type != "cuda":
+            return self.micro_batches
+        return [tuple(t.to(device, non_blocking=True) for t in mb) for mb in self.micro_batches]
+
+
+class PinnedPool:
+    """Page-locked host buffers, one dict (column -> tensor) per micro-batch, reused across steps."""
+
+    def __init__(self) -> None:
+        self._free: queue.SimpleQueue[tuple[dict[str, torch.Tensor], torch.cuda.Event | None]] = (
+            queue.SimpleQueue()
+        )
+
+    def take(self, batch: Batch, columns: Sequence[str]) -> dict[str, torch.Tensor]:
+        """A buffer holding `batch`'s columns; waits until the device has read its last contents."""
+        try:
+            buffer, copied = self._free.get_nowait()
+        except queue.Empty:
+            buffer, copied = {}, None
+        if copied is not None:
+            copied.synchronize()
+        for name in columns:
+            array = batch[name]
+            held = buffer.get(name)
+            if held is None or held.shape != array.shape or held.dtype != _torch_dtype(array):
+                held = buffer[name] = torch.empty(array.shape, dtype=_torch_dtype(array), pin_memory=True)
+            np.copyto(held.numpy(), array)  # Ray's arrays are read-only: torch would not wrap them
+        return buffer
+
+    def give_back(self, buffers: list[dict[str, torch.Tensor]]) -> None:
+        """Return buffers whose copies to the device have been queued on the current stream."""
+        if not buffers:
+            return
+        copied = torch.cuda.Event()
+        copied.record()
+        for buffer in buffers:
+            self._free.put((buffer, copied))
+
+
+def _torch_dtype(array: np.ndarray) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
+
+
+class Prefetcher:
+    """Steps of input from `stream`, built `depth` steps ahead on a thread (`depth=0`: in the caller).
+
+    `stream` yields micro-batches of exactly one size (`pipeline.data.dataset.micro_batches`); it runs,
+    and is closed, on the data thread only. `bad_samples` is the object the stream counts into; each
+    `StepInput` carries a copy of it, so the caller never reads it while the thread writes it.
+    """
+
+    def __init__(
+        self,
+        stream: Iterator[Batch],
+        *,
+        accum: int,
+        columns: Sequence[str],
+        bad_samples: BadSamples,
+        pin: bool,
+        depth: int,
+    ):
+        self.stream, self.accum, self.columns = stream, accum, tuple(columns)
+        self.bad_samples = bad_samples
+        self.pool = PinnedPool() if pin else None
+        self.depth = depth
+        self._stop = threading.Event()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(depth, 1))
+        self._thread = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._produce, name="vitray-prefetch", daemon=True)
+            self._thread.start()
+
+    def next(self) -> StepInput:
+        """The next step's input (blocks until it is built)."""
+        if self._thread is None:
+            return self._build()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item is _DONE:
+            raise RuntimeError("the data thread has stopped; no step input follows an ended stream")
+        return item
+
+    def release(self, step_input: StepInput) -> None:
+        """After `StepInput.to_device`: its pinned buffers may be refilled once the copies are done."""
+        if self.pool is not None:
+            self.pool.give_back(step_input.buffers)
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the micro-batch it is reading) and close the stream."""
+        self._stop.set()
+        if self._thread is None:
+            self.stream.close()
+            return
+        while self._thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self._queue.get(timeout=0.1)  # unblocks a thread waiting to hand over a step
+        self._thread.join()
+
+    def _produce(self) -> None:
+        try:
+            while not self._stop.is_set():
+                step_input = self._build()
+                if not self._hand_over(step_input) or step_input.ran_dry or step_input.error:
+                    break
+        except BaseException as e:  # handed to the training thread, which raises it
+            self._hand_over(e)
+        finally:
+            self.stream.close()
+            self._hand_over(_DONE)
+
+    def _hand_over(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _build(self) -> StepInput:
+        batches: list[Batch] = []
+        error = ""
+        try:
+            while len(batches) < self.accum and not self._stop.is_set():
+                batches.append(next(self.stream))
+        except StopIteration:
+            pass
+        except (BadSampleBudgetError, LabelsMissingError) as e:  # one line each, saying what to do
+            error = str(e)
+        buffers = [self.pool.take(b, self.columns) for b in batches] if self.pool is not None else []
+        if buffers:
+            tensors = [tuple(buf[c] for c in self.columns) for buf in buffers]
+        else:
+            tensors = [tuple(_tensor(b[c]) for c in self.columns) for b in batches]
+        return StepInput(
+            micro_batches=tensors,
+            urls={u for b in batches for u in b["url"].tolist()},
+            samples=sum(len(b[self.columns[0]]) for b in batches),
+            ran_dry=len(batches) < self.accum,
+            error=error,
+            bad_samples=BadSamples.from_dict(self.bad_samples.to_dict()),
+            buffers=buffers,
+        )
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    # Ray hands out read-only arrays, which torch must not wrap: the step would be free to write them.
+    return torch.from_numpy(array if array.flags.writeable else array.copy())

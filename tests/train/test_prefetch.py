@@ -1,0 +1,125 @@
+"""The data thread that builds the next steps' input: same input as building it in the step, errors
+reach the training thread, and stopping it never hangs."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples
+from pipeline.train.prefetch import Prefetcher
+
+
+def micro_batch(i: int, size: int = 4) -> dict[str, np.ndarray]:
+    patches = np.full((size, 3, 6), i, dtype=np.uint8)
+    patches.flags.writeable = False  # as Ray hands them out
+    return {"patches": patches, "label": np.arange(size) + i, "url": np.array([f"shard-{i // 2}"] * size)}
+
+
+def stream(n: int, fail: BaseException | None = None, closed: threading.Event | None = None):
+    try:
+        for i in range(n):
+            yield micro_batch(i)
+        if fail is not None:
+            raise fail
+    finally:
+        if closed is not None:
+            closed.set()
+
+
+def steps(prefetcher: Prefetcher) -> list:
+    out = []
+    while True:
+        step = prefetcher.next()
+        out.append(step)
+        if step.ran_dry or step.error:
+            prefetcher.close()
+            return out
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_the_thread_builds_what_the_step_would_build_itself(depth):
+    def run(depth: int) -> list:
+        bad = BadSamples()
+        return steps(
+            Prefetcher(
+                stream(5), accum=2, columns=("patches", "label"), bad_samples=bad, pin=False, depth=depth
+            )
+        )
+
+    inline, threaded = run(0), run(depth)
+    assert [s.samples for s in threaded] == [8, 8, 4] and threaded[-1].ran_dry
+    assert [s.urls for s in threaded] == [{"shard-0"}, {"shard-1"}, {"shard-2"}]
+    for a, b in zip(inline, threaded, strict=True):
+        assert len(a.micro_batches) == len(b.micro_batches)
+        for x, y in zip(a.micro_batches, b.micro_batches, strict=True):
+            assert all(torch.equal(u, v) for u, v in zip(x, y, strict=True))
+    assert threaded[0].micro_batches[1][0].dtype == torch.uint8
+    assert threaded[0].micro_batches[1][0].shape == (4, 3, 6)
+
+
+def test_a_data_error_is_a_line_and_a_crash_is_raised_in_the_training_thread():
+    over_budget = Prefetcher(
+        stream(3, fail=BadSampleBudgetError("12 of 100 samples are bad")),
+        accum=2, columns=("patches", "label"), bad_samples=BadSamples(), pin=False, depth=2,
+    )  # fmt: skip
+    last = steps(over_budget)[-1]
+    assert last.error == "12 of 100 samples are bad" and last.samples == 4
+
+    crashing = Prefetcher(
+        stream(2, fail=OSError("connection reset")),
+        accum=2, columns=("patches", "label"), bad_samples=BadSamples(), pin=False, depth=2,
+    )  # fmt: skip
+    crashing.next()
+    with pytest.raises(OSError, match="connection reset"):
+        crashing.next()
+    crashing.close()
+
+
+def test_closing_early_stops_the_thread_and_closes_the_stream():
+    closed = threading.Event()
+    prefetcher = Prefetcher(
+        stream(1000, closed=closed),
+        accum=2, columns=("patches", "label"), bad_samples=BadSamples(), pin=False, depth=2,
+    )  # fmt: skip
+    prefetcher.next()  # the thread is now blocked handing over the steps after this one
+    prefetcher.close()
+    assert closed.is_set() and not prefetcher._thread.is_alive()
+
+
+def test_each_step_carries_the_bad_sample_counts_as_of_its_input():
+    bad = BadSamples()
+
+    def counted():
+        for i in range(4):
+            bad.total += 4
+            yield micro_batch(i)
+
+    prefetcher = Prefetcher(
+        counted(), accum=2, columns=("patches", "label"), bad_samples=bad, pin=False, depth=2
+    )
+    first, second = prefetcher.next(), prefetcher.next()
+    prefetcher.close()
+    assert (first.bad_samples.total, second.bad_samples.total) == (8, 16)
+    assert first.bad_samples is not bad
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_are_reused_once_their_copies_are_done():
+    prefetcher = Prefetcher(
+        stream(40), accum=2, columns=("patches", "label"), bad_samples=BadSamples(), pin=True, depth=2
+    )
+    pointers, device = set(), torch.device("cuda")
+    for i in range(10):
+        step = prefetcher.next()
+        on_device = step.to_device(device)
+        prefetcher.release(step)
+        assert step.micro_batches[0][0].is_pinned()
+        pointers.update(t.data_ptr() for mb in step.micro_batches for t in mb)
+        assert torch.equal(on_device[1][0].cpu(), torch.full((4, 3, 6), 2 * i + 1, dtype=torch.uint8))
+    prefetcher.close()
+    # At most (depth + 2) steps of 2 micro-batches x 2 columns are ever allocated.
+    assert len(pointers) <= 4 * 2 * 2
