@@ -29,8 +29,6 @@ ALLOWED = {
     "pipeline.compat": set(),
     "pipeline.cli": set(),
     "pipeline.dcp": {"pipeline.storage", "pipeline.compat", "vit"},
-    # What --weights resolves to, for every job that takes a trained model (embed, evaluate, fine-tuning).
-    "pipeline.weights": {"pipeline.dcp", "pipeline.data", "pipeline.storage", "pipeline.compat", "vit"},
     "pipeline.data": {"pipeline.data", "pipeline.storage", "pipeline.compat", "vit"},
     "pipeline.train": {
         "pipeline.train",
@@ -39,7 +37,6 @@ ALLOWED = {
         "pipeline.storage",
         "pipeline.compat",
         "vit",
-        "pipeline.weights",
     },
     "pipeline.embed": {
         "pipeline.embed",
@@ -48,7 +45,6 @@ ALLOWED = {
         "pipeline.storage",
         "pipeline.compat",
         "vit",
-        "pipeline.weights",
     },
     # Reads what embed writes and loads weights as embed does; never pipeline.train.
     "pipeline.evaluate": {
@@ -59,7 +55,6 @@ ALLOWED = {
         "pipeline.storage",
         "pipeline.compat",
         "vit",
-        "pipeline.weights",
     },
 }
 

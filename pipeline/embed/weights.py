@@ -1,4 +1,4 @@
-"""What ``--weights`` resolves to, for every job that takes a trained model: resolved, loaded, checked, fingerprinted.
+"""Where the embedding job's model comes from: ``--weights`` resolved, loaded, checked and fingerprinted.
 
 Accepted, told apart by what the path holds (or named with ``weights_format``):
 
