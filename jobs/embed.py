@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from pipeline.embed import job
+        from pipeline.embed import job, progress
 
         config = EmbedConfig(**cli.overrides(args, FLAGS))
         if args.print_config:
@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             cli.connect_ray(args, needed_cpus=job.local_cpus_needed(plan.config))
             plan.config = job.place_actors(plan.config, cpu=args.cpu)
-        summary = job.run(
-            plan, on_commit=lambda url, record: print(f"committed {record['file']} ({record['rows']} rows)")
-        )
+        summary = job.run(plan, on_commit=progress.EmbedProgress(len(plan.work.pending)).on_commit)
         print("\n" + summary.format())
         return cli.EXIT_RUN_FAILED if summary.failed else 0
 
