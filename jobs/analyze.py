@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from pipeline import cli
-from pipeline.embed.weights import FORMATS
+from pipeline.weights import FORMATS
 from pipeline.evaluate.config import AnalyzeConfig
 
 FLAGS = [

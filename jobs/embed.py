@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 from pipeline import cli
 from pipeline.data.config import INTERPOLATIONS
 from pipeline.embed.config import EMBEDDINGS, EmbedConfig
-from pipeline.embed.weights import FORMATS
+from pipeline.weights import FORMATS
 
 FLAGS = [
     cli.Flag(

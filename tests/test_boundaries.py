@@ -29,6 +29,8 @@ ALLOWED = {
     "pipeline.compat": set(),
     "pipeline.cli": set(),
     "pipeline.dcp": {"pipeline.storage", "pipeline.compat", "vit"},
+    # What --weights resolves to, for every job that takes a trained model (embed, evaluate, fine-tuning).
+    "pipeline.weights": {"pipeline.dcp", "pipeline.data", "pipeline.storage", "pipeline.compat", "vit"},
     "pipeline.data": {"pipeline.data", "pipeline.storage", "pipeline.compat", "vit"},
     "pipeline.train": {
         "pipeline.train",
@@ -37,6 +39,7 @@ ALLOWED = {
         "pipeline.storage",
         "pipeline.compat",
         "vit",
+        "pipeline.weights",
     },
     "pipeline.embed": {
         "pipeline.embed",
@@ -45,6 +48,7 @@ ALLOWED = {
         "pipeline.storage",
         "pipeline.compat",
         "vit",
+        "pipeline.weights",
     },
     # Reads what embed writes and loads weights as embed does; never pipeline.train.
     "pipeline.evaluate": {
@@ -55,6 +59,7 @@ ALLOWED = {
         "pipeline.storage",
         "pipeline.compat",
         "vit",
+        "pipeline.weights",
     },
 }
 

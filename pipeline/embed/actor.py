@@ -2,7 +2,7 @@
 
 `embed_rows` is the batch function (plain numpy in and out, testable without Ray); `Embedder` is the
 Ray Data callable class around it. Weights arrive as float32 numpy arrays from the object store
-(`pipeline.embed.weights.pack_state_dict`): on CPU the model's tensors are those arrays themselves,
+(`pipeline.weights.pack_state_dict`): on CPU the model's tensors are those arrays themselves,
 read-only and shared by every actor of a node; on GPU they are copied to the device once.
 
 Determinism: eval mode, and every forward sees a fixed shape (each chunk padded to ``batch_size``
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import vit
-from pipeline.embed.weights import unpack_state_dict
+from pipeline.weights import unpack_state_dict
 
 
 def embedding_dim(config: vit.ViTConfig, embedding: str) -> int:

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.embed.weights import FORMATS
+from pipeline.weights import FORMATS
 
 FEW_SHOTS = (1, 5, 10, 25)  # images per class, as in the paper's few-shot table
 

@@ -27,7 +27,7 @@ import torch
 import vit
 from pipeline import storage
 from pipeline.data.shards import expand_shards
-from pipeline.embed.weights import load_model_source
+from pipeline.weights import load_model_source
 from pipeline.evaluate import analysis, figures
 from pipeline.evaluate.attention import attention_distances, patch_distances
 from pipeline.evaluate.config import AnalyzeConfig

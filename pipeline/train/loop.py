@@ -37,7 +37,7 @@ from pipeline import dcp, storage
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
-from pipeline.train import checkpoint
+from pipeline.train import checkpoint, sinks
 from pipeline.train.config import TrainConfig, data_config
 from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, log_line
 from pipeline.train.model import build_model, model_config
@@ -115,7 +115,7 @@ class Trainer:
         # that never ran (the run stopped, another rank ran dry) are not counted.
         self.bad_samples = self.state.bad_samples_of(self.rank, self.world, self.data_config)
         self.skipped_in_a_row = 0
-        self.log = MetricsLog(config.out, resume_step=self.state.step) if self.rank == 0 else None
+        self.log = sinks.attach(MetricsLog(config.out, self.state.step), config) if self.rank == 0 else None
         self.saved_config = {
             "train": config.to_dict(),
             "model_config": self.model_config.to_dict(),

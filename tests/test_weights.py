@@ -16,7 +16,7 @@ import vit
 from pipeline import dcp
 from pipeline.data.config import DataConfig
 from pipeline.embed.actor import build_embedding_model
-from pipeline.embed.weights import load_model_source, pack_state_dict, state_dict_sha256, unpack_state_dict
+from pipeline.weights import load_model_source, pack_state_dict, state_dict_sha256, unpack_state_dict
 from pipeline.train import checkpoint
 from pipeline.train.config import TrainConfig
 

@@ -1,4 +1,4 @@
-"""Where the embedding job's model comes from: ``--weights`` resolved, loaded, checked and fingerprinted.
+"""What ``--weights`` resolves to, for every job that takes a trained model: resolved, loaded, checked, fingerprinted.
 
 Accepted, told apart by what the path holds (or named with ``weights_format``):
 
