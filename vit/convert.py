@@ -19,6 +19,10 @@ What each library calls the parts, and the two layout changes:
   permuted to ``(D, P, P, C)`` and flattened;
 - transformers keeps Q, K and V as three Linears; they are stacked into one fused ``(3D, D)`` QKV
   (timm and torchvision already store them fused in that order).
+
+timm's hybrids (``vit_base_r50_s16_224``, ``vit_large_r50_s32_224``) convert too: their ResNet's
+``patch_embed.backbone.stages.I.blocks.J.*`` become ``patch_embed.backbone.stages.I.J.*`` (the same
+weight-standardized convolutions and GroupNorms), and the 1x1 projection ``(D, C', 1, 1)`` a Linear.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"^cls_token$", "cls_token"),
         (r"^pos_embed$", "pos_embed"),
         (r"^patch_embed\.proj\.", "patch_embed.proj."),
+        (r"^patch_embed\.backbone\.stem\.", "patch_embed.backbone.stem."),
+        (r"^patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.", r"patch_embed.backbone.stages.\1.\2."),
         (rf"^blocks\.(\d+)\.{_BLOCK_PARTS}\.", r"blocks.\1.\2."),
         (r"^norm\.", "norm."),
         (r"^pre_logits\.fc\.", "head.pre_logits."),  # older timm: the representation layer
@@ -94,9 +100,13 @@ RENAMES: dict[str, list[tuple[str, str]]] = {
     ],
 }
 
+_BACKBONE_KEY = (
+    r"patch_embed\.backbone\.(stem\.conv\.weight|stem\.norm\.(weight|bias)"
+    r"|stages\.\d+\.\d+\.(conv[123]\.weight|norm[123]\.(weight|bias)|downsample\.(conv\.weight|norm\.(weight|bias))))"
+)
 # Every key of a vitray state dict, for the final check.
 VITRAY_KEY = re.compile(
-    rf"^(cls_token|pos_embed|patch_embed\.(mean|std)|patch_embed\.proj\.(weight|bias)"
+    rf"^(cls_token|pos_embed|patch_embed\.(mean|std)|patch_embed\.proj\.(weight|bias)|{_BACKBONE_KEY}"
     rf"|blocks\.\d+\.{_BLOCK_PARTS}\.(weight|bias)|norm\.(weight|bias)|head\.(pre_logits|fc)\.(weight|bias))$"
 )
 
@@ -151,6 +161,8 @@ def convert_state_dict(
 
     conv = out["patch_embed.proj.weight"]
     channels = conv.shape[1] if conv.dim() == 4 else 3
+    if STEM_KEY in out:  # a hybrid: the projection reads the ResNet's features, the stem the pixels
+        channels = out[STEM_KEY].shape[1]
     if conv.dim() == 4:  # Conv2d (D, C, P, P) -> Linear over (p1, p2, c): (D, P*P*C)
         out["patch_embed.proj.weight"] = conv.permute(0, 2, 3, 1).reshape(conv.shape[0], -1)
     dim = out["cls_token"].shape[-1]
@@ -169,6 +181,24 @@ def convert_state_dict(
     out["patch_embed.mean"] = torch.tensor(mean, dtype=torch.float32)
     out["patch_embed.std"] = torch.tensor(std, dtype=torch.float32)
     return out
+
+
+STEM_KEY = "patch_embed.backbone.stem.conv.weight"  # (width, C, 7, 7): a hybrid's first convolution
+
+
+def backbone_from_state_dict(state_dict: dict[str, torch.Tensor]) -> tuple[tuple[int, ...], int] | None:
+    """A vitray hybrid's ``(backbone_layers, backbone_width)`` from its state dict's keys; None if plain."""
+    if STEM_KEY not in state_dict:
+        return None
+    units: dict[int, int] = {}
+    for key in state_dict:
+        match = re.match(r"^patch_embed\.backbone\.stages\.(\d+)\.(\d+)\.", key)
+        if match:
+            stage, unit = int(match[1]), int(match[2])
+            units[stage] = max(units.get(stage, 0), unit + 1)
+    if not units or sorted(units) != list(range(len(units))):
+        raise ValueError(f"the hybrid's ResNet stages in this state dict are incomplete: {sorted(units)}")
+    return tuple(units[i] for i in range(len(units))), state_dict[STEM_KEY].shape[0]
 
 
 def _rename(key: str, rules: list[tuple[str, str]]) -> str | None:
@@ -210,7 +240,11 @@ def config_from_state_dict(
     mean = _decimals(sd["patch_embed.mean"]) if "patch_embed.mean" in sd else VIT_MEAN
     std = _decimals(sd["patch_embed.std"]) if "patch_embed.std" in sd else VIT_STD
     channels = len(mean)
-    patch_size = math.isqrt(sd["patch_embed.proj.weight"].shape[1] // channels)
+    backbone = backbone_from_state_dict(sd)
+    if backbone is None:
+        patch_size = math.isqrt(sd["patch_embed.proj.weight"].shape[1] // channels)
+    else:  # the hybrid's uint8 patches are as large as its ResNet's stride
+        patch_size = 4 * 2 ** (len(backbone[0]) - 1)
     num_patches = sd["pos_embed"].reshape(-1, dim).shape[0] - 1
     grid = math.isqrt(num_patches)
     if grid * grid != num_patches and "image_size" not in overrides:
@@ -231,12 +265,15 @@ def config_from_state_dict(
         "norm_eps": SOURCE_NORM_EPS.get(source or "", 1e-6),
         "mean": mean,
         "std": std,
+        "backbone_layers": backbone[0] if backbone else None,
+        "backbone_width": backbone[1] if backbone else None,
     }
+    shape = (dim, depth, mlp_dim, patch_size, fields["backbone_layers"], fields["backbone_width"])
     match = next(
         (
             v
             for v in VARIANTS.values()
-            if (v.embed_dim, v.depth, v.mlp_dim, v.patch_size) == (dim, depth, mlp_dim, patch_size)
+            if (v.embed_dim, v.depth, v.mlp_dim, v.patch_size, v.backbone_layers, v.backbone_width) == shape
         ),
         None,
     )

@@ -8,6 +8,8 @@ convention counts matmul FLOPs only. With T = 1 + N tokens, width D, MLP width M
     2 * (T D 3D  +  T^2 D  +  T^2 D  +  T D^2  +  2 T D M)
 
 This reproduces the ViT papers' figures: 35.2 / 123.2 / 334.8 GFLOPs for B/16, L/16, H/14 at 224.
+A hybrid adds its ResNet's convolutions ("backbone"; GroupNorm, ReLU and max-pool left out as
+above), and its patch embedding is the 1x1 projection of the feature map, N C' D.
 Masked autoencoding (`mae_flops_breakdown`): the encoder's blocks over 1 + n visible tokens, the
 decoder's over 1 + N (ViT-L/16 at 224 with the paper's 8 x 512 decoder: 41.3 GFLOPs against 123.1).
 A training step (forward + backward) costs 3x the forward; recomputation under activation
@@ -16,12 +18,42 @@ checkpointing is not counted (model FLOPs, not hardware FLOPs).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from vit.config import ViTConfig
 
 if TYPE_CHECKING:
     from vit.mae import MAEConfig
+
+
+def backbone_macs(config: ViTConfig) -> int:
+    """Multiply-adds of the hybrid's ResNet convolutions for one image (0 for a plain ViT).
+
+    "SAME" padding: a layer of stride s turns h positions into ceil(h / s), as in `vit.hybrid`.
+    """
+    if config.backbone_layers is None:
+        return 0
+    width, size = config.backbone_width, config.image_size
+
+    def conv(size_in: int, c_in: int, c_out: int, kernel: int, stride: int = 1) -> tuple[int, int]:
+        size_out = math.ceil(size_in / stride)
+        return size_out, size_out**2 * kernel**2 * c_in * c_out
+
+    size, macs = conv(size, config.num_channels, width, 7, stride=2)
+    size = math.ceil(size / 2)  # the stem's max-pool
+    channels = width
+    for i, units in enumerate(config.backbone_layers):
+        mid, out = width * 2**i, 4 * width * 2**i
+        for j in range(units):
+            stride = 2 if i > 0 and j == 0 else 1
+            if channels != out or stride != 1:  # the shortcut's 1x1 projection
+                macs += conv(size, channels, out, 1, stride)[1]
+            macs += conv(size, channels, mid, 1)[1]
+            size, m = conv(size, mid, mid, 3, stride)
+            macs += m + conv(size, mid, out, 1)[1]
+            channels = out
+    return macs
 
 
 def flops_breakdown(config: ViTConfig) -> dict[str, int]:
@@ -33,8 +65,10 @@ def flops_breakdown(config: ViTConfig) -> dict[str, int]:
     if config.head == "pretrain":
         head += d * config.pre_logits_dim
     head += config.pre_logits_dim * config.num_classes
+    patch_in = config.patch_dim if config.backbone_layers is None else config.backbone_channels
     macs = {
-        "patch_embed": n * config.patch_dim * d,
+        "backbone": backbone_macs(config),
+        "patch_embed": n * patch_in * d,
         "qkv": blocks * t * d * 3 * d,
         "attention_scores": blocks * t * t * d,  # Q K^T over all heads
         "attention_values": blocks * t * t * d,  # softmax(Q K^T) V

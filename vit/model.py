@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vit.config import ViTConfig, get_config
-from vit.patchify import patchify
+from vit.hybrid import ResNet
+from vit.patchify import patchify, unpatchify
 from vit.pos_embed import resample_pos_embed
 
 
@@ -29,37 +30,62 @@ class PatchEmbed(nn.Module):
 
     The Linear over ``k = (p1, p2, c)`` equals a Conv2d(kernel=stride=P) whose weight ``(D, C, P, P)``
     is permuted to ``(D, P, P, C)``. mean/std are buffers, so exported weights carry their preprocessing.
+
+    Hybrid (``config.backbone_layers``): the patches are put back together into the image, a ResNet
+    (`vit.hybrid`) turns it into a feature map ``(B, C', H/P, W/P)``, and the Linear projects each
+    of its positions (1x1 patches, a Linear over ``C'``).
     """
 
     def __init__(self, config: ViTConfig, device: torch.device | str | None = None):
         super().__init__()
         self.patch_size = config.patch_size
         self.num_channels = config.num_channels
-        self.proj = nn.Linear(config.patch_dim, config.embed_dim, device=device)
+        self.num_patches = config.num_patches
+        self.backbone = ResNet(config, device) if config.backbone_layers is not None else None
+        in_features = config.patch_dim if self.backbone is None else config.backbone_channels
+        self.proj = nn.Linear(in_features, config.embed_dim, device=device)
         self.register_buffer("mean", torch.tensor(config.mean, device=device))  # (C,)
         self.register_buffer("std", torch.tensor(config.std, device=device))  # (C,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.uint8 and x.dim() == 3:  # (B, N, P*P*C), channels innermost
             b, n, k = x.shape
-            if k != self.proj.in_features:
+            p, c = self.patch_size, self.num_channels
+            if k != p * p * c:
                 raise ValueError(
-                    f"patches hold {k} values each, but this model takes {self.patch_size}x{self.patch_size}"
-                    f"x{self.num_channels} = {self.proj.in_features}; patchify with patch_size {self.patch_size}"
+                    f"patches hold {k} values each, but this model takes {p}x{p}x{c} = {p * p * c}; "
+                    f"patchify with patch_size {p}"
                 )
             scale = 1.0 / (255.0 * self.std)  # uint8 -> [0, 1] -> (x - mean) / std in one multiply-add
             shift = -self.mean / self.std
             x = x.reshape(b, n, k // self.num_channels, self.num_channels).float() * scale + shift
             x = x.reshape(b, n, k)
+            if self.backbone is not None:
+                x = self._image(x)  # (B, C, H, W)
         elif x.is_floating_point() and x.dim() == 4:  # (B, C, H, W), already normalized
-            x = patchify(x.permute(0, 2, 3, 1), self.patch_size)  # (B, N, P*P*C)
+            if self.backbone is None:
+                x = patchify(x.permute(0, 2, 3, 1), self.patch_size)  # (B, N, P*P*C)
         else:
             raise ValueError(
                 f"expected uint8 patches (B, N, P*P*C) or a float image batch (B, C, H, W), "
                 f"got a {x.dtype} tensor of shape {tuple(x.shape)}"
             )
+        if self.backbone is not None:
+            x = self.backbone(x).flatten(2).transpose(1, 2)  # (B, C', H/P, W/P) -> (B, N, C'), row-major
         # Match the weight's dtype: under FSDP mixed precision the Linear holds bf16 weights.
         return self.proj(x.to(self.proj.weight.dtype))  # (B, N, D)
+
+    def _image(self, patches: torch.Tensor) -> torch.Tensor:
+        """Normalized patches ``(B, N, P*P*C)`` -> the image they tile ``(B, C, H, W)``, for the ResNet."""
+        n = patches.shape[1]
+        if n != self.num_patches:
+            raise ValueError(
+                f"got {n} patches, but this hybrid was built for {self.num_patches}: its ResNet reads the "
+                "whole image, so pass every patch of an image of the model's image_size (or build the "
+                "model with that image_size; masked-patch input needs a plain ViT)"
+            )
+        grid = math.isqrt(n)
+        return unpatchify(patches, self.patch_size, (grid, grid), self.num_channels).permute(0, 3, 1, 2)
 
 
 class Attention(nn.Module):
@@ -199,6 +225,8 @@ class VisionTransformer(nn.Module):
         pe.mean.copy_(torch.tensor(c.mean, device=pe.mean.device))
         pe.std.copy_(torch.tensor(c.std, device=pe.std.device))
         _lecun_normal_(pe.proj)
+        if pe.backbone is not None:
+            pe.backbone.init_weights()
         nn.init.zeros_(self.cls_token)
         nn.init.normal_(self.pos_embed, std=0.02)
         for block in self.blocks:

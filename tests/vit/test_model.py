@@ -13,6 +13,7 @@ import vit
 from vit.model import VisionTransformer
 
 TINY = "vit_tiny_test"  # 32 px, 8 px patches (N = 16), D = 64, depth 2, 4 heads, 10 classes
+HYBRID = "vit_r_tiny_test"  # the same encoder on a two-stage ResNet of stride 8: the same patches
 
 
 def pixels(batch: int, size: int = 32, channels: int = 3, seed: int = 0) -> torch.Tensor:
@@ -37,9 +38,10 @@ def randomize_head(model: VisionTransformer) -> None:
 @pytest.mark.parametrize("pool", ["cls", "gap"])
 @pytest.mark.parametrize("head", ["pretrain", "finetune"])
 @pytest.mark.parametrize("input_form", ["uint8", "float"])
-def test_forward_backward(pool, head, input_form):
+@pytest.mark.parametrize("name", [TINY, HYBRID])
+def test_forward_backward(name, pool, head, input_form):
     torch.manual_seed(0)
-    model = vit.create_model(TINY, pool=pool, head=head, num_classes=7)
+    model = vit.create_model(name, pool=pool, head=head, num_classes=7)
     randomize_head(model)
     images = pixels(3)
     x = vit.patchify(images, 8) if input_form == "uint8" else normalized(images, model.config)
@@ -54,9 +56,10 @@ def test_forward_backward(pool, head, input_form):
 
 
 @pytest.mark.parametrize("pool", ["cls", "gap"])
-def test_uint8_patches_and_normalized_images_give_the_same_output(pool):
+@pytest.mark.parametrize("name", [TINY, HYBRID])
+def test_uint8_patches_and_normalized_images_give_the_same_output(name, pool):
     # Non-default normalization, so a model that ignored mean/std would fail.
-    model = vit.create_model(TINY, pool=pool, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    model = vit.create_model(name, pool=pool, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
     nn.init.normal_(model.head.fc.weight)
     images = pixels(2)
     from_patches = model(vit.patchify(images, 8))
@@ -80,8 +83,9 @@ def test_patch_linear_equals_the_conv2d_formulation():
     torch.testing.assert_close(model.patch_embed(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_meta_build_then_init_equals_a_direct_build():
-    config = vit.get_config(TINY, embed_dim=128, mlp_dim=256)
+@pytest.mark.parametrize("name", [TINY, HYBRID])
+def test_meta_build_then_init_equals_a_direct_build(name):
+    config = vit.get_config(name, embed_dim=128, mlp_dim=256)
     direct = VisionTransformer(config)
     meta = VisionTransformer(config, device="meta")
     assert all(p.is_meta for p in meta.parameters())
@@ -183,9 +187,10 @@ def test_any_image_size_and_number_of_classes():
     assert model(torch.randn(2, 3, 48, 48)).shape == (2, 3)
 
 
-def test_low_precision_parameters_take_uint8_patches():
+@pytest.mark.parametrize("name", [TINY, HYBRID])
+def test_low_precision_parameters_take_uint8_patches(name):
     # As under FSDP mixed precision: bf16 weights, uint8 input normalized in fp32 then cast.
-    model = vit.create_model(TINY).to(torch.bfloat16)
+    model = vit.create_model(name).to(torch.bfloat16)
     out = model.embed(vit.patchify(pixels(2), 8))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
 
@@ -254,7 +259,7 @@ def test_resampling_a_non_square_grid_needs_the_old_grid():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [TINY, "vit_b16"])
+@pytest.mark.parametrize("name", [TINY, HYBRID, "vit_b16", "vit_r50_b16"])
 def test_cuda_bf16_kernels_agree_with_fp32(name):
     # On GPU, SDPA picks flash / memory-efficient kernels under bf16; they must compute the same function.
     torch.manual_seed(0)
