@@ -148,6 +148,11 @@ def add_ray_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved configuration as JSON and exit"
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Ray's own console output too (its INFO logs, progress bars, every forwarded line)",
+    )
 
 
 def ray_address(args: argparse.Namespace) -> str | None:
@@ -159,11 +164,16 @@ def connect_ray(args: argparse.Namespace, *, needed_cpus: float) -> bool:
     """Join ``--address`` (else ``RAY_ADDRESS``), or start a local Ray with at least ``needed_cpus``
     logical CPUs: training workers and model actors must leave slots for the decode tasks, which
     would otherwise wait forever on a small machine. Returns True when it started a local Ray."""
-    import ray
+    from pipeline.console import Console, local_api_server_options
 
     address = ray_address(args)
+    console = Console.for_stream(verbose=getattr(args, "verbose", False))
+    console.apply(local=not address)  # before `import ray`: Ray reads some settings at import
+    import ray
+
     if address:
-        ray.init(address=address)
+        ray.init(address=address, **console.init_options())
+        console.after_init()
         return False
     needed = math.ceil(needed_cpus)
     if args.num_cpus is not None and args.num_cpus < needed:
@@ -173,8 +183,13 @@ def connect_ray(args: argparse.Namespace, *, needed_cpus: float) -> bool:
         )
     apply_local_ray_env()
     ray.init(
-        address="local", num_cpus=args.num_cpus or max(os.cpu_count() or 1, needed), include_dashboard=False
+        address="local",
+        num_cpus=args.num_cpus or max(os.cpu_count() or 1, needed),
+        include_dashboard=False,
+        **local_api_server_options(),
+        **console.init_options(),
     )
+    console.after_init()
     return True
 
 

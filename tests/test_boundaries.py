@@ -2,7 +2,8 @@
 in the last test, which imports what a Ray Data read task imports and checks that torch stays out).
 
     jobs -> pipeline.train / pipeline.embed -> pipeline.data -> pipeline.storage / pipeline.compat / vit
-    pipeline.dcp (checkpoint layout, shared by train and embed) and pipeline.cli (the jobs' dialect) sit low.
+    pipeline.dcp (checkpoint layout, shared by train and embed) and pipeline.cli (the jobs' dialect) sit low;
+    pipeline.console (the jobs' console settings) lowest.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ ALLOWED = {
     "vit": {"vit"},
     "pipeline.storage": set(),
     "pipeline.compat": set(),
-    "pipeline.cli": set(),
+    "pipeline.console": set(),
+    "pipeline.cli": {"pipeline.console"},
     "pipeline.dcp": {"pipeline.storage", "pipeline.compat", "vit"},
     # What --weights resolves to, for every job that takes a trained model (embed, evaluate, fine-tuning).
     "pipeline.weights": {"pipeline.dcp", "pipeline.data", "pipeline.storage", "pipeline.compat", "vit"},
     "pipeline.data": {"pipeline.data", "pipeline.storage", "pipeline.compat", "vit"},
     "pipeline.train": {
         "pipeline.train",
+        "pipeline.console",
         "pipeline.data",
         "pipeline.dcp",
         "pipeline.storage",

@@ -14,7 +14,7 @@ import math
 import os
 from typing import Any
 
-from pipeline import storage
+from pipeline import console, storage
 from pipeline.data.dataset import check_shards
 from pipeline.data.shards import expand_shards
 from pipeline.train.config import TrainConfig, data_config
@@ -119,8 +119,8 @@ def fit(config: TrainConfig, shards: list[str]) -> dict[str, Any]:
             storage_path=storage_path,
             failure_config=FailureConfig(max_failures=config.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=config.keep_checkpoints),
-            # Ray Train's own INFO lines (one per report) would bury the training log.
-            logging_config=LoggingConfig(log_level="WARNING"),
+            # Ray Train's own INFO lines would bury the training log (back with --verbose).
+            logging_config=LoggingConfig(log_level=console.train_log_level()),
         ),
     )
     if config.data_cpus_per_worker is not None:

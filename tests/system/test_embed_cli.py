@@ -25,7 +25,7 @@ FLAGS = {
     "--data", "--weights", "--out", "--weights-format", "--model", "--embedding", "--image-size",
     "--batch-size", "--concurrency", "--cpus-per-actor", "--cpu", "--overwrite", "--label-key",
     "--crop-fraction", "--interpolation", "--max-bad-fraction", "--storage-options", "--address",
-    "--num-cpus", "--print-config", "--help",
+    "--num-cpus", "--print-config", "--verbose", "--help",
 }  # fmt: skip
 
 

@@ -22,7 +22,7 @@ FLAGS = {
     "--min-lr", "--weight-decay", "--warmup-steps", "--lr-schedule", "--grad-clip", "--max-skipped-steps", "--seed", "--label-key",
     "--shuffle-buffer", "--crop-scale", "--crop-ratio", "--no-hflip", "--max-bad-fraction", "--log-every", "--tensorboard", "--wandb", "--checkpoint-every", "--keep-checkpoints",
     "--max-failures", "--cpu", "--activation-checkpointing", "--compile", "--address", "--num-cpus",
-    "--print-config", "--help",
+    "--print-config", "--verbose", "--help",
 }  # fmt: skip
 
 

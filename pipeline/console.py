@@ -1,0 +1,177 @@
+"""What a job's console shows: vitray's own lines, and the Ray warnings and errors a user must act on.
+
+Left to its defaults, Ray forwards to the driver every line its processes print or log, and a short
+training run shows more of Ray's bookkeeping than of its own progress. Each source is quieted with
+the setting Ray offers for it (`Console.apply` before Ray is imported, `Console.after_init` after
+``ray.init``):
+
+- the driver's ``ray`` logger: ``ray.init(logging_level=WARNING)`` (`Console.init_options`);
+- a local Ray's notice that it turned token authentication on: ``RAY_AUTH_MODE=token``, the mode Ray
+  picks anyway for a local cluster, set explicitly (Ray says nothing about a mode it was given);
+- Ray Data's progress bars and, off a terminal, its ``logging_progress`` blocks: the driver's
+  ``DataContext.enable_progress_bars = False`` and its ``ray.data`` logger at WARNING (the embedding
+  job prints its own progress; training ranks turn theirs off per dataset and log their own);
+- Ray Train's INFO lines: its ``RunConfig(logging_config=LoggingConfig(log_level=...))``
+  (`train_log_level`);
+- lines that Ray's processes print at a level no setting reaches (`QUIET_LINES`): Ray's driver-side
+  filter of forwarded lines, ``RAY_DEDUP_LOGS_SKIP_REGEX`` (read when Ray is imported); the same
+  patterns filter the driver's own Ray loggers;
+- colour where stdout is no terminal (a log file, ``ray job logs``): ``RAY_COLOR_PREFIX=0`` for the
+  ``(Actor pid=...)`` prefixes; the escape codes Ray writes regardless (its green
+  ``[repeated Nx across cluster]`` note) are stripped from the driver's stdout and stderr.
+
+``--verbose`` applies none of it: the console Ray gives by default. Settings the user exported
+already win over these (``os.environ.setdefault``).
+
+Nothing here imports Ray at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+# Lines that no log level or Ray setting reaches, each with where it comes from. Matched anywhere in
+# a line (Python `re.search`), so a pattern must be specific to its message.
+QUIET_LINES: dict[str, str] = {
+    # Every Ray Train worker, at every ray.train.report: logged at INFO through the root logger (its
+    # logger is named by a file path, outside ``ray.train``), which Ray Train sets to INFO in each
+    # worker, so RunConfig's LoggingConfig does not reach it. vitray prints its own line per report.
+    "ray_train_report": r"Reporting training result \d+: TrainingReport\(",
+    # Ray Train's PlacementGroupCleaner, every second while Ray's state API does not answer it: the
+    # retry of a safety net for a controller that died, with nothing for the user to do.
+    "placement_group_cleaner": r"Failed to query Ray Train Controller actor state",
+    # core_worker.cc, once per worker group: how Ray Train itself creates its PreemptionWatcher actor.
+    "preemption_watcher": r"'PreemptionWatcher' and ID: '\w+' has constructor arguments in the object store",
+    # Ray Data, once per process where vitray turned the bars off on purpose (it reports progress itself).
+    "ray_data_bars_off": r"Progress bars disabled\. To enable",
+}
+
+# Set while a job runs (`Console.apply`), for the library code that configures Ray per run
+# (`train_log_level`); a job that never called `apply` gets Ray's quiet defaults of vitray.
+_active: Console | None = None
+
+
+def quiet_pattern() -> str:
+    """`QUIET_LINES` as one regular expression."""
+    return "|".join(f"(?:{p})" for p in QUIET_LINES.values())
+
+
+class QuietFilter(logging.Filter):
+    """Drops log records whose message matches `QUIET_LINES` (for the driver's own Ray loggers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pattern = re.compile(quiet_pattern())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+@dataclass(frozen=True)
+class Console:
+    """The console settings of one job: quiet by default, Ray's own with ``verbose``."""
+
+    verbose: bool = False
+    colour: bool = True  # False where stdout is no terminal
+
+    @classmethod
+    def for_stream(cls, verbose: bool, stream: TextIO | None = None) -> Console:
+        stream = stream if stream is not None else sys.stdout
+        return cls(verbose=verbose, colour=_is_terminal(stream))
+
+    def environment(self, *, local: bool) -> dict[str, str]:
+        """The environment variables to set before Ray is imported (and a local Ray started)."""
+        env: dict[str, str] = {}
+        if not self.colour:
+            env["RAY_COLOR_PREFIX"] = "0"
+        if self.verbose:
+            return env
+        env["RAY_DEDUP_LOGS_SKIP_REGEX"] = quiet_pattern()
+        if local:
+            env["RAY_AUTH_MODE"] = "token"
+        return env
+
+    def apply(self, *, local: bool) -> None:
+        """Call before ``import ray``: Ray reads the skip pattern and the auth mode when imported."""
+        global _active
+        for name, value in self.environment(local=local).items():
+            os.environ.setdefault(name, value)
+        if not self.colour:
+            _strip_colour()
+        _active = self
+
+    def init_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``ray.init``."""
+        return {"logging_level": logging.INFO if self.verbose else logging.WARNING}
+
+    def after_init(self) -> None:
+        """Call after ``ray.init``: the driver's Ray Data settings and the filter on its Ray loggers."""
+        if self.verbose:
+            return
+        import ray.data
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        for name in ("ray", "ray.data"):
+            for handler in logging.getLogger(name).handlers:
+                if not any(isinstance(f, QuietFilter) for f in handler.filters):
+                    handler.addFilter(QuietFilter())
+
+
+def train_log_level() -> str:
+    """The level of Ray Train's own console lines for this job (its RunConfig's LoggingConfig)."""
+    return "INFO" if _active is not None and _active.verbose else "WARNING"
+
+
+def local_api_server_options() -> dict[str, Any]:
+    """``ray.init`` options that pin a local Ray's API server to a free port, which its processes are
+    told through ``RAY_API_SERVER_ADDRESS``.
+
+    Ray Train's PlacementGroupCleaner (a detached actor) asks Ray's state API whether the run's
+    controller is alive; given no address, it looks for "the" Ray on the machine, and where several
+    local Rays run (tests, two jobs) it stops with a traceback instead. Set before ``ray.init``, the
+    variable reaches every process of the local Ray.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    return {"dashboard_host": "127.0.0.1", "dashboard_port": port}
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
+
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class StripColour:
+    """A text stream that writes what it is given without ANSI escape codes."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(ANSI_ESCAPE.sub("", text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _strip_colour() -> None:
+    """This process's stdout and stderr (no terminal) drop ANSI escape codes."""
+    if not isinstance(sys.stdout, StripColour):
+        sys.stdout = StripColour(sys.stdout)
+    if not isinstance(sys.stderr, StripColour):
+        sys.stderr = StripColour(sys.stderr)

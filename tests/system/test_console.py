@@ -1,0 +1,151 @@
+"""What a person sees: the jobs' console holds vitray's lines, a failing run's error and the summary, and
+none of Ray's bookkeeping (pipeline/console.py says which setting quiets which source)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from pipeline.console import QUIET_LINES, Console, StripColour, quiet_pattern
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Real lines of each quieted source, as a pretraining and an embedding run printed them.
+RAY_LINES = {
+    "ray_train_report": "(RayTrainWorker pid=19306) Reporting training result 1: TrainingReport("
+    "checkpoint=None, metrics={'step': 10, 'epoch': 2, 'loss': 2.28}, validation_spec=None) from rank 0",
+    "placement_group_cleaner": "(PlacementGroupCleaner pid=18990) Failed to query Ray Train Controller actor "
+    "state. State API may be temporarily unavailable. Continuing to monitor.",
+    "preemption_watcher": "(TrainController pid=18217) [2026-11-22 18:16:38,776 E 18217 18460] "
+    "core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' and ID: "
+    "'83bbc5cfb428a4dcb2f5ad8a01000000' has constructor arguments in the object store and max_restarts > 0.",
+    "ray_data_bars_off": "(RayTrainWorker pid=19463) Progress bars disabled. To enable, set "
+    "`ray.data.DataContext.get_current().enable_progress_bars = True`.",
+}
+# What must never show by default, whatever line of it: the sources above, Ray's INFO logs and Ray
+# Data's progress blocks on the driver, the token-auth notice, colour codes.
+NOISE = re.compile(
+    quiet_pattern() + r"|PlacementGroupCleaner|PreemptionWatcher|logging_progress|Running Dataset|"
+    r"\bINFO\b|Token authentication|\x1b\["
+)
+
+
+def test_each_quiet_pattern_matches_its_source_and_no_vitray_line():
+    assert set(RAY_LINES) == set(QUIET_LINES)
+    for name, line in RAY_LINES.items():
+        assert re.search(QUIET_LINES[name], line), name
+    vitray = [
+        "(RayTrainWorker pid=1) step 10/40 (25%) | epoch 2 | loss 2.2815 | acc 29.5% | lr 1.00e-03",
+        "(RayTrainWorker pid=1) vit_tiny_test: 2 workers on 1 node(s), 32 images x 1 accumulation each",
+        "embedded 2/2 shards (100%) | 256 rows | 7.0 rows/s | eta 0:00:00",
+        "error: 3 of 128 samples are bad (budget 0%): ...",
+    ]
+    assert not [line for line in vitray if re.search(quiet_pattern(), line)]
+
+
+def test_settings_by_mode():
+    quiet = Console(verbose=False, colour=False).environment(local=True)
+    assert quiet == {
+        "RAY_COLOR_PREFIX": "0",
+        "RAY_DEDUP_LOGS_SKIP_REGEX": quiet_pattern(),
+        "RAY_AUTH_MODE": "token",
+    }
+    assert "RAY_AUTH_MODE" not in Console(verbose=False).environment(local=False)  # the cluster's own
+    assert Console(verbose=True, colour=True).environment(local=True) == {}  # Ray's console as it is
+    assert Console(verbose=True, colour=False).environment(local=True) == {"RAY_COLOR_PREFIX": "0"}
+    assert Console.for_stream(verbose=False, stream=io.StringIO()).colour is False
+
+
+def test_colour_codes_are_stripped_off_a_terminal():
+    out = io.StringIO()
+    StripColour(out).write("\x1b[36m(RayTrainWorker pid=1)\x1b[0m step 1 \x1b[32m[repeated 2x]\x1b[39m\n")
+    assert out.getvalue() == "(RayTrainWorker pid=1) step 1 [repeated 2x]\n"
+
+
+def job(script: str, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:
+    """A job as a user runs it with its console going to a file: stdout and stderr in one stream."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / script), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def noise(console: str) -> list[str]:
+    return [line for line in console.splitlines() if NOISE.search(line)]
+
+
+@pytest.mark.slow
+def test_training_then_embedding_console_is_vitray_lines_only(tmp_path):
+    from pipeline.data.synthetic import write_synthetic_shards
+
+    shards = write_synthetic_shards(tmp_path / "shards", 128, samples_per_shard=64, image_size=32)
+    run = tmp_path / "run"
+    train = job("pretrain.py", "--data", shards.dir, "--out", str(run), "--max-steps", "20", "--warmup-steps", "5",
+                "--log-every", "5", "--checkpoint-every", "10", "--tensorboard")  # fmt: skip
+    assert train.returncode == 0, train.stdout[-4000:]
+    assert not noise(train.stdout), noise(train.stdout)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10, 15, 20]
+    for r in rows:  # every logged step has its line
+        assert re.search(
+            rf"step {r['step']}/20 \(\d+%\) \| epoch {r['epoch']} \| loss {r['loss']:.4f}", train.stdout
+        )
+    assert "vit_tiny_test: 2 workers on 1 node(s)" in train.stdout
+    assert f"exported {run / 'final'}" in train.stdout
+    assert train.stdout.rstrip().endswith(f"run directory: {run} (checkpoints, metrics.jsonl, final/)")
+    assert "finished at step 20: loss" in train.stdout
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+    emb = job(
+        "embed.py", "--data", shards.dir, "--weights", str(run / "final"), "--out", str(tmp_path / "emb")
+    )
+    assert emb.returncode == 0, emb.stdout[-4000:]
+    assert not noise(emb.stdout), noise(emb.stdout)
+    assert "2 shards, 0 already done, 2 to embed" in emb.stdout
+    assert re.search(
+        r"^embedded 2/2 shards \(100%\) \| 128 rows \| [\d.,]+ rows/s \| eta 0:00:00$", emb.stdout, re.M
+    )
+    assert "shards: 2 embedded, 0 already done (skipped), 0 failed, of 2" in emb.stdout
+    assert emb.stdout.rstrip().splitlines()[-1].startswith("     or: python -c")
+
+
+@pytest.mark.slow
+def test_a_failing_run_still_shows_its_error(tmp_path):
+    from pipeline.data.synthetic import write_synthetic_shards
+    from pipeline.train.presets import tiny
+
+    shards = write_synthetic_shards(tmp_path / "shards", 32, samples_per_shard=16, image_size=32)
+    # The second shard's images are not images: the first shard passes the checks before Ray, then
+    # the run meets the corrupt samples and stops on its bad-sample budget.
+    second = Path(shards.urls[1])
+    members = []
+    with tarfile.open(second) as tar:
+        for member in tar.getmembers():
+            data = tar.extractfile(member).read()
+            members.append((member, b"not an image" if member.name.endswith(".jpg") else data))
+    with tarfile.open(second, "w") as tar:
+        for member, data in members:
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    import vit
+
+    model = vit.create_model(tiny().model, num_classes=10)
+    vit.save_pretrained(tmp_path / "export", model.state_dict(), model.config)
+
+    result = job("embed.py", "--data", shards.dir, "--weights", str(tmp_path / "export"),
+                 "--out", str(tmp_path / "emb"), "--max-bad-fraction", "0")  # fmt: skip
+    assert result.returncode == 1, result.stdout[-4000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "bad" in errors[0], result.stdout[-4000:]
+    assert not noise(result.stdout), noise(result.stdout)
