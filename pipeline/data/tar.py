@@ -29,7 +29,10 @@ BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
 _REGULAR = (b"0", b"\0", b"7")  # regular file, old-style regular file, contiguous file
 _METADATA = (b"L", b"K", b"x", b"g")  # GNU long name / long link, pax per-member / global records
-MAX_MEMBER_BYTES = 1 << 30  # a larger member is skipped (bounds read-task memory on hostile input)
+# A larger member is skipped unread (bounds a read task's memory on hostile input); the limit still
+# admits an uncompressed RGB image at the default decompression-bomb limit (2**28 / 3 pixels).
+MAX_MEMBER_BYTES = 512 << 20
+MAX_METADATA_BYTES = 1 << 20  # a long name or pax record this large is no real tar's: the shard is corrupt
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -106,6 +109,11 @@ def iter_members(
         offset += BLOCK
         padded = (size + BLOCK - 1) // BLOCK * BLOCK
         if kind in _METADATA:  # a cut here is no member's: the name it carries is not known yet
+            if size > MAX_METADATA_BYTES:  # read whole below, so refused before any of it is read
+                raise TarStreamError(
+                    f"corrupt tar: a {size}-byte name or pax record at byte {offset - BLOCK} "
+                    f"(limit {MAX_METADATA_BYTES})"
+                )
             data = _read_exact(stream, padded, offset, None)[:size]
             offset += padded
             if kind == b"L":
