@@ -21,7 +21,15 @@ RAY_NUM_CPUS = 8
 apply_local_ray_env()
 
 
+# pytest-timeout's limit (pyproject.toml) fits the fast tests; an end-to-end test waits on its own
+# subprocesses for up to 720 s, so it gets a limit above that, or its own timeouts could never fire.
+SLOW_TEST_TIMEOUT_S = 900
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "slow" in item.keywords and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
     try:
         import torch
 

@@ -6,7 +6,8 @@ this order, which is also the order for calling them by hand:
     model = create_model("vit_h14", device="meta")
     apply_activation_checkpointing(model)  # 1. each block recomputes its activations in backward
     apply_compile(model)                   # 2. each (checkpointed) block is compiled as one graph
-    apply_fsdp(model, mesh)                # 3. each block, then the root, is sharded
+    apply_fsdp(model, mesh)                # 3. each block, then the root, is sharded (HSDP on a
+                                           #    2-D mesh from hsdp_mesh)
     model.to_empty(device="cuda")
     model.init_weights()
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -71,7 +72,8 @@ def apply_fsdp(
     """Shard the model with FSDP2 ``fully_shard``: each block is one all-gather unit, then the root.
 
     ``param_dtype=None`` keeps parameters in their own dtype (fp32 training on CPU). ``mesh=None``
-    shards over the whole default process group.
+    shards over the whole default process group; a 2-D mesh from `hsdp_mesh` shards within groups
+    and replicates across them.
     """
     # Parameters are all-gathered in param_dtype for compute; gradients are reduced in fp32 so that
     # summing over many ranks does not lose precision. Sharded parameters and optimizer state stay fp32.
@@ -89,6 +91,27 @@ def apply_fsdp(
     # (FSDP keeps the root unsharded between forward and backward in any case.)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def hsdp_mesh(device_type: str, world_size: int, shard_group_size: int) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D ``(world_size,)`` when one shard group holds every rank, else
+    2-D ``(replicate, shard) = (world_size // shard_group_size, shard_group_size)``, which makes
+    ``fully_shard`` hybrid (HSDP).
+
+    Shard groups are runs of consecutive ranks (ranks ``0..g-1`` are the first), so with one group per
+    node each block's all-gather and reduce-scatter stays on the node's own links, and per step only
+    one all-reduce of each rank's gradient shard, over the replicate dimension, crosses nodes.
+    Memory: parameters, gradients and optimizer state are divided by the group size, not the world.
+    """
+    if shard_group_size < 1 or world_size % shard_group_size:
+        raise ValueError(f"a shard group of {shard_group_size} does not divide {world_size} ranks")
+    if shard_group_size >= world_size:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        device_type,
+        (world_size // shard_group_size, shard_group_size),
+        mesh_dim_names=("replicate", "shard"),
+    )
 
 
 def parallelize(

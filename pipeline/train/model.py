@@ -8,16 +8,17 @@ setup, fixed: model on meta -> activation checkpointing -> per-block compile -> 
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 import vit
 from pipeline.train.config import TrainConfig
-from vit.parallelize import parallelize
+from vit.parallelize import hsdp_mesh, parallelize
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -46,10 +47,29 @@ def model_config(config: TrainConfig) -> vit.ViTConfig:
     return vit.get_config(config.model, **overrides)
 
 
+def shard_group_size(config: TrainConfig) -> int:
+    """Ranks per FSDP shard group (collective): `config.shard_group_size`, else the ranks of one host
+    when every host holds the same number of consecutive ranks (Ray Train and torchrun number the
+    workers of a node consecutively), else every rank (plain FSDP over one dimension)."""
+    world = dist.get_world_size()
+    if config.shard_group_size is not None:
+        return config.shard_group_size
+    hosts: list[str | None] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    group = hosts.count(hosts[0])
+    runs = [hosts[i : i + group] for i in range(0, world, group)]
+    if world % group or any(len(set(run)) != 1 for run in runs) or len({run[0] for run in runs}) != len(runs):
+        return world
+    return group
+
+
 def build_model(config: TrainConfig, device: torch.device, mesh: DeviceMesh | None = None) -> nn.Module:
-    """Model on meta -> AC -> compile -> FSDP2 -> materialized on `device` -> initialized."""
+    """Model on meta -> AC -> compile -> FSDP2 (HSDP over nodes) -> materialized on `device` -> initialized.
+
+    Without a `mesh`: shard within groups of `shard_group_size` ranks and replicate across groups.
+    """
     if mesh is None:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mesh = hsdp_mesh(device.type, dist.get_world_size(), shard_group_size(config))
     with torch.device("meta"):
         model = vit.VisionTransformer(model_config(config))
     # bf16 compute with fp32 gradient reduction on GPU; plain fp32 on CPU, where bf16 is slow.
@@ -64,8 +84,10 @@ def build_model(config: TrainConfig, device: torch.device, mesh: DeviceMesh | No
     model.to_empty(device=device)
     # On CUDA, DTensor tracks RNG offsets, so a seeded draw gives each rank its slice of one full
     # tensor. On CPU it does not: every rank would draw the same numbers for its own shard, i.e.
-    # identical halves of every weight (symmetric neurons), so there each rank seeds differently.
-    torch.manual_seed(config.seed if device.type == "cuda" else config.seed + dist.get_rank())
+    # identical halves of every weight (symmetric neurons), so there each shard seeds differently:
+    # by its place in the shard dimension, which replicas of it (HSDP) share.
+    shard = mesh.get_local_rank(mesh.ndim - 1)
+    torch.manual_seed(config.seed if device.type == "cuda" else config.seed + shard)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         model.init_weights()

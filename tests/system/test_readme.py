@@ -35,7 +35,8 @@ def test_every_option_of_a_job_is_documented(job):
         cwd=ROOT,
     )
     options = set(re.findall(r"(--[a-z][a-z-]+)", result.stdout.split("\noptions:", 1)[1])) - {"--help"}
-    missing = sorted(o for o in options if f"`{o}" not in README)
+    # Whole options only: "`--cpus-per-worker" must not stand for "--cpu".
+    missing = sorted(o for o in options if not re.search(rf"`{re.escape(o)}(?![a-z-])", README))
     assert not missing, f"README does not document these options of jobs/{job}: {missing}"
 
 
@@ -49,3 +50,18 @@ def test_python_examples_run():
     assert namespace["tokens"].shape == (2, 577, 384)
     assert namespace["emb"].shape == (2, 384)
     assert namespace["logits"].shape == (2, 10)
+
+
+def test_option_check_takes_whole_options_only():
+    documented = "`--cpus-per-worker N`"
+    assert re.search(rf"`{re.escape('--cpus-per-worker')}(?![a-z-])", documented)
+    assert not re.search(rf"`{re.escape('--cpu')}(?![a-z-])", documented)
+
+
+def test_slow_tests_outlive_their_own_subprocess_timeouts():
+    from tests.conftest import SLOW_TEST_TIMEOUT_S
+
+    longest = max(
+        int(t) for f in (ROOT / "tests").rglob("*.py") for t in re.findall(r"timeout=(\d+)", f.read_text())
+    )
+    assert longest < SLOW_TEST_TIMEOUT_S, f"a subprocess may wait {longest} s, longer than pytest allows"
