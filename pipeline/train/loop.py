@@ -41,6 +41,7 @@ from pipeline.train import checkpoint, sinks
 from pipeline.train.config import TrainConfig, data_config
 from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, log_line
 from pipeline.train.model import build_model, model_config
+from pipeline.train.resources import data_cpus_per_worker
 from pipeline.train.prefetch import Prefetcher, StepInput
 from pipeline.train.state import (
     StepAgreement,
@@ -204,7 +205,8 @@ class Trainer:
             rank=self.rank,
             size=self.config.micro_batch_size,
             bad_samples=counts,
-            data_cpus=self.data_cpus,
+            data_cpus=self.data_cpus
+            or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch),
         )
         return Prefetcher(
             stream,
