@@ -31,14 +31,14 @@ The same on a GPU cluster (README, "Run on a cluster"):
   ray down cluster/aws.yaml"""
 
 
-def stage(title: str, script: str, *args: str) -> None:
-    """Run `python jobs/<script> <args>` as a user would, stopping the demo if it fails."""
+def stage(title: str, script: str, *args: str) -> float:
+    """Run `python jobs/<script> <args>` as a user would, stopping the demo if it fails; its seconds."""
     print(f"\n=== {title}\n$ python jobs/{script} {' '.join(args)}", flush=True)
     start = time.perf_counter()
     result = subprocess.run([sys.executable, str(ROOT / "jobs" / script), *args], cwd=ROOT)
     if result.returncode != 0:
         sys.exit(f"demo stopped: jobs/{script} exited with {result.returncode}")
-    print(f"=== done in {time.perf_counter() - start:.0f} s", flush=True)
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -57,11 +57,14 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time: no resuming an older demo
     shards, run, embeddings = out / "shards", out / "run", out / "embeddings"
     start = time.perf_counter()
-    stage("1/3 synthetic shards", "make_shards.py", "--synthetic", str(args.samples), "--out", str(shards))
-    stage("2/3 pretrain the tiny preset (2 FSDP2 workers, local Ray)", "pretrain.py",
-          "--preset", "tiny", "--data", str(shards), "--out", str(run))  # fmt: skip
-    stage("3/3 extract CLS embeddings", "embed.py", "--data", str(shards), "--weights", str(run / "final"),
-          "--out", str(embeddings))  # fmt: skip
+    seconds = [
+        stage("1/3 synthetic shards", "make_shards.py", "--synthetic", str(args.samples), "--out", str(shards)),
+        # A log line every 40 of the 240 steps: the demo's whole console fits on about one screen.
+        stage("2/3 pretrain the tiny preset (2 FSDP2 workers, local Ray)", "pretrain.py",
+              "--preset", "tiny", "--data", str(shards), "--out", str(run), "--log-every", "40"),
+        stage("3/3 extract CLS embeddings", "embed.py", "--data", str(shards), "--weights", str(run / "final"),
+              "--out", str(embeddings)),
+    ]  # fmt: skip
 
     import pyarrow.parquet as pq
 
@@ -73,7 +76,10 @@ def main() -> None:
     table = pq.read_table(embeddings)
     dim = table.schema.field("embedding").type.list_size
     first, last = rows[0], rows[-1]
-    print(f"\n=== vitray demo finished in {time.perf_counter() - start:.0f} s")
+    stages = ", ".join(
+        f"{name} {s:.0f} s" for name, s in zip(("shards", "pretraining", "embeddings"), seconds, strict=True)
+    )
+    print(f"\n=== vitray demo finished in {time.perf_counter() - start:.0f} s ({stages})")
     print(f"training:   loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}), "
           f"accuracy {100 * first['accuracy']:.0f}% -> {100 * last['accuracy']:.0f}%")  # fmt: skip
     print(f"curve:      {curve}")
