@@ -27,7 +27,7 @@ The same on a GPU cluster (README, "Run on a cluster"):
       --out s3://BUCKET/runs/h14 --num-workers 16
   ray job submit --working-dir . --runtime-env cluster/runtime_env.yaml -- \\
       python jobs/embed.py --data 's3://BUCKET/val-{000000..000063}.tar' --weights s3://BUCKET/runs/h14/final \\
-      --out s3://BUCKET/embeddings/h14 --concurrency 16
+      --out s3://BUCKET/embeddings/h14 --concurrency 16 --gpu
   ray down cluster/aws.yaml"""
 
 

@@ -2,14 +2,16 @@
 
     python jobs/embed.py --data /tmp/shards --weights /tmp/run --out /tmp/emb                 # local, CPU
     ray job submit --working-dir . -- python jobs/embed.py --data 's3://bucket/val-{000000..000063}.tar' \\
-        --weights s3://bucket/runs/h14/final --out s3://bucket/emb/h14 --concurrency 8         # 8 GPUs
+        --weights s3://bucket/runs/h14/final --out s3://bucket/emb/h14 --concurrency 8 --gpu   # 8 GPUs
 
 --weights takes a training run's final/ directory or the run directory itself (its final/, else its
 latest complete checkpoint), a checkpoint_* directory, a transformers model directory, or a timm /
 torchvision / transformers weights file (.safetensors, .pth, .bin; --weights-format names the source
 when the keys do not tell it). Submitted as a Ray job (RAY_ADDRESS set) or given --address, it joins
-that cluster; otherwise it starts a local Ray. Actors use one GPU each where the cluster has GPUs
-(--cpu to stay on CPU). Running the same command again skips the shards already committed.
+that cluster; otherwise it starts a local Ray. --gpu gives each actor a GPU (an autoscaling cluster
+brings GPU nodes for them), --cpu keeps the model on CPU; without either, actors use GPUs where the
+machine or cluster has some at the start. Device and precision are part of the output's identity.
+Running the same command again skips the shards already committed.
 
 Leaves under --out: <shard>.parquet per input shard (key, url, embedding fixed_size_list<float32>[D],
 label) and _manifest.json (model, weights sha256, preprocessing, D, per shard rows and skipped samples).
@@ -85,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cpu", action="store_true", help="run the model on CPU even where the cluster has GPUs"
     )
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="one GPU per model actor, bf16, asked of the cluster (an autoscaler brings GPU nodes)",
+    )
     cli.add_ray_flags(parser)
     return parser
 
@@ -96,19 +103,25 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.embed import job, progress
 
         config = EmbedConfig(**cli.overrides(args, FLAGS))
+        local = cli.ray_address(args) is None
+        chosen = job.choose_device(config, gpu=args.gpu, cpu=args.cpu, local=local)
         if args.print_config:
-            cli.print_config(config)
+            cli.print_config(chosen or config)
             return 0
-        plan = job.prepare(config)
+        connected = chosen is None
+        if connected:  # a joined cluster, neither --gpu nor --cpu: what it has now decides
+            cli.connect_ray(args, needed_cpus=0)
+            chosen = job.gpus_from_cluster(config)
+        plan = job.prepare(chosen)
         print(plan.describe(), flush=True)
         if plan.work.pending:
-            local = cli.ray_address(args) is None
             if local:
                 plan.config = job.local_actor_cpus(
-                    plan.config, cpu=args.cpu, given=args.cpus_per_actor is not None, num_cpus=args.num_cpus
+                    plan.config, given=args.cpus_per_actor is not None, num_cpus=args.num_cpus
                 )
-            cli.connect_ray(args, needed_cpus=job.local_cpus_needed(plan.config))
-            plan.config = job.place_actors(plan.config, cpu=args.cpu)
+            if not connected:
+                cli.connect_ray(args, needed_cpus=job.local_cpus_needed(plan.config))
+            job.describe_actors(plan.config)
         summary = job.run(plan, on_commit=progress.EmbedProgress(len(plan.work.pending)).on_commit)
         print("\n" + summary.format())
         return cli.EXIT_RUN_FAILED if summary.failed else 0

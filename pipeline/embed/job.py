@@ -155,6 +155,7 @@ def prepare(config: EmbedConfig) -> EmbedPlan:
         "dim": embedding_dim(source.config, config.embedding),
         "image_size": source.config.image_size,
         "preprocessing": data_config.to_dict(),
+        "compute": compute_identity(config.use_gpu),
     }
     header = json.loads(json.dumps(header))
     output = EmbeddingOutput(config.out, header, config.storage_options)
@@ -162,11 +163,46 @@ def prepare(config: EmbedConfig) -> EmbedPlan:
     return EmbedPlan(config, shards, source, data_config, header, output, work)
 
 
-def local_actor_cpus(config: EmbedConfig, *, cpu: bool, given: bool, num_cpus: int | None) -> EmbedConfig:
+def compute_identity(use_gpu: bool) -> dict[str, str]:
+    """Device and precision of the embeddings (the actor runs bf16 autocast on CUDA, fp32 on CPU). Part
+    of the output's identity: CPU fp32 and GPU bf16 rows differ, so they never mix in one --out."""
+    return {"device": "cuda", "precision": "bf16"} if use_gpu else {"device": "cpu", "precision": "fp32"}
+
+
+def choose_device(config: EmbedConfig, *, gpu: bool, cpu: bool, local: bool) -> EmbedConfig | None:
+    """Where the model runs, decided before any cluster work where it can be: ``gpu`` asks for GPUs
+    (the actors request them, and an autoscaling cluster brings GPU nodes; a local run needs one
+    here), ``cpu`` stays on CPU, and a local run without either uses this machine's GPUs if it has
+    any. None: a joined cluster without either flag, decided by what it has (`gpus_from_cluster`)."""
+    if gpu and cpu:
+        raise ValueError("--gpu and --cpu ask for opposite things; pass one of them")
+    if gpu and local and not _local_gpus():
+        raise ValueError(
+            "--gpu on a machine without a CUDA GPU: drop --gpu, or submit the job to a GPU cluster"
+        )
+    if gpu or cpu:
+        return config.replace(use_gpu=gpu)
+    return config.replace(use_gpu=_local_gpus() > 0) if local else None
+
+
+def gpus_from_cluster(config: EmbedConfig) -> EmbedConfig:
+    """A joined cluster and neither --gpu nor --cpu: GPUs where it has some now. After training, an
+    autoscaling cluster has scaled its GPU nodes down, hence the note."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if not gpus:
+        print(
+            "note: the cluster has no GPU now, so the model runs on CPU; --gpu asks the autoscaler for GPUs"
+        )
+    return config.replace(use_gpu=gpus > 0)
+
+
+def local_actor_cpus(config: EmbedConfig, *, given: bool, num_cpus: int | None) -> EmbedConfig:
     """On a local Ray whose model runs on CPU, unless ``--cpus-per-actor`` was ``given``: the actors'
     torch threads share this machine's cores (decoding fits between them: the model is most of the
     work); within a given ``--num-cpus``, one logical CPU stays for decoding."""
-    if given or not (cpu or not _local_gpus()):
+    if given or config.use_gpu:
         return config
     cores = num_cpus or os.cpu_count() or 1
     spare = 1 if num_cpus else 0
@@ -178,18 +214,18 @@ def local_cpus_needed(config: EmbedConfig) -> float:
     return math.ceil(config.concurrency * config.cpus_per_actor) + 1
 
 
-def place_actors(config: EmbedConfig, *, cpu: bool) -> EmbedConfig:
-    """On the connected cluster: GPUs for the actors where it has them (unless ``cpu``); prints where
-    the actors run."""
+def describe_actors(config: EmbedConfig) -> None:
+    """On the connected cluster: print where the actors run, and whether they wait for GPUs."""
     import ray
 
     gpus = ray.cluster_resources().get("GPU", 0)
-    config = config.replace(use_gpu=gpus > 0 and not cpu)
     if config.use_gpu and gpus < config.concurrency:
-        print(f"note: {gpus:.0f} GPU(s) for --concurrency {config.concurrency}; some actors wait for a GPU")
-    device = "1 GPU" if config.use_gpu else f"{config.cpus_per_actor:g} CPUs"
+        print(
+            f"note: {gpus:.0f} GPU(s) in the cluster now for --concurrency {config.concurrency}; "
+            "actors wait for a GPU (an autoscaler brings GPU nodes)"
+        )
+    device = "1 GPU, bf16" if config.use_gpu else f"{config.cpus_per_actor:g} CPUs, fp32"
     print(f"{config.concurrency} model actor(s), {device} each, batch {config.batch_size}", flush=True)
-    return config
 
 
 def _local_gpus() -> int:

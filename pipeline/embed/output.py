@@ -102,6 +102,7 @@ def identity(header: dict[str, Any]) -> dict[str, Any]:
         "weights sha256": (header.get("weights") or {}).get("sha256"),
         "embedding": header.get("embedding"),
         "preprocessing": {k: preprocessing.get(k) for k in PREPROCESSING_IDENTITY},
+        "compute": header.get("compute"),  # device and precision: GPU bf16 rows differ from CPU fp32
     }
 
 

@@ -23,7 +23,7 @@ EMBED = ROOT / "jobs" / "embed.py"
 # The command line is an interface: adding or removing an option is a decision, made here on purpose.
 FLAGS = {
     "--data", "--weights", "--out", "--weights-format", "--model", "--embedding", "--image-size",
-    "--batch-size", "--concurrency", "--cpus-per-actor", "--cpu", "--overwrite", "--label-key",
+    "--batch-size", "--concurrency", "--cpus-per-actor", "--cpu", "--gpu", "--overwrite", "--label-key",
     "--crop-fraction", "--interpolation", "--max-bad-fraction", "--storage-options", "--address",
     "--num-cpus", "--print-config", "--verbose", "--help",
 }  # fmt: skip

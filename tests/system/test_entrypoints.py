@@ -29,7 +29,9 @@ BIN = Path(sys.executable).parent
 JOBS = ("jobs/pretrain.py", "jobs/embed.py")
 IMAGE_CHECKOUT = "/home/ray/vitray/"  # where cluster/Dockerfile puts this checkout
 # `ray job submit [options] -- command...` runs the command; any other `ray` use is not collected.
-RAY_STAND_IN = 'ray() { while [ $# -gt 0 ] && [ "$1" != "--" ]; do shift; done; shift; "$@"; }'
+# The job then runs on the cluster, where RAY_ADDRESS is set (--print-config connects nowhere).
+SUBMITTED = "RAY_ADDRESS=http://127.0.0.1:8265"
+RAY_STAND_IN = f'ray() {{ while [ $# -gt 0 ] && [ "$1" != "--" ]; do shift; done; shift; {SUBMITTED} "$@"; }}'
 
 
 def logical_lines(text: str) -> list[str]:
@@ -144,6 +146,8 @@ def test_the_job_receives_its_arguments_as_written(where, line):
     job, values = expected(line)
     assert values.get("data"), f"{where}: no --data in {line!r}"
     command = line.replace(IMAGE_CHECKOUT, f"{ROOT}/") + " --print-config"
+    if "entrypoint" in where:  # KubeRay runs it on the cluster's head
+        command = f"{SUBMITTED} {command}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"  # `python` is this venv's
     result = subprocess.run(
