@@ -125,3 +125,50 @@ def test_no_credentials_in_cluster_files(path):
 def test_the_credential_scan_would_see_one():
     assert any(p.search("key: AKIAABCDEFGHIJKLMNOP") for p in SECRETS)
     assert any(p.search("RAY_AUTH_TOKEN=abc123") for p in SECRETS)
+
+
+def node_images(config: dict) -> dict[str, str]:
+    """Node type -> its boot image: AWS ImageId, GCP the boot disk's sourceImage."""
+    images = {}
+    for name, node_type in config["available_node_types"].items():
+        node = node_type["node_config"]
+        disks = [d for d in node.get("disks", []) if d.get("boot")]
+        images[name] = node.get("ImageId") or (disks[0]["initializeParams"]["sourceImage"] if disks else None)
+    return images
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_every_node_type_boots_a_pinned_image(name):
+    text = re.sub(r"\s*\n#\s*", " ", (CLUSTER / name).read_text())  # comments as running text
+    images = node_images(load(name))
+    assert all(images.values()), f"{name}: node types without an image: {images}"
+    for image in images.values():
+        # A family (GCP) or "latest" resolves to whatever is newest at launch: not pinned.
+        assert "/family/" not in image and "latest" not in image.lower(), image
+    # Each config says what its image holds and how to pick a newer one.
+    assert "Python 3.12" in text and "needs >= 3.11" in text
+    assert "A newer image:" in text
+
+
+def test_the_images_are_the_ones_the_readme_names():
+    readme = (ROOT / "README.md").read_text()
+    aws, gcp = (CLUSTER / "aws.yaml").read_text(), (CLUSTER / "gcp.yaml").read_text()
+    assert "Deep Learning Base AMI with Single CUDA (Ubuntu 24.04)" in readme and "20260717" in aws + readme
+    assert "ubuntu-2404-lts-amd64" in readme and "ubuntu-2404-lts-amd64" in gcp
+    assert f"torch {pinned('torch')}" in readme
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_nodes_install_into_a_virtual_environment_and_run_its_ray(name):
+    # Ubuntu 24.04's Python refuses system-wide pip installs (PEP 668).
+    config = load(name)
+    lists = [config["setup_commands"]] + [
+        t["worker_setup_commands"]
+        for t in config["available_node_types"].values()
+        if "worker_setup_commands" in t
+    ]
+    for commands in lists:
+        assert any("python3 -m venv ~/venv" in c for c in commands)
+        assert any("~/venv/bin/python -m pip install -c constraints.txt" in c for c in commands)
+    for command in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
+        assert "ray " not in command.replace("~/venv/bin/ray ", ""), command
