@@ -148,7 +148,11 @@ def convert_state_dict(
         else:
             out[new_key], origin[new_key] = value, key
     if source == "hf":
-        _fuse_qkv(out)
+        for missing, beside in _fuse_qkv(out):
+            raise ValueError(
+                f"this hf state dict has no {_source_key(origin[beside], beside, missing)} (beside "
+                f"{origin[beside]}); attention needs query, key and value: is the file complete?"
+            )
     unmatched += [origin.get(k, k) for k in out if not VITRAY_KEY.match(k)]
     if unmatched:
         raise ValueError(
@@ -209,15 +213,31 @@ def _rename(key: str, rules: list[tuple[str, str]]) -> str | None:
     return None
 
 
-def _fuse_qkv(sd: dict[str, torch.Tensor]) -> None:
+def _fuse_qkv(sd: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
     """blocks.N.attn.{query,key,value}.{weight,bias} -> blocks.N.attn.qkv.{weight,bias}, stacked q;k;v.
 
-    An incomplete triple stays as it is, and fails the final key check.
+    Returns ``(missing, present)`` key pairs of the incomplete triples (left as they are).
     """
-    for key in [k for k in sd if ".attn.query." in k]:
+    incomplete = []
+    roles = re.compile(r"\.attn\.(query|key|value)\.")
+    for key in sorted({roles.sub(".attn.query.", k) for k in sd if roles.search(k)}):
         parts = [key, key.replace(".query.", ".key."), key.replace(".query.", ".value.")]
         if all(p in sd for p in parts):
             sd[key.replace(".query.", ".qkv.")] = torch.cat([sd.pop(p) for p in parts], dim=0)  # (3D, ...)
+        elif any(p in sd for p in parts):
+            present = next(p for p in parts if p in sd)
+            incomplete += [(p, present) for p in parts if p not in sd]
+    return incomplete
+
+
+def _source_key(present_source: str, present: str, missing: str) -> str:
+    """The source's name of a missing Q/K/V key, from a present sibling's (q_proj -> k_proj, or
+    .query. -> .key.)."""
+    have, want = (re.search(r"\.attn\.(query|key|value)\.", k)[1] for k in (present, missing))
+    for a, b in ((f"{have[0]}_proj", f"{want[0]}_proj"), (f".{have}.", f".{want}.")):
+        if a in present_source:
+            return present_source.replace(a, b)
+    return missing
 
 
 def config_from_state_dict(
