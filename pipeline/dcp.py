@@ -11,13 +11,16 @@ A directory counts only once `.metadata`, `train_state.json` and every shard fil
 are there; `latest_complete` skips anything else (a crash mid-save leaves an ignorable directory).
 
 DCP's `.metadata` is a pickle. It is read through `MetadataUnpickler`, which admits only the exact
-classes checkpoint metadata holds, never torch's own unpickler. DCP reads a non-tensor entry with
-``torch.load(weights_only=False)``, so every entry the model read would take must be a tensor.
+classes checkpoint metadata holds, never torch's own unpickler (`safe_reader`). DCP reads a non-tensor
+entry with ``torch.load(weights_only=False)``: the model read takes tensors only, and a training resume,
+which needs the optimizer's plain values (learning rates, betas), reads them as plain data only
+(`plain_data_planner`).
 """
 
 from __future__ import annotations
 
 import importlib
+import io
 import pickle
 import warnings
 from pathlib import Path
@@ -31,6 +34,10 @@ from pipeline import compat, storage
 TRAIN_STATE = "train_state.json"
 CONFIG = "config.json"
 METADATA = ".metadata"  # written by DCP, last
+
+
+class CheckpointRefusedError(ValueError):
+    """A checkpoint holds something that reading would execute; the message is one line."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -111,10 +118,7 @@ def load_model_state(
     """The model part of a DCP checkpoint as a full CPU state dict; one process, no process group."""
     import torch.distributed.checkpoint as dcp
 
-    if storage.is_local(directory):
-        reader = _safe_reader(dcp.FileSystemReader)(storage.local_path(directory))
-    else:
-        reader = _safe_reader(compat.fsspec_checkpoint_reader())(directory, **(storage_options or {}))
+    reader = safe_reader(directory, storage_options)
     try:
         metadata = reader.read_metadata()  # first on its own: DCP would bury a refusal in its own exception
     except pickle.UnpicklingError as e:
@@ -160,6 +164,37 @@ def _tensors_only_planner() -> Any:
             )
 
     return TensorsOnlyPlanner()
+
+
+def safe_reader(directory: str, storage_options: dict | None = None) -> Any:
+    """A DCP storage reader for a checkpoint directory (local or URL) whose ``.metadata`` goes through
+    `MetadataUnpickler`."""
+    import torch.distributed.checkpoint as dcp
+
+    if storage.is_local(directory):
+        return _safe_reader(dcp.FileSystemReader)(storage.local_path(directory))
+    return _safe_reader(compat.fsspec_checkpoint_reader())(directory, **(storage_options or {}))
+
+
+def plain_data_planner() -> Any:
+    """A DCP load planner whose non-tensor entries must unpickle with ``torch.load(weights_only=True)``
+    (numbers, strings, containers), else `CheckpointRefusedError`."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class PlainDataPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            data = value.read()
+            try:
+                torch.load(io.BytesIO(data), weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise CheckpointRefusedError(
+                    f"checkpoint entry {read_item.dest_index.fqn} is not plain data; refusing to unpickle it"
+                ) from e
+            # The same bytes passed the restricted load just above, so DCP's own (unrestricted) load of
+            # them runs no code; it stays the one that puts the value in place.
+            super().load_bytes(read_item, io.BytesIO(data))
+
+    return PlainDataPlanner()
 
 
 def _safe_reader(base: type) -> type:

@@ -16,9 +16,9 @@ import vit
 from pipeline import dcp
 from pipeline.data.config import DataConfig
 from pipeline.embed.actor import build_embedding_model
-from pipeline.weights import load_model_source, pack_state_dict, state_dict_sha256, unpack_state_dict
 from pipeline.train import checkpoint
 from pipeline.train.config import TrainConfig
+from pipeline.weights import load_model_source, pack_state_dict, state_dict_sha256, unpack_state_dict
 
 TINY = "vit_tiny_test"  # embed_dim 64, depth 2, mlp_dim 128, patch 8, 4 heads, image 32
 TRAIN = TrainConfig(
@@ -253,6 +253,53 @@ def test_a_checkpoint_entry_that_is_not_a_tensor_is_refused_before_it_is_read(ru
     with pytest.raises(ValueError, match=r"model\.pos_embed is not a tensor .*refusing to read it") as info:
         load_model_source(str(bad))
     assert "\n" not in str(info.value) and not sentinel.exists()
+
+
+def test_a_training_resume_reads_its_checkpoint_as_data_only(run_dir, tmp_path):
+    """Resume goes through the same locks: ``.metadata`` through the restricted unpickler, and the
+    optimizer's plain values (which DCP unpickles with weights_only=False) as plain data only."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from pipeline.train.model import build_model, init_distributed
+    from pipeline.train.step import TrainStep
+
+    sentinel = tmp_path / "pwned"
+    bad = tmp_path / "checkpoint_00000001"
+    crafted_checkpoint(run_dir, bad)
+    exploits = [
+        pickle.dumps(_Exploit(sentinel)),
+        dotted_name_pickle("torch.distributed.checkpoint.metadata", "os.system", f"touch {sentinel}"),
+    ]
+    created = not dist.is_initialized()
+    _, _, device = init_distributed()
+    try:
+        model = build_model(TRAIN, device)
+        optimizer = TrainStep(model, TRAIN, device).optimizer
+        assert checkpoint.load(run_dir / dcp.checkpoint_name(1), model, optimizer)["step"] == 1
+        for exploit in exploits:
+            (bad / ".metadata").write_bytes(exploit)
+            with pytest.raises(dcp.CheckpointRefusedError, match="system; refusing to unpickle it") as info:
+                checkpoint.load(bad, model, optimizer)
+            assert "\n" not in str(info.value) and not sentinel.exists()
+
+        shutil.copy(run_dir / dcp.checkpoint_name(1) / ".metadata", bad / ".metadata")
+        with open(bad / ".metadata", "rb") as f:
+            metadata = pickle.load(f)  # the test's own file, written by the training code above
+        lr = next(k for k, v in metadata.storage_data.items() if k.fqn.endswith(".lr"))
+        assert isinstance(metadata.state_dict_metadata[lr.fqn], BytesStorageMetadata)
+        payload = io.BytesIO()
+        torch.save(_Exploit(sentinel), payload)
+        (bad / "evil.distcp").write_bytes(payload.getvalue())
+        metadata.storage_data[lr] = _StorageInfo("evil.distcp", 0, len(payload.getvalue()))
+        with open(bad / ".metadata", "wb") as f:
+            pickle.dump(metadata, f)
+        with pytest.raises(dcp.CheckpointRefusedError, match=rf"{lr.fqn} is not plain data") as info:
+            checkpoint.load(bad, model, optimizer)
+        assert "\n" not in str(info.value) and not sentinel.exists()
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def test_packed_weights_are_shared_not_copied():

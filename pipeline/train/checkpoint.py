@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import vit
-from pipeline.dcp import CONFIG, TRAIN_STATE
+from pipeline.dcp import CONFIG, TRAIN_STATE, CheckpointRefusedError, plain_data_planner, safe_reader
 
 
 def _rng_state() -> dict[str, str]:
@@ -105,12 +107,28 @@ def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """Collective: load model and optimizer state into the sharded model; returns train_state.
 
     Works at any world size. Restores this rank's RNG when the world size matches the saver's.
-    (The model alone, in one process, is `pipeline.dcp.load_model_state`.)
+    Nothing in the checkpoint is executed: ``.metadata`` goes through `pipeline.dcp.MetadataUnpickler`
+    and the optimizer's plain values through ``weights_only`` loads; what either refuses raises a
+    one-line `CheckpointRefusedError`. (The model alone, in one process, is `pipeline.dcp.load_model_state`.)
     """
     directory = Path(directory)
+    reader = safe_reader(str(directory))
+    try:  # on every rank, before the collective load: each refuses alike, none waits on the others
+        reader.read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+        raise CheckpointRefusedError(
+            f"checkpoint {directory}: {e}; remove that checkpoint directory to resume from an earlier one"
+        ) from e
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(directory))
+    try:
+        dcp.load(state, storage_reader=reader, planner=plain_data_planner())
+    except CheckpointException as e:  # DCP gathers every rank's failure; a refusal stays one line
+        for failure in e.failures.values():
+            refused = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(refused, CheckpointRefusedError):
+                raise CheckpointRefusedError(f"checkpoint {directory}: {refused}") from e
+        raise
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     train_state = json.loads((directory / TRAIN_STATE).read_text())
     rng = train_state.pop("rng", None)

@@ -91,7 +91,11 @@ class RaySession:
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     """Entry point of every Ray Train worker (see `pipeline.train.driver.fit`); returns the run summary."""
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # a line per rank per epoch otherwise
-    return Trainer(loop_config, RaySession()).train()
+    try:
+        trainer = Trainer(loop_config, RaySession())
+    except dcp.CheckpointRefusedError as e:  # every rank refuses alike; a restart would only refuse again
+        return {"metrics": {}, "bad_samples": {}, "error": str(e)}
+    return trainer.train()
 
 
 class Trainer:
