@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 EXTRAS := test,dev,s3,gcs,plot,wandb
 
-.PHONY: demo test test-fast lint format install clean
+.PHONY: demo test test-fast test-gpu lint format install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
+
+# On a CUDA machine: the tests marked gpu (FSDP2 bf16 step, embedding actor, NCCL through Ray Train).
+# pip resolves torch to its CUDA build on a Linux GPU machine; without CUDA they are all skipped.
+test-gpu: $(STAMP)
+	$(BIN)/python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'devices', torch.cuda.device_count())"
+	$(BIN)/python -m pytest -m gpu -rs
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
