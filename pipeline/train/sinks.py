@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from pipeline import storage
 from pipeline.train.config import TrainConfig
+from pipeline.train.metrics import log_line
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
@@ -99,6 +100,11 @@ class WandbSink:
             # console="off": W&B would otherwise wrap stdout, which Ray already forwards.
             settings=wandb.Settings(console="off", silent=True),
         )
+        if self.run.offline:
+            where = f"offline in {os.path.dirname(self.run.dir)} (upload it with `wandb sync`)"
+        else:
+            where = self.run.url
+        log_line(f"W&B run {self.run.id}: {where}")
 
     def log(self, row: dict[str, Any]) -> None:
         if row["step"] < self.run.step:
@@ -109,7 +115,12 @@ class WandbSink:
         """W&B writes (and, online, uploads) in its own process."""
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # Waits for W&B's own process to have written (or sent) everything: a Ray worker may end
+        # without running this process's exit hooks.
+        wandb.teardown()
 
 
 def run_id(out: str) -> str:

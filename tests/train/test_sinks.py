@@ -79,7 +79,7 @@ def test_no_sink_asked_for_leaves_the_log_as_it_is(tmp_path):
     assert attach(log, TrainConfig(data="x", out=str(tmp_path / "run"))) is log
 
 
-def test_wandb_offline_run_records_the_scalars(tmp_path, monkeypatch):
+def test_wandb_offline_run_records_the_scalars(tmp_path, monkeypatch, capsys):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")  # no network, no account
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))  # the sink's own dir must win
@@ -91,6 +91,8 @@ def test_wandb_offline_run_records_the_scalars(tmp_path, monkeypatch):
 
     runs = list((out / "wandb").glob(f"offline-run-*-{run_id(str(out))}"))
     assert len(runs) == 1, list((out / "wandb").iterdir())
+    line = f"W&B run {run_id(str(out))}: offline in {runs[0]} (upload it with `wandb sync`)"
+    assert line in capsys.readouterr().out.splitlines()
     records = next(runs[0].glob("*.wandb")).read_bytes()
     for tag in scalars(row(10)):
         assert tag.encode() in records, tag
