@@ -18,7 +18,7 @@ PRETRAIN = ROOT / "jobs" / "pretrain.py"
 # The command line is an interface: adding or removing a flag is a decision, made here on purpose.
 FLAGS = {
     "--preset", "--data", "--out", "--model", "--image-size", "--num-classes", "--num-workers",
-    "--cpus-per-worker", "--placement-strategy", "--max-steps", "--stop-at-step", "--batch-size", "--micro-batch-size", "--lr",
+    "--cpus-per-worker", "--placement-strategy", "--data-cpus-per-worker", "--shard-group-size", "--shared-out", "--max-steps", "--stop-at-step", "--batch-size", "--micro-batch-size", "--lr",
     "--min-lr", "--weight-decay", "--warmup-steps", "--lr-schedule", "--grad-clip", "--max-skipped-steps", "--seed", "--label-key",
     "--shuffle-buffer", "--crop-scale", "--crop-ratio", "--no-hflip", "--max-bad-fraction", "--log-every", "--tensorboard", "--wandb", "--checkpoint-every", "--keep-checkpoints",
     "--max-failures", "--cpu", "--activation-checkpointing", "--compile", "--address", "--num-cpus",
