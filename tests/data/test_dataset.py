@@ -156,6 +156,14 @@ def test_train_crops_depend_on_epoch_not_on_scheduling(ray_session, synthetic_sh
     )
     parallel = collect(build_dataset(urls, CONFIG, train=True))
     np.testing.assert_array_equal(serial["patches"], parallel["patches"])
+    # Another shard order (as another epoch's order or another rank's slice would give): every sample
+    # still gets its own crop, compared key by key.
+    reordered = collect(build_dataset(urls[::-1], CONFIG, train=True))
+    assert list(reordered["key"]) != list(serial["key"])
+    by_key = dict(zip(reordered["key"], reordered["patches"], strict=True))
+    assert sorted(by_key) == sorted(serial["key"])
+    for key, patches in zip(serial["key"], serial["patches"], strict=True):
+        np.testing.assert_array_equal(by_key[key], patches, err_msg=key)
     later = collect(build_dataset(urls, CONFIG, train=True, epoch=1))
     assert list(later["key"]) == list(serial["key"])
     assert not np.array_equal(later["patches"], serial["patches"])
@@ -182,6 +190,9 @@ def test_local_shuffle_is_seeded_by_epoch_and_rank(ray_session, synthetic_shards
     assert sorted(shuffled) == sorted(plain) == synthetic_shards.keys and shuffled != plain
     assert keys(epoch=0, shuffle=True) == shuffled
     assert keys(epoch=0, rank=1, shuffle=True) != shuffled
+    later = keys(epoch=1, shuffle=True)
+    assert sorted(later) == sorted(plain) and later not in (plain, shuffled)
+    assert keys(epoch=1, shuffle=True) == later
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import s3fs  # noqa: F401 (the s3:// filesystem: a test dependency, never skipped when missing)
+from moto import server as moto_server
 
 from pipeline.data.config import DataConfig
 from pipeline.data.dataset import build_dataset, check_shards
 from pipeline.data.shards import ShardError, expand_shards
-
-pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
 
 BUCKET = "vitray-test"
 
@@ -79,3 +78,38 @@ def test_s3_shards_read_like_local_ones_in_ray_workers(ray_session, s3, syntheti
     assert list(remote["key"]) == list(local["key"]) == synthetic_shards.keys
     assert list(remote["label"]) == list(local["label"])
     np.testing.assert_array_equal(remote["patches"], local["patches"])
+
+
+def test_s3_reads_through_5xx_timeouts_and_drops_deliver_every_sample_once(ray_session, synthetic_shards):
+    """Every 2nd request to the store fails (503, a stall past the read timeout, 500, a dropped
+    connection, in turn; 30 at most): the rows are still the local rows, each sample exactly once."""
+    import boto3
+
+    from tests.flaky_s3 import FlakyS3
+
+    s3 = FlakyS3(period=2, max_faults=30).start()
+    try:
+        options = s3.storage_options
+        client = boto3.client(
+            "s3",
+            endpoint_url=s3.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+        client.create_bucket(Bucket=BUCKET)
+        for url in synthetic_shards.urls:
+            client.upload_file(url, BUCKET, f"shards/{Path(url).name}")
+        s3.faulty()
+        urls = expand_shards(f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar", options)
+        config = DataConfig(image_size=32, patch_size=8, storage_options=options, read_backoff_s=0.2)
+        batches = list(build_dataset(urls, config, train=False).iter_batches(batch_size=None))
+        remote = {k: np.concatenate([b[k] for b in batches]) for k in ("key", "error", "patches")}
+        local = build_dataset(synthetic_shards.urls, DataConfig(image_size=32, patch_size=8), train=False)
+        local_patches = np.concatenate([b["patches"] for b in local.iter_batches(batch_size=None)])
+    finally:
+        s3.stop()
+    assert set(remote["error"]) == {""}
+    assert list(remote["key"]) == synthetic_shards.keys
+    np.testing.assert_array_equal(remote["patches"], local_patches)
+    assert set(s3.faults) == {"503", "stall", "500", "drop"}, s3.faults  # faults of every kind happened

@@ -24,7 +24,6 @@ import vit
 from pipeline import storage
 from pipeline.data.bad_samples import reason_category
 from pipeline.data.config import DataConfig
-from pipeline.data.decode import transform_image
 from pipeline.data.synthetic import encode, render
 from pipeline.data.tar import iter_samples
 from pipeline.data.writing import tar_bytes
@@ -49,10 +48,11 @@ def trained_model(seed: int = 0) -> vit.VisionTransformer:
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    """A vitray export as training writes it (its DataConfig under "preprocessing"), and its model."""
+    """A vitray export as training writes it (its DataConfig under "preprocessing", with an eval crop
+    and resampling of its own), and its model."""
     model = trained_model()
     path = tmp_path_factory.mktemp("export")
-    data = DataConfig(image_size=32, patch_size=8)
+    data = DataConfig(image_size=32, patch_size=8, crop_fraction=0.75, eval_interpolation="bilinear")
     vit.save_pretrained(path, model.state_dict(), model.config, extra={"preprocessing": data.to_dict()})
     return str(path), model
 
@@ -167,9 +167,17 @@ def test_rows_equal_the_model_in_process_and_read_with_common_tools(first_run, s
     assert [rows["label"][i] for i in range(48)] == [synthetic_shards.labels[k] for k in rows["key"]]
     assert (summary.committed, summary.rows, summary.bad_samples["bad"]) == (4, 48, 0)
 
-    data = prepare(config.replace()).data_config  # the eval transform the job used
+    # The export's eval transform, written out here rather than taken from the job: the center
+    # 0.75 of the short side, resized to 32 px with a bilinear filter.
+    def expected_pixels(data: bytes) -> np.ndarray:
+        im = Image.open(io.BytesIO(data)).convert("RGB")
+        side = min(im.size) * 0.75
+        left, top = (im.width - side) / 2, (im.height - side) / 2
+        box = (left, top, left + side, top + side)
+        return np.asarray(im.resize((32, 32), Image.Resampling.BILINEAR, box=box))
+
     images = images_by_key(synthetic_shards.urls)
-    pixels = np.stack([transform_image(images[k], data, train=False, rng=None) for k in rows["key"]])
+    pixels = np.stack([expected_pixels(images[k]) for k in rows["key"]])
     with torch.no_grad():
         direct = model.embed(vit.patchify(torch.from_numpy(pixels), 8)).numpy()
     np.testing.assert_allclose(rows["embedding"], direct, rtol=1e-5, atol=1e-5)
@@ -193,6 +201,10 @@ def test_rows_equal_the_model_in_process_and_read_with_common_tools(first_run, s
     m = manifest(config.out)
     assert m["weights"]["sha256"] == prepare(config).source.sha256 and m["dim"] == D
     assert m["model"]["config"] == model.config.to_dict() and m["preprocessing"]["image_size"] == 32
+    assert (m["preprocessing"]["crop_fraction"], m["preprocessing"]["eval_interpolation"]) == (
+        0.75,
+        "bilinear",
+    )
     assert [m["shards"][u]["rows"] for u in synthetic_shards.urls] == [12] * 4
 
 
@@ -223,6 +235,11 @@ def test_other_weights_into_the_same_output_fail_unless_overwrite(first_run, tmp
     assert "--overwrite" in str(info.value) and "\n" not in str(info.value)
     with pytest.raises(ValueError, match="embedding cls there, pre_logits now"):
         prepare(config.replace(embedding="pre_logits"))
+    # The same weights through another eval transform would mix two kinds of rows in one output.
+    with pytest.raises(ValueError, match=r"preprocessing crop_fraction 0\.75 there, 0\.875 now"):
+        prepare(config.replace(crop_fraction=0.875))
+    with pytest.raises(ValueError, match="preprocessing eval_interpolation 'bilinear' there, 'bicubic' now"):
+        prepare(config.replace(interpolation="bicubic"))
     assert prepare(config.replace(weights=str(tmp_path), overwrite=True)).work.pending  # allowed, not run
 
 
@@ -324,11 +341,10 @@ def test_an_unreadable_shard_is_not_committed_and_the_next_run_retries_it(
 
 
 def test_s3_output_works_like_local(ray_session, first_run, synthetic_shards, export, monkeypatch):
-    pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
     import boto3
     import pandas as pd
     import s3fs
+    from moto import server as moto_server
 
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
