@@ -23,39 +23,84 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from vit.model import VisionTransformer
 
+AC_MODES = ("full", "alternate", "ops")
 
-def apply_activation_checkpointing(model: VisionTransformer) -> VisionTransformer:
-    """Store only each block's input in forward; recompute the rest of the block in backward.
+# With mode "ops": what backward keeps instead of recomputing. Matmuls and attention are where a
+# block's FLOPs are; recomputing only the norms, GELU, residual adds and casts between them costs
+# little compute but still frees their (B, T, 4D) elementwise outputs.
+_SAVED_OPS = (
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+)
 
-    Per block (not selective per op): a ViT block's activations are dominated by the MLP's
-    (T, 4D) hidden layer and the attention inputs, which is what full recomputation saves.
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.Module:
+    """Recompute block activations in backward instead of storing them.
+
+    ``mode``: ``"full"`` stores only each block's input and recomputes the whole block (the least
+    memory: a ViT block's activations are dominated by the MLP's (T, 4D) hidden layer and the
+    attention inputs); ``"alternate"`` does that for every other block (blocks 0, 2, 4, ...),
+    trading half the saving for half the recomputation; ``"ops"`` checkpoints every block but keeps
+    the outputs of its matmuls and attention, so backward recomputes only cheap elementwise work.
     """
-    for block in model.blocks:
-        block.forward = _checkpointed(block.forward)
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode must be one of {', '.join(AC_MODES)}, got {mode!r}")
+    for i, block in enumerate(model.blocks):
+        if mode == "alternate" and i % 2:
+            continue
+        block.forward = _checkpointed(block.forward, selective=mode == "ops")
     return model
 
 
-def _checkpointed(forward: Callable) -> Callable:
+def _checkpointed(forward: Callable, selective: bool = False) -> Callable:
     def run(*args, **kwargs):
         # Non-reentrant: the supported variant, which works with torch.compile and FSDP2.
+        if selective:
+            kwargs["context_fn"] = _save_matmuls
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
 
 
-def apply_compile(
-    model: VisionTransformer, *, backend: str = "inductor", fullgraph: bool = True
-) -> VisionTransformer:
-    """Compile each block separately: all blocks share one graph (one compilation, reused depth times).
+def _save_matmuls():
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
+    return create_selective_checkpoint_contexts(policy)
+
+
+COMPILE_SCOPES = ("blocks", "model")
+
+
+def apply_compile(
+    model: nn.Module, *, backend: str | Callable = "inductor", fullgraph: bool = True, scope: str = "blocks"
+) -> nn.Module:
+    """``scope="blocks"``: compile each block separately; all blocks share one graph (one compilation,
+    reused depth times, whatever the depth: the blocks are inputs of the graph, not constants of it).
     fullgraph: a block has no data-dependent control flow, so any graph break is a bug to surface.
+
+    ``scope="model"``: compile the whole forward, so the patch embedding, [CLS] and position
+    embeddings, final norm and head are fused too. Under FSDP2 the graph breaks at every block's
+    all-gather hooks (which run eagerly) and the blocks again share one graph; ``fullgraph`` is
+    therefore ignored here.
     """
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile scope must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
+    if scope == "model":
+        model.forward = torch.compile(model.forward, backend=backend)
+        return model
     for block in model.blocks:
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
     return model
@@ -122,10 +167,12 @@ def parallelize(
     compile: bool = False,
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype | None = torch.float32,
+    ac_mode: str = "full",
+    compile_scope: str = "blocks",
 ) -> VisionTransformer:
     """Apply activation checkpointing, compile and FSDP2, in that order (each optional but FSDP)."""
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, ac_mode)
     if compile:
-        apply_compile(model)
+        apply_compile(model, scope=compile_scope)
     return apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -16,6 +16,8 @@ from typing import Any
 
 from pipeline.data.config import DataConfig
 
+OBJECTIVES = ("supervised", "mae")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -25,9 +27,23 @@ class TrainConfig:
     num_classes: int = 1000
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
+    # --- objective (pipeline.train.objective) --------------------------------------------------
+    objective: str = "supervised"  # "supervised": labels, classifier head; "mae": masked autoencoding
+    # MAE (He et al. 2022): share of patches hidden from the encoder, targets, the decoder's size.
+    mask_ratio: float = 0.75
+    norm_pix_loss: bool = True  # reconstruct each patch's standardized pixels (the paper's better targets)
+    decoder_dim: int = 512
+    decoder_depth: int = 8
+    decoder_num_heads: int = 16
+
+    # --- fine-tuning (jobs/finetune.py) ----------------------------------------------------------
+    weights: str | None = None  # fine-tuning starts from these: an export, a run dir or a checkpoint
+    eval_data: str = ""  # held-out shards, evaluated with the eval crop
+    eval_every: int = 0  # steps between evaluations of eval_data (0: only at the end)
+
     # --- data ----------------------------------------------------------------------------------
     data: str = ""  # shard URL(s): path, dir, glob, brace range, s3://, gs://, comma-separated
-    label_key: str = "cls"  # member extension holding the label, or "json:<field>"
+    label_key: str | None = "cls"  # member extension holding the label, "json:<field>", None: no labels
     shuffle_buffer: int = 2000  # local sample shuffle buffer per worker
     # Augmentation: random-resized-crop area share and aspect range (w/h), horizontal flips.
     crop_scale: tuple[float, float] = (0.08, 1.0)
@@ -36,6 +52,8 @@ class TrainConfig:
     max_bad_fraction: float = 0.01  # share of corrupt samples that fails the run
 
     # --- optimization (defaults: the ViT paper's pretraining recipe) --------------------------
+    optimizer: str = "adamw"  # "adamw", or "sgd" with momentum (the paper's fine-tuning)
+    momentum: float = 0.9  # SGD only
     batch_size: int = 4096  # global: images per optimizer step, across all workers
     micro_batch_size: int = 64  # images per worker per forward/backward; the rest is accumulation
     lr: float = 1e-3  # peak learning rate, after warmup
@@ -138,8 +156,40 @@ class TrainConfig:
             )
         if not math.isfinite(self.lr) or self.lr <= 0:
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        self._validate_objective()
         if self.wandb and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb needs the wandb package: pip install 'vitray[wandb]'")
+
+    def _validate_objective(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"--optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be 0 (only at the end) or more, got {self.eval_every}")
+        if self.objective == "supervised":
+            if self.label_key is None:
+                raise ValueError(
+                    "--label-key none leaves supervised training without labels; pass a label key "
+                    "(cls, json:<field>) or --objective mae"
+                )
+            return
+        if self.weights or self.eval_data:
+            raise ValueError("fine-tuning and --eval-data are supervised; drop --objective mae")
+        if not 0 < self.mask_ratio < 1:
+            raise ValueError(
+                f"--mask-ratio must be strictly between 0 and 1 (MAE's is 0.75), got {self.mask_ratio}"
+            )
+        for name in ("decoder_dim", "decoder_depth", "decoder_num_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.decoder_dim % 4 or self.decoder_dim % self.decoder_num_heads:
+            raise ValueError(
+                f"--decoder-dim {self.decoder_dim} must be a multiple of 4 and of --decoder-num-heads "
+                f"{self.decoder_num_heads}, e.g. 512 with 16 heads"
+            )
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -165,16 +215,19 @@ class TrainConfig:
 
 
 def data_config(config: TrainConfig, patch_size: int) -> DataConfig:
-    """The training input transform: random-resized crops of the run's size, labels required."""
+    """The training input transform: random-resized crops of the run's size; supervised runs need
+    labels in range, MAE runs none (labels are read where present) and get the mask drawn."""
+    supervised = config.objective == "supervised"
     return DataConfig(
         image_size=config.image_size,
         patch_size=patch_size,
         scale=config.crop_scale,
         ratio=config.crop_ratio,
         hflip=config.hflip,
+        mask_ratio=None if supervised else config.mask_ratio,
         label_key=config.label_key,
-        require_labels=True,
-        num_classes=config.num_classes,
+        require_labels=supervised,
+        num_classes=config.num_classes if supervised else None,
         seed=config.seed,
         shuffle_buffer=config.shuffle_buffer,
         max_bad_fraction=config.max_bad_fraction,

@@ -41,10 +41,37 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+# An MAE's encoder has no classifier, and its embedding is the mean of its patch tokens: the loss
+# reaches [CLS] only through the decoder (see `vit.create_mae`).
+MAE_ENCODER = {"num_classes": 0, "head": "finetune", "pool": "gap"}
+
+
 def model_config(config: TrainConfig) -> vit.ViTConfig:
-    """The ViTConfig a training config resolves to (validates name and sizes)."""
-    overrides = {"image_size": config.image_size, "num_classes": config.num_classes, **config.model_overrides}
-    return vit.get_config(config.model, **overrides)
+    """The ViTConfig a training config resolves to (validates name and sizes): the whole model, or
+    for MAE its encoder, which is what the run exports."""
+    if config.objective == "mae":
+        base = {"image_size": config.image_size, **MAE_ENCODER}
+    else:
+        base = {"image_size": config.image_size, "num_classes": config.num_classes}
+    return vit.get_config(config.model, **{**base, **config.model_overrides})
+
+
+def mae_config(config: TrainConfig) -> vit.MAEConfig:
+    """The decoder and loss of an MAE run (`vit.MAEConfig`)."""
+    return vit.MAEConfig(
+        decoder_dim=config.decoder_dim,
+        decoder_depth=config.decoder_depth,
+        decoder_num_heads=config.decoder_num_heads,
+        norm_pix_loss=config.norm_pix_loss,
+    )
+
+
+def create_module(config: TrainConfig) -> nn.Module:
+    """The module a run trains, on the current default device: a ViT, or for MAE a
+    `vit.MaskedAutoencoder` whose ``encoder`` is that ViT."""
+    if config.objective == "mae":
+        return vit.MaskedAutoencoder(model_config(config), mae_config(config))
+    return vit.VisionTransformer(model_config(config))
 
 
 def shard_group_size(config: TrainConfig) -> int:
@@ -71,7 +98,7 @@ def build_model(config: TrainConfig, device: torch.device, mesh: DeviceMesh | No
     if mesh is None:
         mesh = hsdp_mesh(device.type, dist.get_world_size(), shard_group_size(config))
     with torch.device("meta"):
-        model = vit.VisionTransformer(model_config(config))
+        model = create_module(config)
     # bf16 compute with fp32 gradient reduction on GPU; plain fp32 on CPU, where bf16 is slow.
     parallelize(
         model,

@@ -1,4 +1,5 @@
-"""AdamW with the ViT recipe's decay rules, and the warmup-then-decay learning-rate schedule."""
+"""AdamW with the ViT recipe's decay rules (or SGD with momentum, the paper's fine-tuning), and the
+warmup-then-decay learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -31,7 +32,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """``config.optimizer``: AdamW (pretraining), or SGD with momentum (fine-tuning, Sec. 4.1 of the
+    ViT paper: momentum 0.9, no weight decay unless ``weight_decay`` asks for it)."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(
+            param_groups(model, config.weight_decay), lr=config.lr, momentum=config.momentum, foreach=True
+        )
     return torch.optim.AdamW(
         param_groups(model, config.weight_decay),
         lr=config.lr,

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import vit
 from pipeline.train.config import TrainConfig
+from pipeline.train.objective import Objective, objective_for
 from pipeline.train.optim import build_optimizer, lr_factor
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s), for MFU, keyed by the exact
@@ -43,8 +43,8 @@ PEAK_BF16_TFLOPS = {
 class StepStats:
     """Local sums for one optimizer step; reduce across ranks before reporting."""
 
-    loss_sum: torch.Tensor  # sum of per-sample cross-entropy on this rank
-    correct: torch.Tensor  # top-1 hits on this rank
+    loss_sum: torch.Tensor  # sum of per-sample losses on this rank (the objective's)
+    correct: torch.Tensor  # top-1 hits on this rank (0 for an objective without classes)
     count: int  # samples on this rank
     grad_norm: torch.Tensor  # global (all ranks) gradient norm before clipping
     lr: float
@@ -54,18 +54,21 @@ class StepStats:
 class TrainStep:
     """One optimizer step: forward/backward over micro-batches, sync on the last, clip, update."""
 
-    def __init__(self, model: nn.Module, config: TrainConfig, device: torch.device):
+    def __init__(
+        self, model: nn.Module, config: TrainConfig, device: torch.device, objective: Objective | None = None
+    ):
         self.model = model
         self.config = config
         self.device = device
+        self.objective = objective or objective_for(config)  # the loss; the step is the same for all
         self.optimizer = build_optimizer(model, config)
 
     def __call__(
         self, step: int, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_count: int
     ) -> StepStats:
-        """Run optimizer step `step` (0-based) over this rank's micro-batches of
-        `(patches uint8 (B, N, K), labels (B,))`. The learning rate is a pure function of `step`
-        (set here: no scheduler state to checkpoint).
+        """Run optimizer step `step` (0-based) over this rank's micro-batches, each a tuple of the
+        objective's columns (supervised: `(patches uint8 (B, N, K), labels (B,))`). The learning rate
+        is a pure function of `step` (set here: no scheduler state to checkpoint).
 
         `global_count` is the number of samples in this step across all ranks: each rank scales
         its summed loss by world_size / global_count, so after FSDP2 averages gradients over ranks
@@ -77,19 +80,19 @@ class TrainStep:
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), device=self.device, dtype=torch.long)
         count = 0
-        for i, (patches, labels) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             # Reduce-scatter gradients only once, after the last micro-batch.
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            logits = model(patches).float()
-            losses = F.cross_entropy(logits, labels, reduction="none")
+            losses, hits = self.objective.losses(model, batch)
             (losses.sum() * scale).backward()
             loss_sum += losses.detach().sum()
-            correct += (logits.detach().argmax(-1) == labels).sum()
-            count += labels.numel()
+            if hits is not None:
+                correct += hits
+            count += losses.shape[0]
         if not micro_batches:
             # A rank without samples this step still joins the gradient reduce-scatter.
             model.set_requires_gradient_sync(True)
-            _zero_grad_participation(model)
+            self.objective.participate(model, self.device)
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), self.config.grad_clip, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -104,15 +107,6 @@ class TrainStep:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(loss_sum, correct, count, grad_norm.detach(), lr, skipped)
-
-
-def _zero_grad_participation(model: nn.Module) -> None:
-    # A forward/backward whose loss is zero: FSDP2's collectives run, the gradients are zeros.
-    param = next(model.parameters())
-    dummy = torch.zeros(
-        1, model.config.num_patches, model.config.patch_dim, dtype=torch.uint8, device=param.device
-    )
-    (model(dummy).float().sum() * 0.0).backward()
 
 
 def peak_tflops(device: torch.device) -> tuple[float | None, str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -16,6 +15,7 @@ import pytest
 
 import vit
 from pipeline import storage
+from pipeline.embed.output import RECORDS
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBED = ROOT / "jobs" / "embed.py"
@@ -90,18 +90,21 @@ def test_a_killed_job_run_again_ends_with_one_row_per_key(export, tmp_path):
     job = subprocess.Popen(
         [sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
-    manifest = out / "_manifest.json"
+    # Each commit leaves its record in _records/ (the manifest is merged from them at a run's start and end).
+    records = out / RECORDS
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline and job.poll() is None:
-            if manifest.exists() and json.loads(manifest.read_text())["shards"]:
+            if records.is_dir() and any(p.suffix == ".json" for p in records.iterdir()):
                 break
             time.sleep(0.05)
     finally:
         os.killpg(job.pid, signal.SIGKILL)  # the job and the local Ray it started, as a lost machine would
         job.wait()
         log.close()
-    committed = len(json.loads(manifest.read_text())["shards"])
+    committed = len(
+        [p for p in records.iterdir() if p.suffix == ".json" and not storage.is_temporary(p.name)]
+    )
     assert 1 <= committed < 16, (tmp_path / "first.log").read_text()[-3000:]
 
     result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
