@@ -70,6 +70,11 @@ class TrainConfig:
     # --- systems -------------------------------------------------------------------------------
     activation_checkpointing: bool = False
     compile: bool = False
+    # Speed switches; each computes what its default does (tests/train/test_speed_paths.py).
+    compile_scope: str = "blocks"  # with compile: "blocks" (one graph per block) or "model" (whole forward)
+    ac_mode: str = "full"  # with activation_checkpointing: "full", "alternate" (every other block), "ops"
+    optimizer_impl: str = "auto"  # AdamW: auto (fused on CUDA, else foreach), fused, foreach, for-loop
+    fp8: bool = False  # float8 training of the blocks' Linear layers (torchao; compute capability 8.9+)
     prefetch_steps: int = 2  # steps of input built ahead on a background thread (0: built by the step)
 
     # --- cluster shape -------------------------------------------------------------------------
@@ -157,8 +162,25 @@ class TrainConfig:
         if not math.isfinite(self.lr) or self.lr <= 0:
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         self._validate_objective()
+        self._validate_speed()
         if self.wandb and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb needs the wandb package: pip install 'vitray[wandb]'")
+
+    def _validate_speed(self) -> None:
+        choices = {
+            "compile_scope": ("blocks", "model"),
+            "ac_mode": ("full", "alternate", "ops"),
+            "optimizer_impl": ("auto", "fused", "foreach", "for-loop"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        if self.fp8 and not self.use_gpu:
+            raise ValueError("--fp8 needs GPUs (compute capability 8.9+, e.g. H100); drop --fp8 or --cpu")
+        if self.fp8 and importlib.util.find_spec("torchao") is None:
+            raise ValueError("--fp8 needs the torchao package: pip install 'vitray[fp8]'")
 
     def _validate_objective(self) -> None:
         if self.objective not in OBJECTIVES:

@@ -91,7 +91,8 @@ def shard_group_size(config: TrainConfig) -> int:
 
 
 def build_model(config: TrainConfig, device: torch.device, mesh: DeviceMesh | None = None) -> nn.Module:
-    """Model on meta -> AC -> compile -> FSDP2 (HSDP over nodes) -> materialized on `device` -> initialized.
+    """Model on meta -> float8 Linears (--fp8) -> AC -> compile -> FSDP2 (HSDP over nodes) -> materialized
+    on `device` -> initialized.
 
     Without a `mesh`: shard within groups of `shard_group_size` ranks and replicate across groups.
     """
@@ -99,12 +100,21 @@ def build_model(config: TrainConfig, device: torch.device, mesh: DeviceMesh | No
         mesh = hsdp_mesh(device.type, dist.get_world_size(), shard_group_size(config))
     with torch.device("meta"):
         model = create_module(config)
+    if config.fp8:
+        from pipeline.train import fp8
+
+        # Emulated on CPU: only tests get there, as the config refuses --fp8 with --cpu.
+        if device.type == "cuda":
+            fp8.check_device(device)
+        fp8.convert_to_float8(model, emulate=device.type != "cuda")
     # bf16 compute with fp32 gradient reduction on GPU; plain fp32 on CPU, where bf16 is slow.
     parallelize(
         model,
         mesh,
         activation_checkpointing=config.activation_checkpointing,
         compile=config.compile,
+        ac_mode=config.ac_mode,
+        compile_scope=config.compile_scope,
         param_dtype=torch.bfloat16 if device.type == "cuda" else None,
         reduce_dtype=torch.float32,
     )
