@@ -113,9 +113,19 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def load_model_state(
-    directory: str, config: vit.ViTConfig, storage_options: dict | None = None
+    directory: str, config: vit.ViTConfig, storage_options: dict | None = None, prefix: str = ""
 ) -> dict[str, torch.Tensor]:
-    """The model part of a DCP checkpoint as a full CPU state dict; one process, no process group."""
+    """The model part of a DCP checkpoint as a full CPU state dict; one process, no process group.
+    ``prefix``: where the ViT sits in the trained module (``encoder.`` in a masked autoencoder)."""
+    model = vit.VisionTransformer(config, device="meta").to_empty(device="cpu")
+    return load_module_state(directory, model, storage_options, prefix)
+
+
+def load_module_state(
+    directory: str, module: torch.nn.Module, storage_options: dict | None = None, prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    """The entries ``model.<prefix><name>`` of a DCP checkpoint for every ``name`` of ``module``'s state
+    dict, as a CPU state dict under ``module``'s names (``module`` gives the shapes: build it on CPU)."""
     import torch.distributed.checkpoint as dcp
 
     reader = safe_reader(directory, storage_options)
@@ -123,8 +133,8 @@ def load_model_state(
         metadata = reader.read_metadata()  # first on its own: DCP would bury a refusal in its own exception
     except pickle.UnpicklingError as e:
         raise ValueError(f"--weights {directory}: {e}") from e
-    model = vit.VisionTransformer(config, device="meta").to_empty(device="cpu")
-    state = {"model": model.state_dict()}  # only the model: the optimizer's tensors are never read
+    # Only the model: the optimizer's tensors are never read.
+    state = {"model": {prefix + name: value for name, value in module.state_dict().items()}}
     _refuse_non_tensors(directory, metadata, [f"model.{name}" for name in state["model"]])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -136,7 +146,7 @@ def load_model_state(
                 f"--weights {directory} does not hold this model's weights ({type(e).__name__}: {first}); "
                 "is it a complete checkpoint of the model its config.json names?"
             ) from e
-    return dict(state["model"])
+    return {name[len(prefix) :]: value for name, value in state["model"].items()}
 
 
 def _refuse_non_tensors(directory: str, metadata: Any, names: list[str]) -> None:

@@ -86,7 +86,9 @@ def load_model_source(
         preprocessing = _data_config_dict(saved.get("data"))
         if named is not None:
             _check_named(config, named, path)
-        state_dict = dcp.load_model_state(where, config, storage_options)
+        # A masked autoencoder's checkpoint holds the ViT as its encoder (the decoder is not read).
+        prefix = "encoder." if saved.get("objective") == "mae" else ""
+        state_dict = dcp.load_model_state(where, config, storage_options, prefix)
     else:
         state_dict, config, kind = _load_converted(where, kind, named, path, storage_options)
     check_weights(state_dict, config, f"--weights {path}")

@@ -27,6 +27,7 @@ import base64
 import json
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +86,11 @@ def save(
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
 
 
-def check_compatible(directory: str | Path, model_config: vit.ViTConfig) -> None:
-    """Raise a one-line error when a checkpoint was made for another model."""
+def check_compatible(
+    directory: str | Path, model_config: vit.ViTConfig, objective: dict[str, Any] | None = None
+) -> None:
+    """Raise a one-line error when a checkpoint was made for another model, or (with ``objective``,
+    `pipeline.train.objective.Objective.checkpoint_meta`) another objective or MAE decoder."""
     path = Path(directory) / CONFIG
     if not path.is_file():
         raise ValueError(
@@ -101,6 +105,15 @@ def check_compatible(directory: str | Path, model_config: vit.ViTConfig) -> None
         raise ValueError(
             f"checkpoint {directory} is for another model: {described}; use its --model or a fresh --out"
         )
+    saved_all = json.loads(path.read_text())
+    for key, value in (objective or {}).items():
+        # Checkpoints from before objectives were recorded are supervised.
+        have = saved_all.get(key, "supervised" if key == "objective" else None)
+        if have != value:
+            raise ValueError(
+                f"checkpoint {directory} was written with {key} {have}, this run has {value}; resume with "
+                "the checkpoint's settings (--objective, --mask-ratio, --decoder-*) or use a fresh --out"
+            )
 
 
 def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -141,16 +154,23 @@ def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def export_final(
-    directory: str | Path, model: nn.Module, model_config: vit.ViTConfig, extra: dict[str, Any]
+    directory: str | Path,
+    model: nn.Module,
+    model_config: vit.ViTConfig,
+    extra: dict[str, Any],
+    exported: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> Path | None:
     """Collective: write `weights.safetensors` + `config.json` for the embedding job (rank 0 writes).
 
     Full tensors are gathered one at a time to rank 0's CPU; returns the directory on rank 0.
+    ``exported`` picks what of the full state dict is exported (an MAE's encoder); default: all of it.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state_dict = get_model_state_dict(model, options=options)
     if dist.get_rank() != 0:
         return None
+    if exported is not None:
+        state_dict = exported(state_dict)
     directory = Path(directory)
     os.makedirs(directory, exist_ok=True)
     vit.save_pretrained(directory, state_dict, model_config, extra=extra)

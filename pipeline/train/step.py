@@ -64,7 +64,11 @@ class TrainStep:
         self.optimizer = build_optimizer(model, config)
 
     def __call__(
-        self, step: int, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_count: int
+        self,
+        step: int,
+        micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+        global_count: int,
+        micro_steps: int | None = None,
     ) -> StepStats:
         """Run optimizer step `step` (0-based) over this rank's micro-batches, each a tuple of the
         objective's columns (supervised: `(patches uint8 (B, N, K), labels (B,))`). The learning rate
@@ -73,26 +77,30 @@ class TrainStep:
         `global_count` is the number of samples in this step across all ranks: each rank scales
         its summed loss by world_size / global_count, so after FSDP2 averages gradients over ranks
         they are the gradient of the mean loss over every sample of the step, whatever the
-        per-rank counts (corrupt samples make them uneven).
+        per-rank counts. `micro_steps` (the same on every rank; default: this rank's count, at
+        least 1) is how many forward/backward passes every rank makes: FSDP2 gathers parameters in
+        each one, so a rank with fewer micro-batches makes up the difference with passes of zero loss.
         """
         model, world = self.model, dist.get_world_size()
         scale = world / max(global_count, 1)
+        passes = max(len(micro_batches), 1) if micro_steps is None else micro_steps
+        if passes < len(micro_batches):
+            raise ValueError(f"{len(micro_batches)} micro-batches for {passes} micro-steps")
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), device=self.device, dtype=torch.long)
         count = 0
-        for i, batch in enumerate(micro_batches):
+        for i in range(passes):
             # Reduce-scatter gradients only once, after the last micro-batch.
-            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            losses, hits = self.objective.losses(model, batch)
+            model.set_requires_gradient_sync(i == passes - 1)
+            if i >= len(micro_batches):
+                self.objective.participate(model, self.device)
+                continue
+            losses, hits = self.objective.losses(model, micro_batches[i])
             (losses.sum() * scale).backward()
             loss_sum += losses.detach().sum()
             if hits is not None:
                 correct += hits
             count += losses.shape[0]
-        if not micro_batches:
-            # A rank without samples this step still joins the gradient reduce-scatter.
-            model.set_requires_gradient_sync(True)
-            self.objective.participate(model, self.device)
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), self.config.grad_clip, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()

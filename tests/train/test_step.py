@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,20 +86,125 @@ def test_no_decay_on_biases_norms_position_and_cls(world):
     assert len(decay_names) + len(no_decay_names) == len(list(model.parameters()))
 
 
+def gradients_of_one_step(step: TrainStep, micro_batches, global_count: int, micro_steps=None):
+    """(full gradients just before the optimizer step, StepStats): what the update is made from."""
+    grads, real = {}, step.optimizer.step
+
+    def capture():
+        for name, p in step.model.named_parameters():
+            grads[name] = (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        real()
+
+    step.optimizer.step = capture
+    stats = step(0, micro_batches, global_count=global_count, micro_steps=micro_steps)
+    step.optimizer.step = real
+    return grads, stats
+
+
+NO_CLIP = CONFIG.replace(grad_clip=1e9)  # gradients compared as computed, not as clipped
+
+
 def test_accumulation_equals_one_big_batch(world):
     patches, labels = batch(8, seed=1)
-    one = build_model(CONFIG, world)
-    TrainStep(one, CONFIG, world)(0, [(patches, labels)], global_count=8)
-    two_cfg = CONFIG.replace(micro_batch_size=4)
-    two = build_model(two_cfg, world)
-    TrainStep(two, two_cfg, world)(0, [(patches[:4], labels[:4]), (patches[4:], labels[4:])], global_count=8)
-    a, b = params(one), params(two)
-    assert a.keys() == b.keys()
-    changed = 0
+    one = TrainStep(build_model(NO_CLIP, world), NO_CLIP, world)
+    grads_one, stats_one = gradients_of_one_step(one, [(patches, labels)], 8)
+    cfg = NO_CLIP.replace(micro_batch_size=4)
+    two = TrainStep(build_model(cfg, world), cfg, world)
+    micro = [(patches[:4], labels[:4]), (patches[4:], labels[4:])]
+    grads_two, stats_two = gradients_of_one_step(two, micro, 8)
+    # Adam's first update is about lr x sign(g): only the gradients show a wrong scale.
+    torch.testing.assert_close(stats_two.grad_norm, stats_one.grad_norm, rtol=1e-5, atol=0)
+    assert grads_one.keys() == grads_two.keys()
+    for name in grads_one:
+        torch.testing.assert_close(grads_two[name], grads_one[name], rtol=1e-4, atol=1e-7)
+    a, b = params(one.model), params(two.model)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
-        changed += not torch.equal(a[k], params(build_model(CONFIG, world))[k])
-    assert changed > 0  # the step did update the weights
+    assert any(not torch.equal(a[k], params(build_model(CONFIG, world))[k]) for k in a)
+
+
+RANK_SCRIPT = """
+import json, sys, torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from pipeline.train.config import TrainConfig
+from pipeline.train.model import build_model, init_distributed
+from pipeline.train.step import TrainStep
+sys.path.insert(0, {tests!r})
+from test_step import gradients_of_one_step
+rank, world, device = init_distributed()
+cfg = TrainConfig.from_dict(json.loads({config!r}))
+model = build_model(cfg, device)
+weights = torch.load({weights!r}, weights_only=True)
+set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+data = torch.load({data!r}, weights_only=True)
+step = TrainStep(model, cfg, device)
+grads, stats = gradients_of_one_step(step, data["per_rank"][rank], data["global_count"], data["micro_steps"])
+if rank == 0:
+    torch.save({{"grads": grads, "grad_norm": stats.grad_norm}}, {out!r})
+"""
+
+
+def run_two_ranks(tmp_path, config: TrainConfig, weights: dict, per_rank: list, micro_steps: int) -> dict:
+    """One step on two gloo ranks (two processes, FSDP2), each over its own micro-batches."""
+    global_count = sum(len(labels) for rank in per_rank for _, labels in rank)
+    torch.save(weights, tmp_path / "weights.pt")
+    data = {"per_rank": per_rank, "global_count": global_count, "micro_steps": micro_steps}
+    torch.save(data, tmp_path / "data.pt")
+    code = RANK_SCRIPT.format(
+        tests=str(Path(__file__).parent),
+        config=config.to_json(),
+        weights=str(tmp_path / "weights.pt"),
+        data=str(tmp_path / "data.pt"),
+        out=str(tmp_path / "out.pt"),
+    )
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                cwd=Path(__file__).resolve().parents[2],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            pytest.fail("the two ranks did not finish their step: a collective one of them never joined")
+        assert proc.returncode == 0, output[-3000:]
+    return torch.load(tmp_path / "out.pt", weights_only=True)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [([4, 2], [1, 1]), ([4, 2], [2]), ([4, 4], [])],
+    ids=["uneven samples", "fewer micro-batches", "a rank with no samples"],
+)
+def test_ranks_with_uneven_or_no_samples_make_the_gradient_of_the_mean_loss(world, tmp_path, sizes):
+    """Two ranks' micro-batches (their sizes per rank) against one process over all 8 samples."""
+    patches, labels = batch(8, seed=6)
+    reference = build_model(NO_CLIP, world)
+    weights = params(reference)
+    grads, stats = gradients_of_one_step(TrainStep(reference, NO_CLIP, world), [(patches, labels)], 8)
+
+    bounds = np.cumsum([0, *sizes[0], *sizes[1]]).tolist()
+    cuts = [(patches[a:b], labels[a:b]) for a, b in itertools.pairwise(bounds)]
+    per_rank = [cuts[: len(sizes[0])], cuts[len(sizes[0]) :]]
+    cfg = NO_CLIP.replace(num_workers=2, micro_batch_size=4)
+    two = run_two_ranks(tmp_path, cfg, weights, per_rank, micro_steps=2)
+    torch.testing.assert_close(two["grad_norm"], stats.grad_norm, rtol=1e-5, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-7)
 
 
 def test_loss_falls_on_a_fixed_batch(world):

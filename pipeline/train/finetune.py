@@ -1,0 +1,149 @@
+"""Fine-tuning: a pretrained ViT under a new head, at a new resolution, evaluated on held-out shards.
+
+    --weights -> `pipeline.weights.load_model_source` (an export, a run dir, a checkpoint, timm/HF ...)
+              -> `resolve_pretrained` (driver): the run's model is the weights' own, head "finetune"
+              -> `pretrained_state` (every worker): head dropped, position embeddings resampled in 2D
+                 to the new grid ([CLS] kept) -> `load_pretrained` into the FSDP2 model; the new
+                 head keeps its zero initialization (the paper's, Sec. 3.2)
+    --eval-data -> `evaluate`: each rank its slice of the shards, evaluation crop, top-1 accuracy
+
+All ranks must join every FSDP2 forward (each all-gathers parameters), so evaluation agrees batch by
+batch, as the training loop does step by step: a rank out of batches runs a forward over one idle
+sample until no rank has any left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import vit
+from pipeline.data.bad_samples import BadSamples
+from pipeline.data.config import DataConfig
+from pipeline.train.config import TrainConfig
+
+# Fields of the pretrained model that fine-tuning changes; every other field is the weights' own.
+NEW_FIELDS = ("image_size", "num_classes", "head", "representation_size")
+
+
+def resolve_pretrained(config: TrainConfig) -> TrainConfig:
+    """The run's model made the weights' own: variant, shapes, pooling and normalization from
+    ``config.weights``, with the new image size, class count and a fine-tuning head.
+
+    Reads the weights once on the driver, so wrong weights stop the job in one line before any
+    cluster work (`pipeline.weights.load_model_source`'s errors).
+    """
+    from pipeline.weights import load_model_source
+
+    if not config.weights:
+        raise ValueError("fine-tuning needs --weights: a pretraining export, run directory or checkpoint")
+    source = load_model_source(config.weights).config
+    base = source.name if source.name in vit.VARIANTS else "vit_b16"  # any: every field is overridden
+    reference = vit.VARIANTS[base].to_dict()
+    kept = {k: v for k, v in source.to_dict().items() if k not in NEW_FIELDS and reference.get(k) != v}
+    return config.replace(model=base, model_overrides={**kept, "head": "finetune"})
+
+
+def pretrained_state(config: TrainConfig, model_config: vit.ViTConfig) -> dict[str, torch.Tensor]:
+    """The pretrained weights as the fine-tuning model takes them: float32 on CPU, no ``head.*``,
+    ``pos_embed`` ``(1+N, D)`` resampled bicubically to ``model_config``'s grid with [CLS] kept."""
+    from pipeline.weights import load_model_source
+
+    state = load_model_source(config.weights).state_dict
+    state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    pos = state["pos_embed"]
+    if pos.dim() == 3:  # (1, T, D) in some converted weights
+        pos = pos[0]
+    state["pos_embed"] = vit.resample_pos_embed(pos, model_config.grid_size)
+    return state
+
+
+def load_pretrained(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Collective: every rank passes the same full state dict; each keeps its own shards of it.
+    Parameters it lacks (the new head) keep their initialization; any other gap is an error."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    missing = {k for k in model.state_dict() if not k.startswith("head.")} - set(state)
+    if missing:
+        raise ValueError(f"the pretrained weights lack {sorted(missing)[:3]}; are they a ViT of this shape?")
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def eval_data_config(config: TrainConfig, patch_size: int) -> DataConfig:
+    """The evaluation transform (resize + center crop, `build_dataset(train=False)`), labels required.
+    Bad samples are counted and skipped, never fatal: one rank failing alone would leave the others
+    waiting in a forward."""
+    from pipeline.train.config import data_config
+
+    return dataclasses.replace(data_config(config, patch_size), max_bad_fraction=1.0)
+
+
+def eval_batches(
+    shards: list[str], config: DataConfig, size: int, data_cpus: float
+) -> Iterator[dict[str, Any]]:
+    """This rank's evaluation batches (up to ``size`` good samples each), none without shards."""
+    if not shards:
+        return
+    from ray.data import ExecutionResources
+
+    from pipeline.data.dataset import build_dataset, iter_batches
+
+    dataset = build_dataset(shards, config, train=False)
+    dataset.context.enable_progress_bars = False
+    dataset.context.print_on_execution_start = False
+    dataset.context.execution_options.resource_limits = ExecutionResources(cpu=data_cpus)
+    bad = BadSamples.from_config(config)
+    for batch in iter_batches(dataset, size, config, epoch=0, shuffle=False, bad_samples=bad):
+        if len(batch["label"]):
+            yield batch
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Iterator[dict[str, np.ndarray]],
+    idle: torch.Tensor,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[float, int]:
+    """Collective: (top-1 accuracy, samples) over every rank's ``batches``; ``idle`` is one sample
+    of patches ``(1, N, K)`` a rank without batches runs so that every forward has all ranks.
+
+    Per batch, the ranks agree (on ``group``, a CPU group) whether any still has one and whether any
+    failed; a data error on any rank ends the evaluation on all with that rank's message.
+    """
+    hits = torch.zeros((), dtype=torch.long, device=device)
+    count = 0
+    error = ""
+    while True:
+        batch = None
+        if not error:
+            try:
+                batch = next(batches, None)
+            except Exception as e:
+                error = f"evaluation data: {type(e).__name__}: {e}"
+        flags = torch.tensor([batch is not None, bool(error)], dtype=torch.float64)
+        dist.all_reduce(flags, group=group)
+        if flags[1] > 0:
+            errors: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error, group=group)
+            raise RuntimeError(next(e for e in errors if e))
+        if flags[0] == 0:
+            break
+        if batch is None:
+            model(idle)
+            continue
+        patches = torch.from_numpy(np.ascontiguousarray(batch["patches"])).to(device)
+        labels = torch.from_numpy(np.ascontiguousarray(batch["label"])).to(device)
+        hits += (model(patches).argmax(-1) == labels).sum()
+        count += labels.numel()
+    totals = torch.tensor([float(hits.item()), float(count)], dtype=torch.float64)
+    dist.all_reduce(totals, group=group)
+    correct, seen = totals.tolist()
+    return (correct / seen if seen else float("nan")), int(seen)

@@ -1,0 +1,125 @@
+"""What a run optimizes: the batch columns it reads, the per-sample loss, its FLOPs, what it exports.
+
+    supervised  columns (patches, label)              cross-entropy of the classifier, top-1 hits
+                export: the ViT as trained
+    mae         columns (visible, masked, ids_shuffle) reconstruction error on the masked patches
+                export: the encoder alone, under the ViT's own names; its pool (gap) is what the
+                embedding job uses by default
+
+The step (`pipeline.train.step.TrainStep`) and the loop call the objective instead of naming a loss
+or a column, so both objectives share every other part of a run: FSDP2, accumulation, skipped steps,
+checkpoints, resume, metrics. The module itself is built by `pipeline.train.model.create_module`
+(what gets built is the model's business; what it is trained for is this module's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vit
+from pipeline.train.config import TrainConfig
+from pipeline.train.model import mae_config, model_config
+
+
+class Objective:
+    """The supervised objective, and the interface every objective has."""
+
+    name = "supervised"
+    columns: tuple[str, ...] = ("patches", "label")  # host batch columns, in the order `losses` takes
+    has_accuracy = True
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.model_config = model_config(config)
+
+    def losses(
+        self, model: nn.Module, batch: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One micro-batch -> (per-sample losses ``(B,)`` float32, top-1 hits (a 0-dim count) or None)."""
+        patches, labels = batch  # uint8 (B, N, K), int64 (B,)
+        logits = model(patches).float()  # (B, num_classes)
+        losses = F.cross_entropy(logits, labels, reduction="none")
+        return losses, (logits.detach().argmax(-1) == labels).sum()
+
+    def idle_batch(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """One sample of zeros in `losses`' form: the input of a rank without samples."""
+        c = self.model_config
+        patches = torch.zeros(1, c.num_patches, c.patch_dim, dtype=torch.uint8, device=device)
+        return patches, torch.zeros(1, dtype=torch.long, device=device)
+
+    def participate(self, model: nn.Module, device: torch.device) -> None:
+        """A forward/backward of zero loss: FSDP2's collectives run, every gradient it adds is zero."""
+        losses, _ = self.losses(model, self.idle_batch(device))
+        (losses.sum() * 0.0).backward()
+
+    def flops_per_image(self) -> float:
+        """Model FLOPs of one training image: forward + backward (2x forward). Recomputation from
+        activation checkpointing is not counted, as is usual for MFU."""
+        return 3.0 * vit.count_flops(self.model_config)
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint records of the objective; a resume must find the same."""
+        return {"objective": self.name}
+
+    def export_state(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The full state dict -> what ``final/`` holds, a state dict of `model_config`'s ViT. The
+        export's config.json records `checkpoint_meta` too."""
+        return state_dict
+
+
+class MAEObjective(Objective):
+    """Masked autoencoding (`vit.mae`): the data stage drew the mask; the model returns the losses."""
+
+    name = "mae"
+    columns = ("visible", "masked", "ids_shuffle")
+    has_accuracy = False
+
+    def __init__(self, config: TrainConfig):
+        super().__init__(config)
+        self.mae_config = mae_config(config)
+        self.num_visible = _num_visible(self.model_config.num_patches, config.mask_ratio)
+
+    def losses(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, None]:
+        visible, masked, ids_shuffle = batch  # uint8 (B, n, K), uint8 (B, N-n, K), int16/32 (B, N)
+        return model(visible, masked, ids_shuffle).float(), None
+
+    def idle_batch(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        c, n = self.model_config, self.num_visible
+        visible = torch.zeros(1, n, c.patch_dim, dtype=torch.uint8, device=device)
+        masked = torch.zeros(1, c.num_patches - n, c.patch_dim, dtype=torch.uint8, device=device)
+        return visible, masked, torch.arange(c.num_patches, device=device).unsqueeze(0)
+
+    def flops_per_image(self) -> float:
+        """3 x (encoder over the visible tokens + decoder over all), `vit.count_mae_flops`."""
+        return 3.0 * vit.count_mae_flops(self.model_config, self.mae_config, self.num_visible)
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {
+            "objective": self.name,
+            "mask_ratio": self.config.mask_ratio,
+            "mae": self.mae_config.to_dict(),
+        }
+
+    def export_state(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The encoder only (the decoder serves pretraining alone; checkpoints keep it)."""
+        from vit.mae import encoder_state_dict
+
+        return encoder_state_dict(state_dict)
+
+
+def _num_visible(num_patches: int, mask_ratio: float) -> int:
+    from pipeline.data.masking import num_visible
+
+    return num_visible(num_patches, mask_ratio)
+
+
+OBJECTIVES: dict[str, type[Objective]] = {"supervised": Objective, "mae": MAEObjective}
+
+
+def objective_for(config: TrainConfig) -> Objective:
+    """The objective `config.objective` names."""
+    return OBJECTIVES[config.objective](config)
