@@ -47,12 +47,17 @@ def test_autoscaling_cluster_the_budget_is_not_frozen_at_submission(monkeypatch,
     assert captured["data_cpus_per_worker"] is None  # no budget decided on the driver
 
     cluster.update(CPU=384.0, GPU=16.0)  # the autoscaler brought two 8-GPU nodes
+    resources._logged_budget.clear()  # a fresh worker process
     config = TrainConfig.from_dict(captured["train"])
     assert resources.data_cpus_per_worker(config, world=16, rank=0, epoch=0) == 20.0
     assert "epoch 0: 20 decode CPUs per worker (384 CPUs in the cluster now" in capsys.readouterr().out
     cluster.update(CPU=384.0 + 4 * 88)  # decode nodes joined: the next epoch uses them
     assert resources.data_cpus_per_worker(config, world=16, rank=3, epoch=1) == 42.0
     assert capsys.readouterr().out == ""  # only rank 0 logs
+    assert resources.data_cpus_per_worker(config, world=16, rank=0, epoch=2) == 42.0
+    assert "epoch 2: 42 decode CPUs per worker" in capsys.readouterr().out  # changed: logged
+    assert resources.data_cpus_per_worker(config, world=16, rank=0, epoch=3) == 42.0
+    assert capsys.readouterr().out == ""  # unchanged: no line every epoch
 
 
 LOCAL_RUN = TrainConfig(data="unused", out="/data/runs/exp1", num_workers=2, use_gpu=False)
