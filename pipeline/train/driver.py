@@ -52,11 +52,38 @@ def prepare(config: TrainConfig) -> list[str]:
     patch_size = model_config(config).patch_size
     shards = expand_shards(config.data)
     check_shards(shards, data_config(config, patch_size))
+    check_resumable(config)
     if len(shards) < config.num_workers:
         raise ValueError(
             f"{len(shards)} shard(s) for {config.num_workers} workers: every worker needs at least one; "
             "write more, smaller shards (jobs/make_shards.py --samples-per-shard) or use fewer --num-workers"
         )
+    return shards
+
+
+def check_resumable(config: TrainConfig) -> None:
+    """A one-line ValueError when ``--out`` holds a checkpoint this run cannot resume: another model,
+    objective or MAE decoder (local runs; the workers check every resume again)."""
+    from pipeline import dcp
+    from pipeline.train import checkpoint
+    from pipeline.train.model import model_config
+    from pipeline.train.objective import objective_for
+
+    if not storage.is_local(config.out):
+        return
+    latest = dcp.latest_complete(storage.local_path(config.out))
+    if latest is not None:
+        checkpoint.check_compatible(latest, model_config(config), objective_for(config).checkpoint_meta())
+
+
+def prepare_eval(config: TrainConfig) -> list[str]:
+    """The expanded ``eval_data`` shards (none without it), first one checked like the training data."""
+    if not config.eval_data:
+        return []
+    from pipeline.train.model import model_config
+
+    shards = expand_shards(config.eval_data)
+    check_shards(shards, data_config(config, model_config(config).patch_size))
     return shards
 
 
@@ -88,8 +115,9 @@ def check_cluster(config: TrainConfig, *, local_ray: bool) -> None:
         raise ValueError(problem)
 
 
-def fit(config: TrainConfig, shards: list[str]) -> dict[str, Any]:
-    """Run (or resume) pretraining on the connected Ray cluster.
+def fit(config: TrainConfig, shards: list[str], eval_shards: list[str] | None = None) -> dict[str, Any]:
+    """Run (or resume) training on the connected Ray cluster; `eval_shards` (fine-tuning) are
+    evaluated every ``eval_every`` steps and at the end.
 
     Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts).
     """
@@ -104,6 +132,7 @@ def fit(config: TrainConfig, shards: list[str]) -> dict[str, Any]:
         train_loop_config={
             "train": config.to_dict(),
             "shards": shards,
+            "eval_shards": list(eval_shards or []),
             # None: each worker decides every epoch (pipeline.train.resources); the cluster the
             # driver sees now may not have its GPU and decode nodes yet.
             "data_cpus_per_worker": config.data_cpus_per_worker,
@@ -140,12 +169,17 @@ def read_metrics(out: str) -> list[dict[str, Any]]:
 
 
 def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
-    """What a finished run prints: its last step's loss and accuracy, the samples read and skipped."""
+    """What a finished run prints: its last step's loss and accuracy (and evaluation accuracy), the
+    samples read and skipped."""
     metrics, bad = summary["metrics"], summary["bad_samples"]
     reasons = ", ".join(f"{n} {reason}" for reason, n in bad["by_reason"].items()) or "none"
+    scores = "".join(
+        f", {label} {100 * metrics[key]:.1f}%"
+        for key, label in (("accuracy", "accuracy"), ("eval_accuracy", "eval accuracy"))
+        if metrics.get(key) is not None
+    )
     return (
-        f"\nfinished at step {metrics['step']}: loss {metrics['loss']:.4f}, "
-        f"accuracy {100 * metrics['accuracy']:.1f}%\n"
+        f"\nfinished at step {metrics['step']}: loss {metrics['loss']:.4f}{scores}\n"
         f"samples read: {bad['total']}, skipped as bad: {bad['bad']} ({reasons})\n"
         f"run directory: {config.out} (checkpoints, metrics.jsonl, final/)"
     )

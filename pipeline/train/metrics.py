@@ -60,11 +60,13 @@ class MetricsWindow:
         skipped_steps: int,
         flops_per_image: float,
         peak_tflops: float | None,
+        has_accuracy: bool = True,
     ) -> dict[str, Any]:
         """Collective: this window's metrics over all ranks, one `metrics.jsonl` row.
 
         `samples_seen` and `bad_samples` are this rank's run totals; `grad_norm` and `skipped_steps`
-        (the run's total) are the same on every rank.
+        (the run's total) are the same on every rank. Without `has_accuracy` (an objective with no
+        classes, MAE) ``accuracy`` is None.
         """
         world = dist.get_world_size()
         elapsed = time.perf_counter() - self.start
@@ -86,7 +88,7 @@ class MetricsWindow:
             "step": step,
             "epoch": epoch,
             "loss": loss / scored if scored else float("nan"),
-            "accuracy": correct / scored if scored else float("nan"),
+            "accuracy": (correct / scored if scored else float("nan")) if has_accuracy else None,
             "lr": lr,
             "grad_norm": grad_norm.item(),
             "images_per_s": images_per_s,
@@ -136,7 +138,8 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
         f"step {m['step']}/{last_step} ({100 * m['step'] / last_step:.0f}%)",
         f"epoch {m['epoch']}",
         f"loss {m['loss']:.4f}",
-        f"acc {100 * m['accuracy']:.1f}%",
+        *([f"acc {100 * m['accuracy']:.1f}%"] if m.get("accuracy") is not None else []),
+        *([f"eval acc {100 * m['eval_accuracy']:.1f}%"] if m.get("eval_accuracy") is not None else []),
         f"lr {m['lr']:.2e}",
         f"gnorm {m['grad_norm']:.2f}",
         f"{m['images_per_s']:,.0f} img/s ({m['images_per_s_per_worker']:,.0f}/worker)",
@@ -161,7 +164,8 @@ def _hms(seconds: float) -> str:
 
 
 def plot_training_curve(rows: list[dict[str, Any]], path: str) -> str:
-    """Loss and accuracy against step, from `metrics.jsonl` rows, as a PNG at a local `path`."""
+    """Loss and accuracy against step, from `metrics.jsonl` rows, as a PNG at a local `path` (loss
+    alone for an objective without accuracy)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -172,12 +176,12 @@ def plot_training_curve(rows: list[dict[str, Any]], path: str) -> str:
     loss_axis.plot(steps, [r["loss"] for r in rows], color="tab:blue", marker="o", markersize=3)
     loss_axis.set_xlabel("step")
     loss_axis.set_ylabel("training loss", color="tab:blue")
-    accuracy_axis = loss_axis.twinx()
-    accuracy_axis.plot(
-        steps, [100 * r["accuracy"] for r in rows], color="tab:orange", marker="o", markersize=3
-    )
-    accuracy_axis.set_ylabel("training accuracy (%)", color="tab:orange")
-    accuracy_axis.set_ylim(0, 100)
+    if any(r.get("accuracy") is not None for r in rows):
+        accuracy_axis = loss_axis.twinx()
+        accuracy = [100 * r["accuracy"] if r.get("accuracy") is not None else float("nan") for r in rows]
+        accuracy_axis.plot(steps, accuracy, color="tab:orange", marker="o", markersize=3)
+        accuracy_axis.set_ylabel("training accuracy (%)", color="tab:orange")
+        accuracy_axis.set_ylim(0, 100)
     loss_axis.grid(alpha=0.3)
     fig.suptitle("vitray pretraining")
     fig.tight_layout()

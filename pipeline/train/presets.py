@@ -1,7 +1,7 @@
-"""Named pretraining presets: each a whole configuration, with its command and expected result.
+"""Named training presets: each a whole configuration, with its command and expected result.
 
-Flags of `jobs/pretrain.py` override any field. Add a preset by writing a function here and naming
-it in PRESETS.
+Flags of `jobs/pretrain.py` (and `jobs/finetune.py`) override any field. Add a preset by writing a
+function here and naming it in PRESETS.
 """
 
 from __future__ import annotations
@@ -37,6 +37,82 @@ def tiny() -> TrainConfig:
         checkpoint_every=120,
         keep_checkpoints=2,
         max_failures=1,
+        # With --objective mae: a decoder the size of the encoder's blocks, not MAE's 512 x 8.
+        decoder_dim=32,
+        decoder_depth=1,
+        decoder_num_heads=4,
+    )
+
+
+def small() -> TrainConfig:
+    """Real 32-64 px images (Fashion-MNIST, CIFAR-10 ...) on 2 CPU workers in a few minutes: ViT with
+    4-pixel patches (`vit_mini4`, 8x8 = 64 tokens at 32 px) and milder crops than ImageNet's 8-100% of
+    the area, since a crop of a small image has few pixels left to show.
+
+        # shards /tmp/fmnist/train-*.tar and test-*.tar (jobs/benchmarks/fashion_mnist.py packs them)
+        python jobs/pretrain.py --preset small --data '/tmp/fmnist/train-*.tar' --out /tmp/small --cpu
+        python jobs/embed.py --weights /tmp/small --data '/tmp/fmnist/train-*.tar' --out /tmp/small-emb-train
+        python jobs/embed.py --weights /tmp/small --data '/tmp/fmnist/test-*.tar' --out /tmp/small-emb-test
+        python jobs/evaluate.py --train /tmp/small-emb-train --test /tmp/small-emb-test
+
+    Expected: TODO(lead): measure on Fashion-MNIST (training accuracy at the last step, linear-probe
+    accuracy of the embeddings, wall time on 2 CPU workers) and write the figures here.
+    """
+    return TrainConfig(
+        model="vit_mini4",
+        image_size=32,
+        num_classes=10,
+        crop_scale=(0.35, 1.0),
+        batch_size=128,
+        micro_batch_size=64,
+        lr=1e-3,
+        weight_decay=0.05,
+        warmup_steps=30,
+        max_steps=300,
+        shuffle_buffer=1024,
+        num_workers=2,
+        use_gpu=False,
+        log_every=25,
+        checkpoint_every=150,
+        keep_checkpoints=2,
+        max_failures=1,
+        decoder_dim=64,
+        decoder_depth=2,
+        decoder_num_heads=4,
+    )
+
+
+def finetune() -> TrainConfig:
+    """The ViT paper's fine-tuning recipe (Dosovitskiy et al. 2021, Sec. 4.1 and Appendix B.1.1): SGD
+    with momentum 0.9, no weight decay, cosine decay after 500 warmup steps, global-norm clipping at 1,
+    batch 512, at a higher resolution than pretraining (384 px after 224); the paper searched lr over
+    {0.003, 0.01, 0.03, 0.06} and trained 10k steps (20k for ImageNet). Model, patch size and
+    preprocessing come from --weights; a zero-initialized linear head replaces the pretraining head.
+
+        python jobs/finetune.py --weights s3://bucket/runs/b16 --data 's3://bucket/task/train-{000..063}.tar' \
+            --eval-data 's3://bucket/task/val-{000..007}.tar' --num-classes 100 --out s3://bucket/runs/b16-ft
+
+    Expected: eval_accuracy in metrics.jsonl at every --eval-every and at the end; not yet measured on
+    GPUs (BENCHMARKS.md, "Learning", has the CPU figures on small images).
+    """
+    return TrainConfig(
+        image_size=384,
+        optimizer="sgd",
+        momentum=0.9,
+        weight_decay=0.0,
+        lr=0.01,
+        lr_schedule="cosine",
+        grad_clip=1.0,
+        batch_size=512,
+        micro_batch_size=64,
+        warmup_steps=500,
+        max_steps=10_000,
+        num_workers=8,
+        use_gpu=True,
+        cpus_per_worker=4,
+        log_every=50,
+        checkpoint_every=1000,
+        eval_every=1000,
     )
 
 
@@ -93,6 +169,8 @@ def vit_h14_224() -> TrainConfig:
 
 PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "tiny": tiny,
+    "small": small,
+    "finetune": finetune,
     "vit_b16_224": vit_b16_224,
     "vit_h14_224": vit_h14_224,
 }

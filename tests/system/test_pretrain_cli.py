@@ -23,6 +23,7 @@ FLAGS = {
     "--shuffle-buffer", "--crop-scale", "--crop-ratio", "--no-hflip", "--max-bad-fraction", "--log-every", "--tensorboard", "--wandb", "--checkpoint-every", "--keep-checkpoints",
     "--max-failures", "--cpu", "--activation-checkpointing", "--compile", "--address", "--num-cpus",
     "--print-config", "--verbose", "--help",
+    "--objective", "--mask-ratio", "--no-norm-pix-loss", "--decoder-dim", "--decoder-depth", "--decoder-num-heads",
 }  # fmt: skip
 
 

@@ -1,0 +1,98 @@
+"""MAE pretraining and fine-tuning under Ray Train: 2 CPU workers (gloo, FSDP2), a tiny ViT.
+
+Same shards and arithmetic as test_pretrain.py (4 shards x 16 samples, batch 16 -> 4 steps an epoch).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import vit
+from pipeline import dcp
+from pipeline.train.driver import fit, prepare, prepare_eval, read_metrics
+from pipeline.train.finetune import resolve_pretrained
+from tests.system.test_pretrain import config, final_weights
+from tests.system.test_pretrain import shards as shards  # a fixture, shared
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+MAE = {"objective": "mae", "label_key": None, "decoder_dim": 32, "decoder_depth": 1, "decoder_num_heads": 4}
+
+
+def test_mae_resumed_run_ends_equal_to_a_straight_run_and_exports_its_encoder(ray_session, shards, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    fit(config(shards, straight, **MAE), shards.urls)
+    assert fit(config(shards, resumed, stop_at_step=4, **MAE), shards.urls)["metrics"]["step"] == 4
+    metrics = fit(config(shards, resumed, **MAE), shards.urls)["metrics"]  # the same command, continued
+    assert metrics["step"] == 8 and metrics["accuracy"] is None
+
+    rows = read_metrics(str(resumed))
+    assert [r["step"] for r in rows] == [2, 4, 6, 8]
+    assert all(r["accuracy"] is None and r["loss"] > 0 for r in rows)
+    a, b = final_weights(straight), final_weights(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs from the uninterrupted run"
+
+    # final/ is the encoder alone, a plain ViT pooled by average; the checkpoint keeps the decoder.
+    meta = json.loads((resumed / "final" / "config.json").read_text())
+    assert (meta["objective"], meta["mask_ratio"], meta["model"]["pool"]) == ("mae", 0.75, "gap")
+    model, _ = vit.load_pretrained(resumed / "final")
+    assert model.config.pool == "gap" and not any(name.startswith("decoder") for name in a)
+    saved = json.loads((resumed / dcp.checkpoint_name(8) / "config.json").read_text())
+    assert saved["mae"]["decoder_depth"] == 1
+    with pytest.raises(ValueError, match="was written with mae"):  # another decoder: before any Ray work
+        prepare(config(shards, resumed, max_steps=12, **{**MAE, "decoder_depth": 2}))
+
+
+def test_finetuning_an_export_learns_and_its_export_embeds(ray_session, shards, tmp_path):
+    from pipeline.data.synthetic import write_synthetic_shards
+
+    # An export as pretraining leaves it (the tiny model, 32 px, a pretraining head of 10 classes);
+    # fresh weights, so the learning below is fine-tuning's own.
+    pretrained = tmp_path / "pretrained"
+    source = vit.create_model("vit_tiny_test", image_size=32)
+    vit.save_pretrained(pretrained / "final", source.state_dict(), source.config)
+    held_out = write_synthetic_shards(
+        tmp_path / "val", 32, samples_per_shard=16, image_size=32, num_classes=4, seed=7, prefix="val"
+    )
+    out = tmp_path / "finetuned"
+    ft = config(
+        shards,
+        out,
+        weights=str(pretrained / "final"),
+        eval_data=",".join(held_out.urls),
+        image_size=48,  # 6x6 patches after 4x4: position embeddings resampled
+        optimizer="sgd",
+        weight_decay=0.0,
+        lr=0.05,
+        warmup_steps=2,
+        max_steps=24,
+        eval_every=12,
+        log_every=6,
+        checkpoint_every=24,
+    )
+    ft = resolve_pretrained(ft)
+    summary = fit(ft, shards.urls.copy(), prepare_eval(ft))
+    evaluated = [r for r in read_metrics(str(out)) if r.get("eval_accuracy") is not None]
+    assert [r["step"] for r in evaluated] == [12, 24]
+    assert summary["metrics"]["eval_accuracy"] >= 0.6, evaluated  # chance is 0.25
+
+    meta = json.loads((out / "final" / "config.json").read_text())
+    model = meta["model"]
+    assert (model["head"], model["image_size"], model["num_classes"]) == ("finetune", 48, 4)
+    embeddings = tmp_path / "embeddings"
+    result = subprocess.run(
+        [sys.executable, "jobs/embed.py", "--data", held_out.dir, "--weights", str(out), "--out", str(embeddings),
+         "--num-cpus", "4"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert pq.read_table(embeddings).num_rows == 32
