@@ -25,7 +25,7 @@ def test_quickstart_is_the_two_make_commands():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
-@pytest.mark.parametrize("job", ["pretrain.py", "embed.py", "make_shards.py", "evaluate.py", "analyze.py"])
+@pytest.mark.parametrize("job", ["pretrain.py", "finetune.py", "embed.py", "make_shards.py", "evaluate.py", "analyze.py"])
 def test_every_option_of_a_job_is_documented(job):
     result = subprocess.run(
         [sys.executable, str(ROOT / "jobs" / job), "--help"],
@@ -34,7 +34,7 @@ def test_every_option_of_a_job_is_documented(job):
         check=True,
         cwd=ROOT,
     )
-    options = set(re.findall(r"(--[a-z][a-z-]+)", result.stdout.split("\noptions:", 1)[1])) - {"--help"}
+    options = set(re.findall(r"(--[a-z][a-z0-9-]+)", result.stdout.split("\noptions:", 1)[1])) - {"--help"}
     # Whole options only: "`--cpus-per-worker" must not stand for "--cpu".
     missing = sorted(o for o in options if not re.search(rf"`{re.escape(o)}(?![a-z-])", README))
     assert not missing, f"README does not document these options of jobs/{job}: {missing}"
