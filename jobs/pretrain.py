@@ -8,6 +8,7 @@ A preset (pipeline/train/presets.py) supplies the whole configuration; flags ove
 a Ray job (RAY_ADDRESS set) or given --address, it joins that cluster; otherwise it starts a local Ray.
 Running the same command again with the same --out resumes from the latest checkpoint there.
 Leaves under --out: checkpoint_<step>/ (DCP), metrics.jsonl, final/weights.safetensors + config.json.
+With --objective mae (masked autoencoding, shards need no labels) final/ holds the encoder alone.
 """
 
 from __future__ import annotations
@@ -54,7 +55,21 @@ FLAGS = [
         "max_skipped_steps", "steps in a row skipped for a non-finite loss or gradient that fail the run"
     ),
     cli.Flag("seed", "seed of initialization, shard order, crops and shuffling"),
-    cli.Flag("label_key", "where labels are: a member extension (cls) or json:<field>"),
+    cli.Flag(
+        "label_key",
+        "where labels are: a member extension (cls), json:<field>, or none (unlabeled, --objective mae)",
+        type=cli.optional_str,
+    ),
+    cli.Flag(
+        "objective",
+        "supervised (labels, classifier) or mae (masked autoencoding, no labels)",
+        choices=("supervised", "mae"),
+    ),
+    cli.Flag("mask_ratio", "MAE: share of each image's patches hidden from the encoder"),
+    cli.Flag("norm_pix_loss", "MAE: reconstruct raw pixels, not each patch standardized", negate=True),
+    cli.Flag("decoder_dim", "MAE: width of the decoder's tokens"),
+    cli.Flag("decoder_depth", "MAE: decoder blocks"),
+    cli.Flag("decoder_num_heads", "MAE: decoder attention heads (must divide --decoder-dim)"),
     cli.Flag("shuffle_buffer", "samples in each worker's local shuffle buffer"),
     cli.Flag("crop_scale", "random-resized-crop area share MIN,MAX, e.g. 0.08,1", metavar="MIN,MAX"),
     cli.Flag("crop_ratio", "random-resized-crop aspect (w/h) MIN,MAX, e.g. 0.75,1.33", metavar="MIN,MAX"),

@@ -37,10 +37,11 @@ from pipeline import dcp, storage
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
-from pipeline.train import checkpoint, sinks
+from pipeline.train import checkpoint, finetune, sinks
 from pipeline.train.config import TrainConfig, data_config
 from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, log_line
 from pipeline.train.model import build_model, model_config
+from pipeline.train.objective import objective_for
 from pipeline.train.optim import optimizer_kernels
 from pipeline.train.resources import data_cpus_per_worker
 from pipeline.train.prefetch import Prefetcher, StepInput
@@ -53,7 +54,7 @@ from pipeline.train.state import (
     control_group,
     gather_bad_samples,
 )
-from pipeline.train.step import StepStats, TrainStep, peak_tflops, train_flops_per_image
+from pipeline.train.step import StepStats, TrainStep, peak_tflops
 
 
 class StopRun(Exception):
@@ -109,11 +110,13 @@ class Trainer:
         self.data_cpus: float = loop_config["data_cpus_per_worker"]
         self.session = session
         self.rank, self.world, self.device = session.rank, session.world, session.device
+        self.eval_shards: list[str] = loop_config.get("eval_shards", [])
         self.model_config = model_config(config)
+        self.objective = objective_for(config)  # loss, batch columns, FLOPs, what final/ holds
         self.data_config = data_config(config, self.model_config.patch_size)
         self.accum = config.batch_size // (config.micro_batch_size * self.world)
         self.model = build_model(config, self.device)
-        self.step_fn = TrainStep(self.model, config, self.device)
+        self.step_fn = TrainStep(self.model, config, self.device, self.objective)
         self.state = self.resume()
         self.group = control_group()
         # This rank's counts as of the last step's input: what reports, checkpoints and the summary
@@ -126,9 +129,10 @@ class Trainer:
             "train": config.to_dict(),
             "model_config": self.model_config.to_dict(),
             "data": self.data_config.to_dict(),
+            **self.objective.checkpoint_meta(),
         }
         self.peak_tflops, peak_note = peak_tflops(self.device)
-        self.flops_per_image = train_flops_per_image(self.model_config)
+        self.flops_per_image = self.objective.flops_per_image()
         self.last_metrics: dict[str, Any] = {}
         self.started: set[str] = set()  # shards of the current epoch this rank has started
         self.first_step, self.run_start = self.state.step, time.perf_counter()
@@ -140,9 +144,12 @@ class Trainer:
         """Collective: load the checkpoint Ray Train hands over, if any; the state to continue from."""
         with self.session.resume_from() as resumed:
             if resumed is None:
+                if self.config.weights:  # fine-tuning starts from these; a resume from its checkpoint
+                    state = finetune.pretrained_state(self.config, self.model_config)
+                    finetune.load_pretrained(self.model, state)
                 return TrainState(seed=self.config.seed)
             directory, source = resumed
-            checkpoint.check_compatible(directory, self.model_config)
+            checkpoint.check_compatible(directory, self.model_config, self.objective.checkpoint_meta())
             state = TrainState.from_dict(checkpoint.load(directory, self.model, self.step_fn.optimizer))
         if self.rank == 0:
             log_line(f"resumed from {source} at step {state.step} (epoch {state.epoch})")
@@ -217,7 +224,7 @@ class Trainer:
         return Prefetcher(
             stream,
             accum=self.accum,
-            columns=("patches", "label"),
+            columns=self.objective.columns,
             bad_samples=counts,
             pin=self.device.type == "cuda",
             depth=self.config.prefetch_steps,
@@ -242,8 +249,32 @@ class Trainer:
         self.count_skipped(stats)
         step, config = self.state.step, self.config
         save = step % config.checkpoint_every == 0 or step == config.last_step
-        if save or step % config.log_every == 0:
-            self.report(stats, save=save)
+        evaluate = bool(self.eval_shards) and (
+            step == config.last_step or (config.eval_every > 0 and step % config.eval_every == 0)
+        )
+        if save or evaluate or step % config.log_every == 0:
+            self.report(stats, save=save, eval_accuracy=self.evaluate() if evaluate else None)
+
+    def evaluate(self) -> float:
+        """Collective: top-1 accuracy over the evaluation shards (each rank its slice, eval crop)."""
+        start = time.perf_counter()
+        eval_config = finetune.eval_data_config(self.config, self.model_config.patch_size)
+        cpus = self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch)
+        shards = self.eval_shards[self.rank :: self.world]
+        batches = finetune.eval_batches(shards, eval_config, self.config.micro_batch_size, cpus)
+        idle = self.objective.idle_batch(self.device)[0]
+        try:
+            accuracy, seen = finetune.evaluate(self.model, batches, idle, self.device, self.group)
+        except RuntimeError as e:  # every rank raises alike, with the failing rank's message
+            raise StopRun(str(e)) from e
+        seconds = time.perf_counter() - start
+        self.window.start += seconds  # evaluation is not training time
+        if self.rank == 0:
+            log_line(
+                f"step {self.state.step}: eval accuracy {100 * accuracy:.2f}% "
+                f"on {seen} images ({seconds:.0f} s)"
+            )
+        return accuracy
 
     def count_skipped(self, stats: StepStats) -> None:
         """Count a step skipped for a non-finite loss or gradient norm; too many in a row end the run.
@@ -269,7 +300,7 @@ class Trainer:
             )
 
     # --- report and checkpoint -------------------------------------------------------------------
-    def report(self, stats: StepStats, *, save: bool) -> None:
+    def report(self, stats: StepStats, *, save: bool, eval_accuracy: float | None = None) -> None:
         """Collective: a log line and `metrics.jsonl` row, then a report to Ray Train (with a checkpoint)."""
         metrics = self.window.reduce(
             step=self.state.step,
@@ -281,7 +312,10 @@ class Trainer:
             skipped_steps=self.state.skipped_steps,
             flops_per_image=self.flops_per_image,
             peak_tflops=self.peak_tflops,
+            has_accuracy=self.objective.has_accuracy,
         )
+        if eval_accuracy is not None:
+            metrics["eval_accuracy"] = eval_accuracy
         if self.log is not None:
             log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
             self.log.append(metrics, flush=save)
@@ -324,6 +358,7 @@ class Trainer:
         """Collective: `final/weights.safetensors` + `config.json` under the run directory."""
         config, metrics = self.config, self.last_metrics
         extra = {
+            **self.objective.checkpoint_meta(),  # MAE: objective, mask ratio, decoder (not exported)
             "preprocessing": self.data_config.to_dict(),
             "training": {
                 "step": self.state.step,
@@ -331,10 +366,12 @@ class Trainer:
                 "finished": self.state.step >= config.max_steps,
                 "loss": metrics.get("loss"),
                 "accuracy": metrics.get("accuracy"),
+                "eval_accuracy": metrics.get("eval_accuracy"),
                 "config": config.to_dict(),
             },
         }
         with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
-            if checkpoint.export_final(tmp, self.model, self.model_config, extra) is not None:
+            exported = self.objective.export_state
+            if checkpoint.export_final(tmp, self.model, self.model_config, extra, exported) is not None:
                 storage.upload_dir(tmp, storage.join(config.out, "final"), commit_last="config.json")
                 log_line(f"exported {storage.join(config.out, 'final')}")

@@ -24,6 +24,7 @@ FLAGS = {
     "--max-failures", "--cpu", "--activation-checkpointing", "--compile", "--address", "--num-cpus",
     "--ac-mode", "--compile-scope", "--optimizer-impl", "--fp8",
     "--print-config", "--verbose", "--help",
+    "--objective", "--mask-ratio", "--no-norm-pix-loss", "--decoder-dim", "--decoder-depth", "--decoder-num-heads",
 }  # fmt: skip
 
 
