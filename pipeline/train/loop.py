@@ -43,8 +43,8 @@ from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, log_l
 from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import objective_for
 from pipeline.train.optim import optimizer_kernels
-from pipeline.train.resources import data_cpus_per_worker
 from pipeline.train.prefetch import Prefetcher, StepInput
+from pipeline.train.resources import data_cpus_per_worker
 from pipeline.train.state import (
     StepAgreement,
     TrainState,
@@ -102,7 +102,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
 
 class Trainer:
     """One rank's part of a run. `train()` returns the summary that rank 0 hands to the driver:
-    `metrics` (the last logged step), `bad_samples` (all ranks merged), `error` ("" or one line)."""
+    `metrics` (the last logged step), `bad_samples` (all ranks merged), `error` ("" or one line),
+    `resumed_from` (checkpoint, step and epoch this attempt resumed from, or None)."""
 
     def __init__(self, loop_config: dict[str, Any], session: RaySession):
         self.config = config = TrainConfig.from_dict(loop_config["train"])
@@ -142,6 +143,7 @@ class Trainer:
     # --- set up ----------------------------------------------------------------------------------
     def resume(self) -> TrainState:
         """Collective: load the checkpoint Ray Train hands over, if any; the state to continue from."""
+        self.resumed_from: dict[str, Any] | None = None  # in the summary: where this attempt began
         with self.session.resume_from() as resumed:
             if resumed is None:
                 if self.config.weights:  # fine-tuning starts from these; a resume from its checkpoint
@@ -151,6 +153,7 @@ class Trainer:
             directory, source = resumed
             checkpoint.check_compatible(directory, self.model_config, self.objective.checkpoint_meta())
             state = TrainState.from_dict(checkpoint.load(directory, self.model, self.step_fn.optimizer))
+        self.resumed_from = {"checkpoint": source, "step": state.step, "epoch": state.epoch}
         if self.rank == 0:
             log_line(f"resumed from {source} at step {state.step} (epoch {state.epoch})")
         return state
@@ -243,7 +246,9 @@ class Trainer:
         self.started |= step_input.urls
         micro_batches = step_input.to_device(self.device)
         data.release(step_input)
-        stats = self.step_fn(self.state.step, micro_batches, global_count=agreement.samples)
+        stats = self.step_fn(
+            self.state.step, micro_batches, global_count=agreement.samples, micro_steps=self.accum
+        )
         self.state.step += 1
         self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
         self.count_skipped(stats)
@@ -352,7 +357,12 @@ class Trainer:
             merged.merge(counts)
         if not error:
             self.export()
-        return {"metrics": self.last_metrics, "bad_samples": merged.to_dict(), "error": error}
+        return {
+            "metrics": self.last_metrics,
+            "bad_samples": merged.to_dict(),
+            "error": error,
+            "resumed_from": self.resumed_from,
+        }
 
     def export(self) -> None:
         """Collective: `final/weights.safetensors` + `config.json` under the run directory."""

@@ -109,9 +109,9 @@ def patch_nan_loss(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
     current = {}
     real_step, real_loss = TrainStep.__call__, torch.nn.functional.cross_entropy
 
-    def step(self, step, micro_batches, global_count):
+    def step(self, step, micro_batches, global_count, **kwargs):
         current["step"] = step
-        return real_step(self, step, micro_batches, global_count)
+        return real_step(self, step, micro_batches, global_count, **kwargs)
 
     def loss(logits, labels, **kwargs):
         value = real_loss(logits, labels, **kwargs)
@@ -213,8 +213,8 @@ def test_too_many_skipped_steps_in_a_row_stop_the_run_without_saving_nan(
 def test_weights_that_are_not_finite_are_never_checkpointed(world, fake_data, monkeypatch, tmp_path):
     real_step = loop.TrainStep.__call__
 
-    def poisoning_step(self, step, micro_batches, global_count):
-        stats = real_step(self, step, micro_batches, global_count)
+    def poisoning_step(self, step, micro_batches, global_count, **kwargs):
+        stats = real_step(self, step, micro_batches, global_count, **kwargs)
         if step == 2:  # an update that went wrong without a non-finite gradient
             with torch.no_grad():
                 next(self.model.parameters()).to_local()[0] = float("inf")
