@@ -69,7 +69,7 @@ FLAGS = [
     cli.Flag("norm_pix_loss", "MAE: reconstruct raw pixels, not each patch standardized", negate=True),
     cli.Flag("decoder_dim", "MAE: width of the decoder's tokens"),
     cli.Flag("decoder_depth", "MAE: decoder blocks"),
-    cli.Flag("decoder_num_heads", "MAE: decoder attention heads (must divide --decoder-dim)"),
+    cli.Flag("decoder_num_heads", "MAE: decoder attention heads (must divide the decoder's width)"),
     cli.Flag("shuffle_buffer", "samples in each worker's local shuffle buffer"),
     cli.Flag("crop_scale", "random-resized-crop area share MIN,MAX, e.g. 0.08,1", metavar="MIN,MAX"),
     cli.Flag("crop_ratio", "random-resized-crop aspect (w/h) MIN,MAX, e.g. 0.75,1.33", metavar="MIN,MAX"),

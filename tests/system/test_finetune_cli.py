@@ -1,0 +1,43 @@
+"""`jobs/finetune.py` as a user runs it: the paper's recipe by default, and one-line errors before any Ray."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FINETUNE = ROOT / "jobs" / "finetune.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(FINETUNE), *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+
+
+def test_the_default_is_the_papers_finetuning_recipe_and_flags_override_it():
+    result = run("--weights", "w", "--data", "d", "--out", "o", "--image-size", "48", "--print-config")
+    assert result.returncode == 0, result.stderr
+    config = json.loads(result.stdout)
+    assert (config["optimizer"], config["momentum"], config["weight_decay"], config["grad_clip"]) == (
+        "sgd",
+        0.9,
+        0.0,
+        1.0,
+    )
+    assert (config["lr_schedule"], config["weights"], config["image_size"]) == ("cosine", "w", 48)
+    assert config["objective"] == "supervised"
+
+
+def test_weights_that_are_not_there_fail_in_one_line(tmp_path):
+    result = run("--weights", str(tmp_path / "nope"), "--data", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_weights_are_required():
+    result = run("--data", "d", "--out", "o")
+    assert result.returncode == 2 and "--weights" in result.stderr
