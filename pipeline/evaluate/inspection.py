@@ -28,7 +28,7 @@ import vit
 from pipeline import storage
 from pipeline.data.shards import expand_shards
 from pipeline.weights import load_model_source
-from pipeline.evaluate import analysis, figures
+from pipeline.evaluate import analysis, figures, reconstruction
 from pipeline.evaluate.attention import attention_distances, patch_distances
 from pipeline.evaluate.config import AnalyzeConfig
 from pipeline.evaluate.samples import eval_config, eval_patches
@@ -147,6 +147,13 @@ def analyze(config: AnalyzeConfig, log: Callable[[str], None] = print) -> Analys
             images=seen,
         )
         files.append(Path(path).name)
+        # An MAE run's weights: its reconstructions too, with the decoder from the run's checkpoint.
+        mae = reconstruction.mae_figure(
+            config.weights, patches, data_config, str(local / reconstruction.MAE_PNG), config.storage_options
+        )
+        if mae is not None:
+            numbers["mae_reconstruction"] = mae
+            files += [reconstruction.MAE_PNG] if "skipped" not in mae else []
         numbers["seconds"] = round(time.perf_counter() - start, 2)
         (local / ANALYSIS_JSON).write_text(json.dumps(numbers, indent=1) + "\n")
         files.append(ANALYSIS_JSON)
