@@ -1,12 +1,21 @@
 """One FSDP2 training step of a ViT, without Ray: images/s, MFU and peak memory per configuration.
 
     python jobs/benchmark.py train --model vit_h14 --micro-batch-size 64 --configs eager,compile,ac,compile+ac
+    python jobs/benchmark.py train --model vit_b16 --micro-batch-size 128 --configs compile --compare-timm
+    python jobs/benchmark.py train --model vit_h14 --micro-batch-size 64 --configs compile --trace step.json
     torchrun --nproc-per-node 8 jobs/benchmark.py train --model vit_h14 --micro-batch-size 64   # 8 GPUs
 
 The step is `pipeline.train.step.TrainStep`, what every Ray Train worker runs: FSDP2 (bf16 compute
 and fp32 gradient reduction on CUDA, fp32 on CPU), AdamW, global-norm clipping; the input is random
 uint8 patches, so this measures the model and the step alone (`benchmark.py data` measures input).
-A configuration is `eager` or `compile`, optionally `+ac` (activation checkpointing per block).
+A configuration joins switches with `+` (`compile+ac-ops+fp8`): `eager`, `compile` (per block) or
+`compile-model` (whole forward); `ac`, `ac-alternate` or `ac-ops` (activation checkpointing modes);
+`fp8` (float8 Linears); `fused`, `foreach` or `for-loop` (AdamW kernels; default: the run's `auto`).
+`--compare-timm` runs timm's ViT of the same size beside each configuration (bf16 autocast, fused
+AdamW on CUDA, clipping, `torch.compile` of the whole model when the configuration compiles), the
+two steps alternating (one process, one GPU; skipped with a note where timm is not installed).
+`--trace PATH` writes a torch.profiler trace of one step of the first configuration (chrome://tracing
+or Perfetto), to see where a step's time goes.
 MFU counts model FLOPs (3 x `vit.count_flops` per image; recomputation not counted) against two
 ceilings: the GPU's datasheet dense bf16 peak, and its bf16 matmul rate measured in the same run.
 """
@@ -15,18 +24,49 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import vit
+from jobs.benchmarks.model import interleaved_seconds
 from jobs.benchmarks.report import print_table, write_json
 from jobs.benchmarks.timing import matmul_tflops, time_step
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, init_distributed, model_config
+from pipeline.train.optim import optimizer_kernels
 from pipeline.train.step import TrainStep, peak_tflops, train_flops_per_image
 
-CONFIGS = ("eager", "compile", "ac", "compile+ac")
+CONFIGS = ("eager", "compile", "ac", "compile+ac")  # the usual ones; any `+` join of SWITCHES works
+# What each switch of a configuration name sets in the TrainConfig.
+SWITCHES = {
+    "eager": {},
+    "compile": {"compile": True, "compile_scope": "blocks"},
+    "compile-model": {"compile": True, "compile_scope": "model"},
+    "ac": {"activation_checkpointing": True, "ac_mode": "full"},
+    "ac-alternate": {"activation_checkpointing": True, "ac_mode": "alternate"},
+    "ac-ops": {"activation_checkpointing": True, "ac_mode": "ops"},
+    "fp8": {"fp8": True},
+    "fused": {"optimizer_impl": "fused"},
+    "foreach": {"optimizer_impl": "foreach"},
+    "for-loop": {"optimizer_impl": "for-loop"},
+}
+
+
+def switches(name: str) -> dict:
+    """A configuration name (`compile+ac-ops`) -> the TrainConfig fields it sets."""
+    fields: dict = {}
+    for part in name.split("+"):
+        if part not in SWITCHES:
+            raise SystemExit(
+                f"error: unknown switch {part!r} in --configs {name!r}; choose from {', '.join(SWITCHES)}"
+            )
+        fields.update(SWITCHES[part])
+    return fields
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -35,14 +75,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--num-classes", type=int, default=1000)
     p.add_argument("--micro-batch-size", type=int, default=32, help="images per GPU (or process) per step")
-    p.add_argument("--configs", default="eager,compile", help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    p.add_argument(
+        "--configs", default="eager,compile", help=f"comma-separated, each a + join of: {', '.join(SWITCHES)}"
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--iters", type=int, default=10, help="timed steps")
+    p.add_argument(
+        "--compare-timm", action="store_true", help="timm's ViT of the same size, steps alternating"
+    )
+    p.add_argument("--trace", metavar="PATH", help="write a torch.profiler trace (JSON) of one step")
     p.add_argument("--json", help="also write the figures to this JSON file")
     return p.parse_args(argv)
 
 
-def measure(args: argparse.Namespace, name: str, device: torch.device, world: int) -> dict:
+def measure(
+    args: argparse.Namespace, name: str, device: torch.device, world: int, trace: str | None
+) -> list[dict]:
+    """One configuration's rows: vitray's step, and timm's beside it with --compare-timm."""
     config = TrainConfig(
         model=args.model,
         image_size=args.image_size,
@@ -52,8 +101,7 @@ def measure(args: argparse.Namespace, name: str, device: torch.device, world: in
         num_workers=world,
         warmup_steps=1,
         max_steps=10**6,
-        compile="compile" in name,
-        activation_checkpointing=name.endswith("ac"),
+        **switches(name),
     )
     mcfg = model_config(config)
     model = build_model(config, device)
@@ -67,27 +115,115 @@ def measure(args: argparse.Namespace, name: str, device: torch.device, world: in
     def one_step() -> None:
         step(next(counter), [(patches, labels)], global_count=args.micro_batch_size * world)
 
+    steps = {name: one_step}
+    kernels = {name: optimizer_kernels(step.optimizer)}
+    if args.compare_timm and world == 1 and timm_available():
+        steps[f"timm ({name})"], kernels[f"timm ({name})"] = timm_step(
+            config, mcfg, args.micro_batch_size, device
+        )
+    for fn in steps.values():
+        for _ in range(args.warmup):
+            fn()
+    if trace:
+        write_trace(one_step, trace, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = time_step(one_step, warmup=args.warmup, iters=args.iters, device=device)
-    peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    per_device = args.micro_batch_size / seconds
-    return {"config": name, "images_per_s": per_device * world, "images_per_s_per_device": per_device,
-            "step_ms": seconds * 1e3, "flops_per_image": train_flops_per_image(mcfg), "peak_gib": peak_gib}  # fmt: skip
+    if len(steps) == 1:
+        seconds = {name: time_step(one_step, warmup=0, iters=args.iters, device=device)}
+    else:  # alternating, so both see the same clocks and temperature
+        seconds = {k: wall for k, (wall, _) in interleaved_seconds(steps, args.iters, device).items()}
+    # With timm beside it the peak holds both models: reported only for vitray alone.
+    peak_gib = (
+        torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" and len(steps) == 1 else None
+    )
+    rows = []
+    for label, sec in seconds.items():
+        per_device = args.micro_batch_size / sec
+        rows.append({"config": label, "images_per_s": per_device * world, "images_per_s_per_device": per_device,
+                     "step_ms": sec * 1e3, "flops_per_image": train_flops_per_image(mcfg),
+                     "optimizer": kernels[label], "peak_gib": peak_gib if label == name else None})  # fmt: skip
+    return rows
+
+
+def timm_available() -> bool:
+    if importlib.util.find_spec("timm") is None:
+        print("timm is not installed: --compare-timm skipped (pip install timm)")
+        return False
+    return True
+
+
+def timm_step(
+    config: TrainConfig, mcfg: vit.ViTConfig, batch: int, device: torch.device
+) -> tuple[Callable[[], None], str]:
+    """timm's ViT of the same shape trained the way timm's own script does: bf16 autocast on CUDA,
+    fused AdamW (foreach on CPU), global-norm clipping, the whole model compiled when `config` compiles.
+    Its input is float images (B, C, H, W), its usual form. Returns (one step, the AdamW kernels)."""
+    import timm
+
+    model = timm.create_model(
+        "vit_base_patch16_224",  # a name for the family: every size below overrides its own
+        pretrained=False,
+        img_size=mcfg.image_size,
+        patch_size=mcfg.patch_size,
+        embed_dim=mcfg.embed_dim,
+        depth=mcfg.depth,
+        num_heads=mcfg.num_heads,
+        mlp_ratio=mcfg.mlp_dim / mcfg.embed_dim,
+        qkv_bias=mcfg.qkv_bias,
+        num_classes=mcfg.num_classes,
+        global_pool="token",
+    ).to(device)
+    if config.activation_checkpointing:
+        model.set_grad_checkpointing(True)
+    forward = torch.compile(model) if config.compile else model
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
+        fused=fused, foreach=not fused,
+    )  # fmt: skip
+    g = torch.Generator(device="cpu").manual_seed(1)
+    images = torch.randn(batch, mcfg.num_channels, mcfg.image_size, mcfg.image_size, generator=g).to(device)
+    labels = torch.randint(0, mcfg.num_classes, (batch,), generator=g).to(device)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = forward(images)
+        F.cross_entropy(logits.float(), labels).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, "fused" if fused else "foreach"
+
+
+def write_trace(step: Callable[[], None], path: str, device: torch.device) -> None:
+    """A torch.profiler trace of one step as chrome-trace JSON (rank 0 only)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    if dist.get_rank() == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(path))
+        print(f"wrote a profiler trace of one step to {path}")
 
 
 def main(argv: list[str]) -> dict:
     args = parse_args(argv)
     names = [n.strip() for n in args.configs.split(",")]
-    unknown = sorted(set(names) - set(CONFIGS))
-    if unknown:
-        raise SystemExit(f"error: unknown --configs {unknown}; choose from {', '.join(CONFIGS)}")
+    for name in names:
+        switches(name)  # an unknown switch fails here, before any model is built
     rank, world, device = init_distributed()
+    if args.compare_timm and world > 1 and rank == 0:
+        print("--compare-timm runs in a single process (timm's script has no FSDP): skipped")
     peak, peak_note = peak_tflops(device)
     measured = matmul_tflops(device) if device.type == "cuda" else None
     rows = []
-    for name in names:
-        rows.append(measure(args, name, device, world))
+    for i, name in enumerate(names):
+        rows.extend(measure(args, name, device, world, args.trace if i == 0 else None))
         gc.collect()  # the last configuration's model and optimizer state go before the next is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -106,6 +242,10 @@ def main(argv: list[str]) -> dict:
         "matmul_tflops_measured": measured,
         "results": rows,
     }
+    by_name = {r["config"]: r["images_per_s"] for r in rows}
+    figures["vitray_over_timm"] = {
+        name: by_name[name] / by_name[f"timm ({name})"] for name in names if f"timm ({name})" in by_name
+    }
     if rank == 0:
         table = [
             {
@@ -116,12 +256,15 @@ def main(argv: list[str]) -> dict:
                 "MFU (datasheet)": _pct(r["mfu_datasheet"]),
                 "MFU (measured mm)": _pct(r["mfu_measured"]),
                 "peak GiB": r["peak_gib"],
+                "AdamW": r["optimizer"],
             }
             for r in rows
         ]
         title = f"{args.model} @ {args.image_size}px, {args.micro_batch_size} images/device, {world} x {figures['device']}"
         print_table(title, table)
         print(f"ceilings: {peak_note}; measured bf16 matmul: {measured and f'{measured:.0f} TFLOP/s'}")
+        for name, ratio in figures["vitray_over_timm"].items():
+            print(f"vitray / timm images/s, {name}: {ratio:.2f} (median of {args.iters} alternating steps)")
         if args.json:
             write_json(args.json, figures)
     dist.destroy_process_group()
