@@ -3,20 +3,23 @@
 `embed_rows` is the batch function (plain numpy in and out, testable without Ray); `Embedder` is the
 Ray Data callable class around it. Weights arrive as float32 numpy arrays from the object store
 (`pipeline.weights.pack_state_dict`): on CPU the model's tensors are those arrays themselves,
-read-only and shared by every actor of a node; on GPU they are copied to the device once.
+read-only and shared by every actor of a node; on GPU they are copied to the device once, in bf16,
+and ``model.embed`` is compiled (one graph: every forward has the same shape).
 
 Determinism: eval mode, and every forward sees a fixed shape (each chunk padded to ``batch_size``
 rows), so an image's embedding does not depend on how the stream was cut into batches or on how many
-bad samples were taken out beside it. bf16 autocast on CUDA, float32 on CPU.
+bad samples were taken out beside it. On CUDA the weights themselves are bf16 (not autocast over
+float32 weights: no per-forward casts, half the weight memory) and LayerNorm, softmax and the matmuls
+accumulate in float32 inside their kernels; on CPU everything is float32, as before.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 import vit
 from pipeline.weights import unpack_state_dict
@@ -37,12 +40,29 @@ def actor_memory(config: vit.ViTConfig, batch_size: int, use_gpu: bool) -> int:
 
 
 def build_embedding_model(
-    config: vit.ViTConfig, state_dict: dict[str, torch.Tensor], device: torch.device
+    config: vit.ViTConfig,
+    state_dict: dict[str, torch.Tensor],
+    device: torch.device,
+    *,
+    dtype: torch.dtype = torch.float32,
+    compile: bool | str = False,
 ) -> vit.VisionTransformer:
-    """The model in eval mode on ``device``, taking the given tensors without a copy on CPU."""
+    """The model in eval mode on ``device`` with weights in ``dtype``, taking the given tensors without
+    a copy on CPU in float32. ``compile``: compile ``model.embed`` (True: inductor; a string names
+    another torch.compile backend)."""
     model = vit.VisionTransformer(config, device="meta")
     model.load_state_dict(state_dict, assign=True)  # resamples pos_embed for another image_size
-    return model.to(device).eval().requires_grad_(False)
+    # The input normalization constants stay float32: uint8 patches are scaled in float32, then cast.
+    model = model.to(device).eval().requires_grad_(False)
+    if dtype != torch.float32:
+        for path, module in model.named_modules():
+            if path.startswith("patch_embed.backbone"):
+                continue  # a hybrid's ResNet takes the float32 image; its output is cast for the projection
+            for name, param in module.named_parameters(recurse=False):
+                setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
+    if compile:
+        model.embed = torch.compile(model.embed, backend="inductor" if compile is True else compile)
+    return model
 
 
 def embed_rows(
@@ -57,8 +77,8 @@ def embed_rows(
 
     In: ``key``, ``url``, ``patches`` uint8 ``(B, N, P*P*C)``, ``label`` int64, ``error`` str.
     Out: ``key``, ``url``, ``embedding`` float32 ``(B, D)``, ``label``, ``error``. Good rows go through
-    the model in chunks of ``batch_size``, each padded to exactly ``batch_size`` rows (fixed shapes).
-    bf16 autocast on CUDA; float32 on CPU.
+    the model in chunks of ``batch_size``, each padded to exactly ``batch_size`` rows (fixed shapes),
+    in the model's own weight dtype; embeddings come out as float32.
     """
     device = device or torch.device("cpu")
     errors = batch["error"]
@@ -67,8 +87,7 @@ def embed_rows(
     out = np.zeros((len(errors), dim), np.float32)
     if good.size:
         patches = np.asarray(batch["patches"])[good]  # (G, N, P*P*C)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-        with torch.inference_mode(), autocast:
+        with torch.inference_mode():
             for lo in range(0, len(good), batch_size):
                 chunk = torch.from_numpy(patches[lo : lo + batch_size])
                 n = len(chunk)
@@ -106,7 +125,11 @@ class Embedder:
         torch.set_num_threads(threads)
         self.device = torch.device("cuda") if use_gpu else torch.device("cpu")
         self.model = build_embedding_model(
-            vit.ViTConfig.from_dict(config), unpack_state_dict(arrays), self.device
+            vit.ViTConfig.from_dict(config),
+            unpack_state_dict(arrays),
+            self.device,
+            dtype=torch.bfloat16 if use_gpu else torch.float32,
+            compile=use_gpu,  # the first batch waits for compilation (tens of seconds for ViT-H)
         )
         self.pre_logits, self.batch_size = pre_logits, batch_size
 
