@@ -112,3 +112,18 @@ def test_train_refuses_an_unknown_switch_before_building_anything():
 
     with pytest.raises(SystemExit, match="unknown switch 'compiled' in --configs 'compiled\\+ac'"):
         train.main([*TINY, "--configs", "compiled+ac"])
+
+
+def test_embed_model_only_compares_with_timm_forward_features(fake_timm, tmp_path, capsys):
+    from jobs.benchmarks import embed
+
+    figures = embed.main(
+        [*TINY[:4], "--batch-size", "2", "--iters", "2", "--model-only", "--compare-timm",
+         "--json", str(tmp_path / "e.json")]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert fake_timm[0].kwargs["num_classes"] == 0 and fake_timm[0].kwargs["depth"] == 2
+    assert figures["model_only_images_per_s"] > 0 and figures["vitray_over_timm_model_only"] > 0
+    assert "model only, timm forward_features" in out and "vitray / timm (model only)" in out
+    assert "shards of" not in out  # --model-only writes no shards
+    assert json.loads((tmp_path / "e.json").read_text())["vitray_over_timm_model_only"] > 0

@@ -2,9 +2,13 @@
 
     python jobs/benchmark.py embed [--model vit_s16] [--image-size 224] [--images 256] [--json PATH] ...
     python jobs/benchmark.py embed --device cuda --naive-only --model vit_h14 --batch-size 256   # bare GPU box
+    python jobs/benchmark.py embed --device cuda --model-only --compare-timm --model vit_h14 --batch-size 256
 
-(a) model only: random uint8 patches straight into ``model.embed`` (no decode): the compute ceiling of
-    this device for this model and batch size;
+(a) model only: random uint8 patches straight into ``model.embed`` (no decode), the model built as the
+    job's actor builds it (on CUDA: bf16 weights, ``embed`` compiled): the compute ceiling of this
+    device for this model and batch size. With ``--compare-timm``, timm's ViT of the same shape
+    (bf16 weights on CUDA, ``forward_features`` compiled) on float images, the two forwards alternating;
+    ``--model-only`` stops after (a);
 (b) naive loop: one process reads each shard (`pipeline.data.rows.read_shard`), decodes it with the job's
     eval transform (`pipeline.data.decode.preprocess_batch`), embeds in batches of ``--batch-size`` and
     writes one Parquet file per shard with pyarrow: what one would write without Ray;
@@ -28,6 +32,7 @@ it, which the job spreads over the cluster's CPUs and a naive loop cannot.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import tempfile
@@ -42,6 +47,7 @@ import torch
 import vit
 from jobs.benchmarks.process_cpu import RAY_KINDS
 from jobs.benchmarks.report import print_table, write_json
+from pipeline.embed.actor import build_embedding_model
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -57,6 +63,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="model device (default: cpu)")
     p.add_argument("--naive-only", action="store_true", help="skip the Ray job (a machine without Ray)")
+    p.add_argument("--model-only", action="store_true", help="only (a): no shards, no naive loop, no job")
+    p.add_argument(
+        "--compare-timm", action="store_true", help="(a) beside timm's compiled forward_features (needs timm)"
+    )
     p.add_argument(
         "--concurrency", type=int, default=1, help="model actors of the job (default: %(default)s)"
     )
@@ -107,6 +117,55 @@ def model_only(model: vit.VisionTransformer, batch_size: int, iters: int, device
     return iters * batch_size / (time.perf_counter() - start)
 
 
+def actor_precision(device: torch.device) -> dict[str, Any]:
+    """What the job's actor uses (`pipeline.embed.actor.Embedder`): bf16 weights and compile on CUDA."""
+    cuda = device.type == "cuda"
+    return {"dtype": torch.bfloat16 if cuda else torch.float32, "compile": cuda}
+
+
+def timm_available() -> bool:
+    if importlib.util.find_spec("timm") is None:
+        print("timm is not installed: --compare-timm skipped (pip install timm)")
+        return False
+    return True
+
+
+def compare_timm(model: vit.VisionTransformer, args: argparse.Namespace, device: torch.device) -> dict:
+    """Median seconds per forward of vitray's ``embed`` (uint8 patches) and timm's ``forward_features``
+    (float images) of the same shape and weight dtype, compiled alike, their forwards alternating."""
+    import timm
+
+    from jobs.benchmarks.model import interleaved_seconds
+
+    c, precision = model.config, actor_precision(device)
+    theirs = timm.create_model(
+        "vit_base_patch16_224",  # a name for the family: every size below overrides its own
+        pretrained=False, img_size=c.image_size, patch_size=c.patch_size, embed_dim=c.embed_dim,
+        depth=c.depth, num_heads=c.num_heads, mlp_ratio=c.mlp_dim / c.embed_dim, qkv_bias=c.qkv_bias,
+        num_classes=0, global_pool="token",
+    ).to(device, precision["dtype"]).eval()  # fmt: skip
+    features = torch.compile(theirs.forward_features) if precision["compile"] else theirs.forward_features
+    b = args.batch_size
+    patches = torch.randint(0, 256, (b, c.num_patches, c.patch_dim), dtype=torch.uint8, device=device)
+    images = torch.randn(
+        b, c.num_channels, c.image_size, c.image_size, device=device, dtype=precision["dtype"]
+    )
+
+    def ours() -> None:
+        with torch.inference_mode():
+            model.embed(patches)
+
+    def timm_forward() -> None:
+        with torch.inference_mode():
+            features(images)
+
+    steps = {"vitray embed": ours, "timm forward_features": timm_forward}
+    for step in steps.values():
+        for _ in range(2):
+            step()
+    return {name: wall for name, (wall, _) in interleaved_seconds(steps, args.iters, device).items()}
+
+
 def naive_loop(shards: list[str], data_config: Any, model: vit.VisionTransformer, args, out: Path) -> int:
     """Read -> decode -> embed -> one Parquet file per shard, in this process; returns images read."""
     import pyarrow as pa
@@ -152,10 +211,12 @@ def main(argv: list[str]) -> dict[str, Any]:
     device = torch.device(args.device)
     cores = len(os.sched_getaffinity(0))
     scratch = tempfile.TemporaryDirectory(prefix="vitray-bench-embed-")
-    shard_dir = Path(args.shards or Path(scratch.name) / "shards")
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    shards = sorted(write_shards(shard_dir, args.images, args.per_shard))
-    print(f"{len(shards)} shards of {args.per_shard} images in {shard_dir}")
+    shards: list[str] = []
+    if not args.model_only:
+        shard_dir = Path(args.shards or Path(scratch.name) / "shards")
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        shards = sorted(write_shards(shard_dir, args.images, args.per_shard))
+        print(f"{len(shards)} shards of {args.per_shard} images in {shard_dir}")
 
     torch.manual_seed(0)
     config = vit.get_config(args.model, image_size=args.image_size)
@@ -165,7 +226,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     model = model.to(device).eval()
     data_config = DataConfig(image_size=config.image_size, patch_size=config.patch_size, require_labels=False)
 
-    ceiling = model_only(model, args.batch_size, args.iters, device)
+    actor_model = build_embedding_model(config, model.state_dict(), device, **actor_precision(device))
+    ceiling = model_only(actor_model, args.batch_size, args.iters, device)
     flops = vit.count_flops(config)
     rows: list[dict[str, Any]] = [
         {"run": "model only (no decode)", "images/s": ceiling, "runs": "", "CPU-ms/image by process": ""}
@@ -176,7 +238,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         "image_size": args.image_size,
         "batch_size": args.batch_size,
         "device": args.device + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""),
-        "dtype": "bf16 autocast" if device.type == "cuda" else "fp32",
+        "dtype": "bf16 autocast (model only: bf16 weights, compiled)" if device.type == "cuda" else "fp32",
         "cores": cores,
         "images": args.images,
         "gflops_per_image": flops / 1e9,
@@ -188,6 +250,21 @@ def main(argv: list[str]) -> dict[str, Any]:
         peak, _ = peak_tflops(device)
         if peak:
             figures["model_only_mfu"] = rows[0]["mfu"] = ceiling * flops / (peak * 1e12)
+
+    if args.compare_timm and timm_available():
+        seconds = compare_timm(actor_model, args, device)
+        for name, sec in seconds.items():
+            rows.append({"run": f"model only, {name}", "images/s": args.batch_size / sec, "runs": ""})
+        figures["vitray_over_timm_model_only"] = seconds["timm forward_features"] / seconds["vitray embed"]
+        rows.append({"run": "vitray / timm (model only)", "images/s": figures["vitray_over_timm_model_only"]})
+    if args.model_only:
+        print_table(
+            f"embedding {args.model} @ {args.image_size}px, batch {args.batch_size}, model only", rows
+        )
+        if args.json:
+            write_json(args.json, figures)
+        scratch.cleanup()
+        return figures
 
     runs: dict[str, list[float]] = {"naive": []}
     cpu: dict[str, dict[str, float]] = {"naive": {}, "job": {}}
