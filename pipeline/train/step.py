@@ -90,8 +90,10 @@ class TrainStep:
         correct = torch.zeros((), device=self.device, dtype=torch.long)
         count = 0
         for i in range(passes):
-            # Reduce-scatter gradients only once, after the last micro-batch.
+            # Reduce-scatter gradients only once, after the last micro-batch, and keep the parameters
+            # gathered until then: the next micro-batch's forward would only gather them again.
             model.set_requires_gradient_sync(i == passes - 1)
+            model.set_reshard_after_backward(i == passes - 1)
             if i >= len(micro_batches):
                 self.objective.participate(model, self.device)
                 continue

@@ -123,6 +123,23 @@ def test_accumulation_equals_one_big_batch(world):
     assert any(not torch.equal(a[k], params(build_model(CONFIG, world))[k]) for k in a)
 
 
+def test_parameters_stay_gathered_and_gradients_unsynced_until_the_last_micro_batch(world, monkeypatch):
+    # Issue 13 (HSDP): the non-final micro-batches neither reduce gradients nor reshard parameters, so
+    # the next micro-batch's forward does not gather them again.
+    cfg = CONFIG.replace(micro_batch_size=2)
+    step = TrainStep(build_model(cfg, world), cfg, world)
+    calls = {"sync": [], "reshard": []}
+    for name, key in (("set_requires_gradient_sync", "sync"), ("set_reshard_after_backward", "reshard")):
+        real = getattr(step.model, name)
+        monkeypatch.setattr(
+            step.model, name, lambda flag, _real=real, _key=key: (calls[_key].append(flag), _real(flag))
+        )
+    patches, labels = batch(6, seed=2)
+    micro = [(patches[i : i + 2], labels[i : i + 2]) for i in (0, 2, 4)]
+    step(0, micro, global_count=6, micro_steps=4)  # three micro-batches and one zero-loss pass
+    assert calls == {"sync": [False, False, False, True], "reshard": [False, False, False, True]}
+
+
 RANK_SCRIPT = """
 import json, sys, torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
