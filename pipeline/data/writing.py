@@ -100,8 +100,11 @@ class ShardWriter:
         path = self.out_dir / f"{self.prefix}-{len(self.urls):06d}{suffix}"
         self.urls.append(str(path))
         self._raw = open(temporary_name(path), "wb")  # noqa: SIM115 - closed in _finish_shard
-        # mtime=0 in the gzip header too, so the bytes do not depend on when they were written.
-        self._zip = _gzip.GzipFile(fileobj=self._raw, mode="wb", mtime=0) if self.gzip else None
+        # The gzip header names the shard, not the temporary file it is written as, and holds mtime=0:
+        # the bytes depend on neither the random temporary name nor when they were written.
+        self._zip = (
+            _gzip.GzipFile(filename=path.name, fileobj=self._raw, mode="wb", mtime=0) if self.gzip else None
+        )
         self._tar = tarfile.open(fileobj=self._zip or self._raw, mode="w", format=tarfile.GNU_FORMAT)  # noqa: SIM115
 
     def _finish_shard(self) -> None:
