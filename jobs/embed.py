@@ -53,7 +53,7 @@ FLAGS = [
         choices=EMBEDDINGS,
     ),
     cli.Flag("image_size", "input resolution (default: the model's; others resample pos_embed)"),
-    cli.Flag("batch_size", "images per forward pass"),
+    cli.Flag("batch_size", "images per forward pass (default: 64 on CPU, 256 per GPU)"),
     cli.Flag("concurrency", "model actors, one GPU each on GPU"),
     cli.Flag(
         "cpus_per_actor",

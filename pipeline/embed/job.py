@@ -225,7 +225,7 @@ def describe_actors(config: EmbedConfig) -> None:
             "actors wait for a GPU (an autoscaler brings GPU nodes)"
         )
     device = "1 GPU, bf16" if config.use_gpu else f"{config.cpus_per_actor:g} CPUs, fp32"
-    print(f"{config.concurrency} model actor(s), {device} each, batch {config.batch_size}", flush=True)
+    print(f"{config.concurrency} model actor(s), {device} each, batch {config.forward_batch_size()}", flush=True)
 
 
 def _local_gpus() -> int:
@@ -256,11 +256,11 @@ def run(plan: EmbedPlan, *, on_commit: Callable[[str, dict], None] | None = None
                 "weights": [weights],
                 "config": plan.source.config.to_dict(),
                 "pre_logits": config.embedding == "pre_logits",
-                "batch_size": config.batch_size,
+                "batch_size": config.forward_batch_size(),
                 "use_gpu": config.use_gpu,
                 "threads": max(1, int(config.cpus_per_actor)),
             },
-            batch_size=config.batch_size,
+            batch_size=config.forward_batch_size(),
             batch_format="numpy",
             zero_copy_batch=True,
             compute=ray.data.ActorPoolStrategy(size=config.concurrency),
@@ -269,7 +269,7 @@ def run(plan: EmbedPlan, *, on_commit: Callable[[str, dict], None] | None = None
             # Declaring the actor's memory is right for scheduling, and it also keeps decoding in its
             # own CPU tasks: Ray fuses a task map into a following actor pool when their resource
             # requests are equal, which would put the decode on the model's actor.
-            memory=actor_memory(plan.source.config, config.batch_size, config.use_gpu),
+            memory=actor_memory(plan.source.config, config.forward_batch_size(), config.use_gpu),
         )
         # No prefetch: Ray's prefetcher holds back blocks until its buffer is full, which delays every
         # commit (and so what a crash keeps); the executor computes ahead in its own thread anyway.

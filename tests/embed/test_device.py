@@ -90,3 +90,12 @@ def test_the_command_line_takes_gpu(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["use_gpu"] is True
+
+
+def test_the_forward_batch_follows_the_device_unless_given():
+    config = EmbedConfig(data="x", weights="w", out="o")
+    assert config.forward_batch_size() == 64  # CPU: activations in host memory
+    assert config.replace(use_gpu=True).forward_batch_size() == 256  # a GPU needs more to stay busy
+    assert config.replace(use_gpu=True, batch_size=32).forward_batch_size() == 32
+    with pytest.raises(ValueError, match="must be positive"):
+        config.replace(batch_size=0).validate()
