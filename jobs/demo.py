@@ -1,7 +1,9 @@
 """The quickstart demo (`make demo`): the whole pipeline, locally on CPU, on generated data.
 
 Writes a small synthetic shard set, pretrains the `tiny` preset with 2 FSDP2 workers on a local
-Ray, extracts CLS embeddings to Parquet, plots the training curve, and prints where everything is.
+Ray, extracts CLS embeddings to Parquet, fine-tunes the result at a higher resolution (48 px, a new
+head) against a held-out set, draws what the model learned (the paper's Fig. 7), plots the training
+curve, and prints where everything is.
 Each stage runs the command a user would type, so what works here works on a cluster with other
 flags (printed at the end).
 """
@@ -56,14 +58,25 @@ def main() -> None:
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time: no resuming an older demo
     shards, run, embeddings = out / "shards", out / "run", out / "embeddings"
+    held_out, finetuned, analysis = out / "held-out", out / "finetuned", out / "analysis"
     start = time.perf_counter()
     seconds = [
-        stage("1/3 synthetic shards", "make_shards.py", "--synthetic", str(args.samples), "--out", str(shards)),
+        stage("1/5 synthetic shards", "make_shards.py", "--synthetic", str(args.samples), "--out", str(shards))
+        + stage("1/5 held-out shards (another seed)", "make_shards.py", "--synthetic", "128", "--seed", "1",
+                "--out", str(held_out)),
         # A log line every 40 of the 240 steps: the demo's whole console fits on about one screen.
-        stage("2/3 pretrain the tiny preset (2 FSDP2 workers, local Ray)", "pretrain.py",
+        stage("2/5 pretrain the tiny preset (2 FSDP2 workers, local Ray)", "pretrain.py",
               "--preset", "tiny", "--data", str(shards), "--out", str(run), "--log-every", "40"),
-        stage("3/3 extract CLS embeddings", "embed.py", "--data", str(shards), "--weights", str(run / "final"),
+        stage("3/5 extract CLS embeddings", "embed.py", "--data", str(shards), "--weights", str(run / "final"),
               "--out", str(embeddings)),
+        # Images the model never saw (another seed), fine-tuned on at 48 px: 6x6 patches after 4x4.
+        stage("4/5 fine-tune at 48 px (new head, SGD), evaluated on held-out images", "finetune.py",
+              "--weights", str(run), "--data", str(shards), "--eval-data", str(held_out), "--out", str(finetuned),
+              "--image-size", "48", "--num-classes", "10", "--cpu", "--num-workers", "2", "--batch-size", "64",
+              "--micro-batch-size", "32", "--max-steps", "30", "--warmup-steps", "3", "--lr", "0.01",
+              "--log-every", "30", "--checkpoint-every", "30"),
+        stage("5/5 what the model learned (the paper's Fig. 7)", "analyze.py", "--weights", str(run / "final"),
+              "--data", str(held_out), "--out", str(analysis), "--images", "16", "--cpu"),
     ]  # fmt: skip
 
     import pyarrow.parquet as pq
@@ -72,17 +85,24 @@ def main() -> None:
     from pipeline.train.metrics import plot_training_curve
 
     rows = read_metrics(str(run))
+    tuned = [r for r in read_metrics(str(finetuned)) if r.get("eval_accuracy") is not None][-1]
     curve = plot_training_curve(rows, str(run / "training_curve.png"))
     table = pq.read_table(embeddings)
     dim = table.schema.field("embedding").type.list_size
     first, last = rows[0], rows[-1]
     stages = ", ".join(
-        f"{name} {s:.0f} s" for name, s in zip(("shards", "pretraining", "embeddings"), seconds, strict=True)
+        f"{name} {s:.0f} s"
+        for name, s in zip(
+            ("shards", "pretraining", "embeddings", "fine-tuning", "analysis"), seconds, strict=True
+        )
     )
     print(f"\n=== vitray demo finished in {time.perf_counter() - start:.0f} s ({stages})")
     print(f"training:   loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}), "
           f"accuracy {100 * first['accuracy']:.0f}% -> {100 * last['accuracy']:.0f}%")  # fmt: skip
     print(f"curve:      {curve}")
+    print(f"fine-tuned: {finetuned / 'final'}  (48 px, eval accuracy {100 * tuned['eval_accuracy']:.0f}% "
+          f"on {held_out.name}/ at step {tuned['step']})")  # fmt: skip
+    print(f"figures:    {', '.join(str(p) for p in sorted(analysis.glob('*.png')))}")
     print(f"weights:    {run / 'final'}")
     print(f"embeddings: {embeddings}  ({table.num_rows} rows of {args.samples} images, D = {dim})")
     print(f"read them:  python -c \"import pandas; print(pandas.read_parquet('{embeddings}').head())\"")

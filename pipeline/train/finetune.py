@@ -139,8 +139,9 @@ def evaluate(
         if batch is None:
             model(idle)
             continue
-        patches = torch.from_numpy(np.ascontiguousarray(batch["patches"])).to(device)
-        labels = torch.from_numpy(np.ascontiguousarray(batch["label"])).to(device)
+        # Ray hands out read-only arrays, which torch must not wrap: copied where they are.
+        patches = torch.from_numpy(np.require(batch["patches"], requirements=("C", "W"))).to(device)
+        labels = torch.from_numpy(np.require(batch["label"], requirements=("C", "W"))).to(device)
         hits += (model(patches).argmax(-1) == labels).sum()
         count += labels.numel()
     totals = torch.tensor([float(hits.item()), float(count)], dtype=torch.float64)

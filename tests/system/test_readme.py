@@ -25,7 +25,9 @@ def test_quickstart_is_the_two_make_commands():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
-@pytest.mark.parametrize("job", ["pretrain.py", "embed.py", "make_shards.py", "evaluate.py", "analyze.py"])
+@pytest.mark.parametrize(
+    "job", ["pretrain.py", "finetune.py", "embed.py", "make_shards.py", "evaluate.py", "analyze.py"]
+)
 def test_every_option_of_a_job_is_documented(job):
     result = subprocess.run(
         [sys.executable, str(ROOT / "jobs" / job), "--help"],
