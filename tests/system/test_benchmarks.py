@@ -1,0 +1,134 @@
+"""The benchmarks' options run at a tiny size on CPU, as a user runs them: `train --compare-timm --trace`
+and `embed --compare-timm`. timm is not installed here (it needs torchvision, which has no build beside
+the CPU torch), so a stand-in package named timm, put first on PYTHONPATH, whose `create_model` builds a
+ViT of the asked shape from vitray's own parts, takes its place: what is tested is the benchmark's logic
+(the shape it asks for, the alternation, the report), not timm."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--model", "vit_tiny_test", "--image-size", "32", "--num-classes", "4"]
+
+# timm's VisionTransformer interface, as the benchmarks use it: float images in, logits out. Every
+# model built is recorded (its keyword arguments and whether checkpointing was asked) at exit.
+STAND_IN = """
+import atexit, json, os
+from torch import nn
+import vit
+
+__version__ = "stand-in"
+BUILT = []
+
+
+class StandInViT(nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.kwargs = kwargs
+        self.model = vit.create_model(
+            "vit_tiny_test", image_size=kwargs["img_size"], patch_size=kwargs["patch_size"],
+            embed_dim=kwargs["embed_dim"], depth=kwargs["depth"], num_heads=kwargs["num_heads"],
+            mlp_dim=round(kwargs["mlp_ratio"] * kwargs["embed_dim"]), num_classes=kwargs["num_classes"],
+            head="finetune",
+        )
+        self.checkpointing = False
+        BUILT.append(self)
+
+    def set_grad_checkpointing(self, enable=True):
+        self.checkpointing = enable
+
+    def forward(self, images):
+        assert images.is_floating_point() and images.dim() == 4
+        return self.model(images)
+
+    def forward_features(self, images):
+        return self.model.forward_features(images)
+
+
+def create_model(name, pretrained=False, **kwargs):
+    assert not pretrained
+    return StandInViT(**kwargs)
+
+
+@atexit.register
+def _record():
+    with open(os.environ["TIMM_STAND_IN_LOG"], "w") as f:
+        json.dump([{"kwargs": m.kwargs, "checkpointing": m.checkpointing} for m in BUILT], f)
+"""
+
+
+def benchmark(*args: str, stand_in: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if stand_in is not None:
+        (stand_in / "timm").mkdir(parents=True, exist_ok=True)
+        (stand_in / "timm" / "__init__.py").write_text(STAND_IN)
+        env["PYTHONPATH"] = os.pathsep.join([str(stand_in), str(ROOT), env.get("PYTHONPATH", "")])
+        env["TIMM_STAND_IN_LOG"] = str(stand_in / "built.json")
+    return subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "benchmark.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_train_compares_with_timm_alternating_and_writes_a_trace(tmp_path):
+    trace = tmp_path / "step.json"
+    result = benchmark(
+        "train", *TINY, "--micro-batch-size", "2", "--configs", "eager,ac-ops+fused", "--warmup", "1",
+        "--iters", "2", "--compare-timm", "--trace", str(trace), "--json", str(tmp_path / "t.json"),
+        stand_in=tmp_path / "site",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    built = json.loads((tmp_path / "site" / "built.json").read_text())
+    # timm's model has vitray's shape, and checkpointing as each configuration says.
+    assert [m["kwargs"]["depth"] for m in built] == [2, 2]
+    assert [m["checkpointing"] for m in built] == [False, True]
+    assert built[0]["kwargs"]["embed_dim"] == 64 and built[0]["kwargs"]["mlp_ratio"] == 2.0
+    figures = json.loads((tmp_path / "t.json").read_text())
+    configs = [r["config"] for r in figures["results"]]
+    assert configs == ["eager", "timm (eager)", "ac-ops+fused", "timm (ac-ops+fused)"]
+    assert all(r["images_per_s"] > 0 for r in figures["results"])
+    assert [r["optimizer"] for r in figures["results"]] == ["foreach", "foreach", "fused", "foreach"]
+    assert figures["vitray_over_timm"].keys() == {"eager", "ac-ops+fused"}
+    assert "timm (ac-ops+fused)" in result.stdout and "vitray / timm images/s, eager:" in result.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("aten::" in e.get("name", "") for e in events), "the trace holds no operator"
+
+
+def test_train_without_timm_says_so_in_one_line_and_still_measures(tmp_path):
+    result = benchmark(
+        "train", *TINY, "--micro-batch-size", "2", "--configs", "eager", "--warmup", "1", "--iters", "1",
+        "--compare-timm", "--json", str(tmp_path / "t.json"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "timm is not installed: --compare-timm skipped" in result.stdout
+    assert [r["config"] for r in json.loads((tmp_path / "t.json").read_text())["results"]] == ["eager"]
+
+
+def test_train_refuses_an_unknown_switch_before_building_anything():
+    result = benchmark("train", *TINY, "--configs", "compiled+ac")
+    assert result.returncode != 0
+    assert "unknown switch 'compiled' in --configs 'compiled+ac'" in result.stderr
+
+
+def test_embed_model_only_compares_with_timm_forward_features(tmp_path):
+    result = benchmark(
+        "embed", *TINY[:4], "--batch-size", "2", "--iters", "2", "--model-only", "--compare-timm",
+        "--json", str(tmp_path / "e.json"), stand_in=tmp_path / "site",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    built = json.loads((tmp_path / "site" / "built.json").read_text())
+    assert built[0]["kwargs"]["num_classes"] == 0 and built[0]["kwargs"]["depth"] == 2
+    figures = json.loads((tmp_path / "e.json").read_text())
+    assert figures["model_only_images_per_s"] > 0 and figures["vitray_over_timm_model_only"] > 0
+    assert "model only, timm forward_features" in result.stdout
+    assert "vitray / timm (model only)" in result.stdout
+    assert "shards of" not in result.stdout  # --model-only writes no shards
