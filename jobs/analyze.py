@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from pipeline import cli
-from pipeline.weights import FORMATS
 from pipeline.evaluate.config import AnalyzeConfig
+from pipeline.weights import FORMATS
 
 FLAGS = [
     cli.Flag("weights", "run dir, final/ export, checkpoint_* dir, HF dir or weights file", required=True),

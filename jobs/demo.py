@@ -34,8 +34,11 @@ The same on a GPU cluster (README, "Run on a cluster"):
 
 
 def stage(title: str, script: str, *args: str) -> float:
-    """Run `python jobs/<script> <args>` as a user would, stopping the demo if it fails; its seconds."""
-    print(f"\n=== {title}\n$ python jobs/{script} {' '.join(args)}", flush=True)
+    """Run `python jobs/<script> <args>` as a user would, stopping the demo if it fails; its seconds.
+    Without a title, it continues the stage before (its command shown, not a new header)."""
+    if title:
+        print(f"\n=== {title}")
+    print(f"$ python jobs/{script} {' '.join(args)}", flush=True)
     start = time.perf_counter()
     result = subprocess.run([sys.executable, str(ROOT / "jobs" / script), *args], cwd=ROOT)
     if result.returncode != 0:
@@ -62,11 +65,10 @@ def main() -> None:
     start = time.perf_counter()
     seconds = [
         stage("1/5 synthetic shards", "make_shards.py", "--synthetic", str(args.samples), "--out", str(shards))
-        + stage("1/5 held-out shards (another seed)", "make_shards.py", "--synthetic", "128", "--seed", "1",
-                "--out", str(held_out)),
-        # A log line every 40 of the 240 steps: the demo's whole console fits on about one screen.
+        + stage("", "make_shards.py", "--synthetic", "128", "--seed", "1", "--out", str(held_out)),
+        # A log line every 60 of the 240 steps: the demo's whole console fits on about one screen.
         stage("2/5 pretrain the tiny preset (2 FSDP2 workers, local Ray)", "pretrain.py",
-              "--preset", "tiny", "--data", str(shards), "--out", str(run), "--log-every", "40"),
+              "--preset", "tiny", "--data", str(shards), "--out", str(run), "--log-every", "60"),
         stage("3/5 extract CLS embeddings", "embed.py", "--data", str(shards), "--weights", str(run / "final"),
               "--out", str(embeddings)),
         # Images the model never saw (another seed), fine-tuned on at 48 px: 6x6 patches after 4x4.

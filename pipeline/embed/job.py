@@ -225,7 +225,9 @@ def describe_actors(config: EmbedConfig) -> None:
             "actors wait for a GPU (an autoscaler brings GPU nodes)"
         )
     device = "1 GPU, bf16" if config.use_gpu else f"{config.cpus_per_actor:g} CPUs, fp32"
-    print(f"{config.concurrency} model actor(s), {device} each, batch {config.forward_batch_size()}", flush=True)
+    print(
+        f"{config.concurrency} model actor(s), {device} each, batch {config.forward_batch_size()}", flush=True
+    )
 
 
 def _local_gpus() -> int:

@@ -27,11 +27,11 @@ import torch
 import vit
 from pipeline import storage
 from pipeline.data.shards import expand_shards
-from pipeline.weights import load_model_source
 from pipeline.evaluate import analysis, figures, reconstruction
 from pipeline.evaluate.attention import attention_distances, patch_distances
 from pipeline.evaluate.config import AnalyzeConfig
 from pipeline.evaluate.samples import eval_config, eval_patches
+from pipeline.weights import load_model_source
 
 FILTERS_PNG = "patch_embedding_filters.png"
 POSITIONS_PNG = "position_embedding_similarity.png"
@@ -57,7 +57,7 @@ class AnalysisResult:
             f"  (uniform attention: {n['uniform_attention_distance']:.1f} px)",
             f"position embedding similarity: adjacent {position['adjacent']:.3f}, distant {position['distant']:.3f}",
         ]
-        lines += [f"wrote {storage.join(self.out, f)}" for f in self.files]
+        lines.append(f"wrote {', '.join(self.files)} to {self.out}")
         return "\n".join(lines)
 
 

@@ -142,7 +142,8 @@ def test_analyze_writes_three_readable_figures_and_the_numbers(export, synthetic
     ):
         with Image.open(out / name) as image:
             assert image.format == "PNG" and min(image.size) >= 400, name
-        assert str(out / name) in printed
+        assert name in printed.splitlines()[-1]  # one line names every file written ...
+    assert printed.splitlines()[-1].endswith(f" to {out}")  # ... and where
     numbers = json.loads((out / "analysis.json").read_text())
     assert numbers["images"] == 5
     distances = np.array(numbers["mean_attention_distance"])
