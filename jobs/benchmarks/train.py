@@ -37,9 +37,10 @@ from jobs.benchmarks.model import interleaved_seconds
 from jobs.benchmarks.report import print_table, write_json
 from jobs.benchmarks.timing import matmul_tflops, time_step
 from pipeline.train.config import TrainConfig
-from pipeline.train.model import build_model, init_distributed, model_config
+from pipeline.train.model import build_model, init_distributed
+from pipeline.train.objective import Objective, objective_for
 from pipeline.train.optim import optimizer_kernels
-from pipeline.train.step import TrainStep, peak_tflops, train_flops_per_image
+from pipeline.train.step import TrainStep, peak_tflops
 
 CONFIGS = ("eager", "compile", "ac", "compile+ac")  # the usual ones; any `+` join of SWITCHES works
 # What each switch of a configuration name sets in the TrainConfig.
@@ -83,6 +84,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--compare-timm", action="store_true", help="timm's ViT of the same size, steps alternating"
     )
+    p.add_argument(
+        "--objective", default="supervised", choices=("supervised", "mae"),
+        help="supervised (classifier head) or mae (encoder on the visible patches + decoder; MFU with MAE's FLOPs)",
+    )  # fmt: skip
+    p.add_argument(
+        "--mask-ratio", type=float, default=0.75, help="share of patches hidden with --objective mae"
+    )
     p.add_argument("--trace", metavar="PATH", help="write a torch.profiler trace (JSON) of one step")
     p.add_argument("--json", help="also write the figures to this JSON file")
     return p.parse_args(argv)
@@ -101,23 +109,26 @@ def measure(
         num_workers=world,
         warmup_steps=1,
         max_steps=10**6,
+        objective=args.objective,
+        mask_ratio=args.mask_ratio,
         **switches(name),
     )
-    mcfg = model_config(config)
+    objective = objective_for(config)
     model = build_model(config, device)
     step = TrainStep(model, config, device)
     g = torch.Generator(device="cpu").manual_seed(dist.get_rank())
-    shape = (args.micro_batch_size, mcfg.num_patches, mcfg.patch_dim)
-    patches = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(device)
-    labels = torch.randint(0, config.num_classes, (args.micro_batch_size,), generator=g).to(device)
+    batch = tuple(t.to(device) for t in random_batch(objective, args.micro_batch_size, g))
     counter = iter(range(10**9))
 
     def one_step() -> None:
-        step(next(counter), [(patches, labels)], global_count=args.micro_batch_size * world)
+        step(next(counter), [batch], global_count=args.micro_batch_size * world)
 
     steps = {name: one_step}
     kernels = {name: optimizer_kernels(step.optimizer)}
-    if args.compare_timm and world == 1 and timm_available():
+    mcfg = objective.model_config
+    if args.compare_timm and args.objective != "supervised":
+        print("timm has no MAE decoder: --compare-timm skipped for --objective mae")
+    elif args.compare_timm and world == 1 and timm_available():
         steps[f"timm ({name})"], kernels[f"timm ({name})"] = timm_step(
             config, mcfg, args.micro_batch_size, device
         )
@@ -140,9 +151,23 @@ def measure(
     for label, sec in seconds.items():
         per_device = args.micro_batch_size / sec
         rows.append({"config": label, "images_per_s": per_device * world, "images_per_s_per_device": per_device,
-                     "step_ms": sec * 1e3, "flops_per_image": train_flops_per_image(mcfg),
+                     "step_ms": sec * 1e3, "flops_per_image": objective.flops_per_image(),
                      "optimizer": kernels[label], "peak_gib": peak_gib if label == name else None})  # fmt: skip
     return rows
+
+
+def random_batch(objective: Objective, size: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """One micro-batch of random input in the objective's columns: supervised (patches, labels); MAE
+    (visible, masked, ids_shuffle), the form the data stage's mask gives."""
+    c = objective.model_config
+    if objective.name == "supervised":
+        patches = torch.randint(0, 256, (size, c.num_patches, c.patch_dim), dtype=torch.uint8, generator=g)
+        return patches, torch.randint(0, c.num_classes, (size,), generator=g)
+    n = objective.num_visible
+    ids = torch.stack([torch.randperm(c.num_patches, generator=g) for _ in range(size)])  # visible first
+    visible = torch.randint(0, 256, (size, n, c.patch_dim), dtype=torch.uint8, generator=g)
+    masked = torch.randint(0, 256, (size, c.num_patches - n, c.patch_dim), dtype=torch.uint8, generator=g)
+    return visible, masked, ids
 
 
 def timm_available() -> bool:
@@ -234,6 +259,8 @@ def main(argv: list[str]) -> dict:
     figures = {
         "benchmark": "train",
         "model": args.model,
+        "objective": args.objective,
+        "mask_ratio": args.mask_ratio if args.objective == "mae" else None,
         "image_size": args.image_size,
         "micro_batch_size": args.micro_batch_size,
         "world_size": world,

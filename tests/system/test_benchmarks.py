@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "vit_tiny_test", "--image-size", "32", "--num-classes", "4"]
 
@@ -132,3 +134,36 @@ def test_embed_model_only_compares_with_timm_forward_features(tmp_path):
     assert "model only, timm forward_features" in result.stdout
     assert "vitray / timm (model only)" in result.stdout
     assert "shards of" not in result.stdout  # --model-only writes no shards
+
+
+def test_train_measures_an_mae_step_with_mae_flops(tmp_path):
+    args = ["--micro-batch-size", "2", "--configs", "eager", "--warmup", "1", "--iters", "1"]
+    figures = {}
+    for objective in ("supervised", "mae"):
+        result = benchmark(
+            "train",
+            *TINY,
+            *args,
+            "--objective",
+            objective,
+            "--compare-timm",
+            "--json",
+            str(tmp_path / f"{objective}.json"),
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        figures[objective] = json.loads((tmp_path / f"{objective}.json").read_text())
+    mae = figures["mae"]
+    assert mae["objective"] == "mae" and mae["mask_ratio"] == 0.75
+    assert "timm has no MAE decoder" in result.stdout
+    # MFU's numerator: 3 x (the encoder on a quarter of the tokens + MAE's default decoder on all).
+    import vit
+    from pipeline.data.masking import num_visible
+
+    encoder = vit.get_config("vit_tiny_test", image_size=32, num_classes=4)
+    decoder = vit.MAEConfig(decoder_dim=512, decoder_depth=8, decoder_num_heads=16)
+    expected = 3 * vit.count_mae_flops(encoder, decoder, num_visible(encoder.num_patches, 0.75))
+    assert mae["results"][0]["flops_per_image"] == pytest.approx(expected)
+    assert figures["supervised"]["results"][0]["flops_per_image"] == pytest.approx(
+        3 * vit.count_flops(encoder)
+    )
+    assert mae["results"][0]["images_per_s"] > 0
