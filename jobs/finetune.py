@@ -28,9 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from jobs.pretrain import FLAGS as PRETRAIN_FLAGS
+from jobs.pretrain import resolve_training, training_parser
 from pipeline import cli
 from pipeline.train.config import TrainConfig
-from pipeline.train.presets import PRESETS
 
 # Pretraining's flags that mean the same here; the model and the objective come from --weights.
 SHARED = {flag.field: flag for flag in PRETRAIN_FLAGS}
@@ -60,23 +60,11 @@ FLAGS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jobs/finetune.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--preset", default="finetune", choices=sorted(PRESETS), help="base configuration (default: finetune)"
-    )
-    cli.add_flags(parser, TrainConfig, FLAGS)
-    parser.add_argument(
-        "--cpu", action="store_true", help="train on CPU workers (gloo) even where GPUs exist"
-    )
-    cli.add_ray_flags(parser)
-    return parser
+    return training_parser("jobs/finetune.py", __doc__, FLAGS, "finetune")
 
 
 def resolve(args: argparse.Namespace) -> TrainConfig:
-    config = PRESETS[args.preset]().replace(objective="supervised", **cli.overrides(args, FLAGS))
-    return config.replace(use_gpu=False) if args.cpu else config
+    return resolve_training(args, FLAGS, objective="supervised")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,14 +94,20 @@ FLAGS = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def training_parser(
+    prog: str, description: str, flags: list[cli.Flag], default_preset: str
+) -> argparse.ArgumentParser:
+    """The command line of a training job (pretraining, fine-tuning): a preset, its flags, --cpu, Ray's."""
     parser = argparse.ArgumentParser(
-        prog="jobs/pretrain.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--preset", default="tiny", choices=sorted(PRESETS), help="base configuration (default: tiny)"
+        "--preset",
+        default=default_preset,
+        choices=sorted(PRESETS),
+        help=f"base configuration (default: {default_preset})",
     )
-    cli.add_flags(parser, TrainConfig, FLAGS)
+    cli.add_flags(parser, TrainConfig, flags)
     parser.add_argument(
         "--cpu", action="store_true", help="train on CPU workers (gloo) even where GPUs exist"
     )
@@ -109,9 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve(args: argparse.Namespace) -> TrainConfig:
-    config = PRESETS[args.preset]().replace(**cli.overrides(args, FLAGS))
+def resolve_training(args: argparse.Namespace, flags: list[cli.Flag], **fixed: object) -> TrainConfig:
+    """The preset, with the fields ``fixed`` sets and then the flags given; --cpu last."""
+    config = PRESETS[args.preset]().replace(**fixed, **cli.overrides(args, flags))
     return config.replace(use_gpu=False) if args.cpu else config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return training_parser("jobs/pretrain.py", __doc__, FLAGS, "tiny")
+
+
+def resolve(args: argparse.Namespace) -> TrainConfig:
+    return resolve_training(args, FLAGS)
 
 
 def main(argv: list[str] | None = None) -> int:
