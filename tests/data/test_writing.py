@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -127,6 +128,24 @@ def test_folder_source_keeps_original_bytes_and_labels_by_sorted_class(tmp_path)
             assert image == originals[meta["path"]]  # stored as it was
         else:
             assert "jpg" in members_of  # BMP is re-encoded
+
+    # The same arguments write the same bytes: into another --out, with the files' times changed,
+    # plain and gzipped, originals kept and re-encoded (--max-size 10: every image is larger).
+    for path in root.rglob("*"):
+        os.utime(path, (1_000_000, 1_000_000))
+
+    def shard_bytes(out: str, *extra: str) -> list[bytes]:
+        args = ["--from-folder", str(root), "--out", str(tmp_path / out), "--samples-per-shard", "4"]
+        return [Path(u).read_bytes() for u in load_cli().main([*args, *extra]).urls]
+
+    assert shard_bytes("again") == [Path(u).read_bytes() for u in shard_set.urls]
+    assert shard_bytes("gz-a", "--gzip") == shard_bytes("gz-b", "--gzip")
+    small = shard_bytes("small-a", "--gzip", "--max-size", "10")
+    assert small == shard_bytes("small-b", "--gzip", "--max-size", "10")
+    reencoded = [
+        data for name, data in members(str(next((tmp_path / "small-a").iterdir()))) if name.endswith(".jpg")
+    ]
+    assert reencoded and not set(reencoded) & set(originals.values())
 
 
 def test_writer_refuses_dotted_keys_and_leaves_no_partial_shard(tmp_path):
