@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,6 +191,58 @@ def test_transformers_directory_converts_and_embeds_like_transformers(tmp_path):
         torch.testing.assert_close(model.embed(x, pre_logits=True), out.pooler_output, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match=r"embed_dim 64.*not vit_ti16"):
         load_model_source(str(tmp_path / "hf"), model="vit_ti16")
+
+
+def test_weights_files_of_other_libraries_embed_as_their_own_model(synthetic_shards, tmp_path):
+    """What jobs/embed.py resolves --weights to before any Ray work (`pipeline.embed.job.prepare`), for
+    a torchvision .pth, a transformers .bin and a timm single-file .safetensors: the format told from
+    the keys, and the model built from them embedding as the source library's model does."""
+    import torch.nn.functional as F
+    from safetensors.torch import save_file
+
+    from pipeline.embed.config import EmbedConfig
+    from pipeline.embed.job import prepare
+    from tests.vit.test_convert import random_state_dict, torchvision_reference, torchvision_shapes
+
+    def plan(weights: Path):
+        config = EmbedConfig(
+            data=synthetic_shards.dir, weights=str(weights), out=str(tmp_path / weights.stem)
+        )
+        built = prepare(config)
+        model = build_embedding_model(built.source.config, built.source.state_dict, "cpu")
+        return built, model
+
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+    tv = random_state_dict(torchvision_shapes())
+    torch.save(tv, tmp_path / "torchvision.pth")
+    built, model = plan(tmp_path / "torchvision.pth")
+    assert built.header["weights"]["source"] == "torchvision" and built.header["dim"] == 64
+    assert built.source.config.name == TINY
+    with torch.no_grad():  # the [CLS] embedding is what torchvision's classifier reads
+        logits = F.linear(model.embed(x), tv["heads.head.weight"], tv["heads.head.bias"])
+        torch.testing.assert_close(logits, torchvision_reference(tv, x), rtol=1e-4, atol=1e-4)
+
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, attn_implementation="eager",
+    )  # fmt: skip
+    hf = perturbed(transformers.ViTModel(hf_config))
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    built, model = plan(tmp_path / "pytorch_model.bin")
+    assert built.header["weights"]["source"] == "hf"
+    with torch.no_grad():
+        expected = hf(pixel_values=x).last_hidden_state[:, 0]
+        torch.testing.assert_close(model.embed(x), expected, rtol=1e-4, atol=1e-4)
+
+    vitray = perturbed(vit.create_model(TINY, num_classes=4))
+    save_file(timm_layout(vitray.state_dict(), vitray.config), tmp_path / "model.safetensors")
+    built, model = plan(tmp_path / "model.safetensors")
+    assert built.header["weights"]["source"] == "timm"
+    assert built.source.sha256 == state_dict_sha256(vitray.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model.embed(x), vitray.embed(x), rtol=1e-5, atol=1e-5)
 
 
 def test_paths_that_hold_no_weights_fail_in_one_line(tmp_path):
