@@ -71,9 +71,21 @@ def pair(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not MIN,MAX (two numbers and a comma)") from e
 
 
-def optional_str(text: str) -> str | None:
-    """``none`` (any case) -> None, for fields where None means "not there" (``--label-key none``)."""
-    return None if text.lower() == "none" else text
+class _GivenAsNone:
+    """What `optional_str` returns for ``none``: a flag given as none, which `overrides` turns into
+    None; a plain None is a flag left out, which keeps the base value."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+GIVEN_AS_NONE = _GivenAsNone()
+
+
+def optional_str(text: str) -> str | _GivenAsNone:
+    """``none`` (any case) -> None in the config, for fields where None means "not there"
+    (``--label-key none``)."""
+    return GIVEN_AS_NONE if text.lower() == "none" else text
 
 
 def json_object(text: str) -> dict:
@@ -134,8 +146,10 @@ def add_flags(
 
 
 def overrides(args: argparse.Namespace, flags: Sequence[Flag]) -> dict[str, Any]:
-    """The fields the command line set (flags left out are absent, so the base value stays)."""
-    return {f.field: getattr(args, f.field) for f in flags if getattr(args, f.field) is not None}
+    """The fields the command line set (flags left out are absent, so the base value stays; a flag
+    given as ``none`` sets None)."""
+    given = {f.field: getattr(args, f.field) for f in flags if getattr(args, f.field) is not None}
+    return {name: None if value is GIVEN_AS_NONE else value for name, value in given.items()}
 
 
 def add_ray_flags(parser: argparse.ArgumentParser) -> None:

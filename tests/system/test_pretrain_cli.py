@@ -43,8 +43,9 @@ def test_help_lists_exactly_the_frozen_flags():
 
 def test_flags_override_the_preset():
     result = run(
-        "--preset", "vit_h14_224", "--data", "x", "--out", "y", "--lr", "0.5", "--cpu", "--print-config"
-    )
+        "--preset", "vit_h14_224", "--data", "x", "--out", "y", "--lr", "0.5", "--cpu",
+        "--objective", "mae", "--label-key", "none", "--print-config",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     config = json.loads(result.stdout)
     assert (config["model"], config["lr"], config["use_gpu"], config["batch_size"]) == (
@@ -53,6 +54,7 @@ def test_flags_override_the_preset():
         False,
         4096,
     )
+    assert config["label_key"] is None  # `none` sets None, where a flag left out keeps the preset's
 
 
 def test_augmentation_flags_reach_the_data_stage():
@@ -77,6 +79,8 @@ def test_augmentation_flags_reach_the_data_stage():
         (["--model", "vit_nope"], "unknown model 'vit_nope'; choose one of: vit_ti16"),
         (["--image-size", "30"], "image_size 30 is not divisible by patch_size 8"),
         (["--batch-size", "48"], "is not a multiple of --micro-batch-size"),
+        # 4 shards: every worker needs one of its own.
+        (["--num-workers", "5", "--batch-size", "160"], "4 shard(s) for 5 workers: every worker needs"),
     ],
 )
 def test_bad_configuration_fails_at_once_with_one_line(synthetic_shards, tmp_path, args, message):
