@@ -6,6 +6,7 @@ shared local Ray over tiny shards with the tiny model (each run starts one model
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -35,6 +36,11 @@ from pipeline.embed.output import MANIFEST, METADATA_KEY, RECORDS, assign_names,
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "vit_tiny_test"
 D = 64
+# The job script itself, run in this process where it needs no Ray (its output captured), under a
+# name no package has.
+_spec = importlib.util.spec_from_file_location("vitray_jobs_embed", ROOT / "jobs" / "embed.py")
+embed_job = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(embed_job)
 
 
 def trained_model(seed: int = 0) -> vit.VisionTransformer:
@@ -277,13 +283,16 @@ def test_an_interrupted_run_resumes_to_exactly_one_row_per_key(
 
 @pytest.fixture(scope="module")
 def corrupt_shard(tmp_path_factory):
-    """One shard: 6 good JPEGs with a truncated JPEG and a zero-byte image between them."""
+    """One shard: 6 good JPEGs and one without a label, with a truncated JPEG and a zero-byte image
+    between them."""
     members = []
     for i in range(6):
         pixels, label = render(i, image_size=48, num_classes=4)
         members += [(f"good{i}.cls", str(label).encode()), (f"good{i}.jpg", encode(pixels))]
         if i == 2:
             members += [("bad-empty.cls", b"1"), ("bad-empty.jpg", b"")]
+        if i == 3:  # an image without its label member: a row with a null label, not a bad sample
+            members += [("nolabel.jpg", encode(render(9, image_size=48, num_classes=4)[0]))]
         if i == 4:
             big = np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8)
             buf = io.BytesIO()
@@ -304,7 +313,14 @@ def test_bad_samples_are_listed_in_the_manifest_and_absent_from_rows(
         data=f"{mixed},{empty}", weights=export[0], out=str(tmp_path), batch_size=4, max_bad_fraction=0.5
     )
     summary = run(prepare(config))
-    assert sorted(read_rows(tmp_path)["key"]) == [f"good{i}" for i in range(6)]
+    rows = read_rows(tmp_path)
+    labels = dict(zip(rows["key"], rows["label"], strict=True))
+    assert sorted(labels) == [f"good{i}" for i in range(6)] + ["nolabel"]
+    assert labels["nolabel"] is None
+    assert [labels[f"good{i}"] for i in range(6)] == [
+        render(i, image_size=48, num_classes=4)[1] for i in range(6)
+    ]
+    assert str(pq.read_table(tmp_path / "mixed-000000.parquet").schema.field("label").type) == "int64"
     assert manifest(tmp_path)["shards"][empty]["rows"] == 0  # committed too: an empty file, same schema
     assert pq.read_table(tmp_path / "mixed-000001.parquet").schema == pq.read_table(tmp_path).schema
     skipped = manifest(tmp_path)["shards"][mixed]["skipped"]
@@ -320,13 +336,27 @@ def test_bad_samples_are_listed_in_the_manifest_and_absent_from_rows(
 
 
 def test_an_unreadable_shard_is_not_committed_and_the_next_run_retries_it(
-    ray_session, synthetic_shards, export, tmp_path
+    ray_session, synthetic_shards, export, tmp_path, capsys
 ):
     shards = tmp_path / "shards"
     shards.mkdir()
     for url in synthetic_shards.urls[:2]:
         (shards / Path(url).name).write_bytes(Path(url).read_bytes())
-    config = EmbedConfig(data=str(shards), weights=export[0], out=str(tmp_path / "out"), batch_size=8)
+    # The configuration as `jobs/embed.py ... --label-key none` makes it: the labels the shards hold
+    # are not read, and every row's label is null.
+    args = [
+        "--data",
+        str(shards),
+        "--weights",
+        export[0],
+        "--out",
+        str(tmp_path / "out"),
+        "--batch-size",
+        "8",
+    ]
+    assert embed_job.main([*args, "--cpu", "--label-key", "none", "--print-config"]) == 0
+    config = EmbedConfig(**json.loads(capsys.readouterr().out))
+    assert config.label_key is None
     plan = prepare(config)
     gone = shards / Path(synthetic_shards.urls[1]).name
     saved = gone.read_bytes()
@@ -338,9 +368,12 @@ def test_an_unreadable_shard_is_not_committed_and_the_next_run_retries_it(
     gone.write_bytes(saved)
     again = run(prepare(config))
     assert (again.committed, again.already_done, again.failed, again.rows_in_output) == (1, 1, {}, 24)
+    labels = read_rows(tmp_path / "out")["label"]
+    assert len(labels) == 24 and all(label is None for label in labels)
+    assert manifest(tmp_path / "out")["preprocessing"]["label_key"] is None
 
 
-def test_s3_output_works_like_local(ray_session, first_run, synthetic_shards, export, monkeypatch):
+def test_s3_output_works_like_local(ray_session, first_run, synthetic_shards, export, monkeypatch, capsys):
     import boto3
     import pandas as pd
     import s3fs
@@ -374,6 +407,17 @@ def test_s3_output_works_like_local(ray_session, first_run, synthetic_shards, ex
         assert list(remote["key"]) == list(local["key"])
         np.testing.assert_array_equal(np.stack(remote["embedding"]), np.stack(local["embedding"]))
         assert run(prepare(config)).already_done == 4
+
+        # The same output through the command line, its endpoint in --storage-options alone: the
+        # environment's now leads nowhere. With every shard done, the job needs no Ray.
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+        s3fs.S3FileSystem.clear_instance_cache()
+        capsys.readouterr()
+        options = json.dumps({"client_kwargs": {"endpoint_url": endpoint}})
+        args = ["--data", config.data, "--weights", config.weights, "--out", config.out, "--batch-size", "8"]
+        assert embed_job.main([*args, "--cpu", "--storage-options", options]) == 0, capsys.readouterr().err
+        printed = capsys.readouterr().out
+        assert "4 already done" in printed and "rows written: 0 (48 in the output)" in printed
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
