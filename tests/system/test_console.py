@@ -37,6 +37,13 @@ NOISE = re.compile(
 )
 
 
+# One metrics.jsonl row of a supervised run, as the README lists its fields.
+METRICS_FIELDS = {
+    "step", "epoch", "loss", "accuracy", "lr", "grad_norm", "images_per_s", "images_per_s_per_worker", "mfu",
+    "data_wait_share", "samples_seen", "bad_samples", "skipped_steps", "memory_gib",
+}  # fmt: skip
+
+
 def test_each_quiet_pattern_matches_its_source_and_no_vitray_line():
     assert set(RAY_LINES) == set(QUIET_LINES)
     for name, line in RAY_LINES.items():
@@ -92,11 +99,15 @@ def test_training_then_embedding_console_is_vitray_lines_only(tmp_path):
     shards = write_synthetic_shards(tmp_path / "shards", 128, samples_per_shard=64, image_size=32)
     run = tmp_path / "run"
     train = job("pretrain.py", "--data", shards.dir, "--out", str(run), "--max-steps", "20", "--warmup-steps", "5",
-                "--log-every", "5", "--checkpoint-every", "10", "--tensorboard")  # fmt: skip
+                "--log-every", "5", "--checkpoint-every", "10", "--keep-checkpoints", "1", "--tensorboard")  # fmt: skip
     assert train.returncode == 0, train.stdout[-4000:]
     assert not noise(train.stdout), noise(train.stdout)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20]
+    assert all(r.keys() == METRICS_FIELDS for r in rows), rows[0].keys()
+    assert all(r["mfu"] is None for r in rows)  # no datasheet peak for a CPU
+    # --keep-checkpoints 1: of the checkpoints at steps 10 and 20, only the newest is left.
+    assert sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir()) == ["checkpoint_00000020"]
     for r in rows:  # every logged step has its line
         assert re.search(
             rf"step {r['step']}/20 \(\d+%\) \| epoch {r['epoch']} \| loss {r['loss']:.4f}", train.stdout
