@@ -6,6 +6,7 @@ ViT of the asked shape from vitray's own parts, takes its place: what is tested 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -167,3 +168,67 @@ def test_train_measures_an_mae_step_with_mae_flops(tmp_path):
         3 * vit.count_flops(encoder)
     )
     assert mae["results"][0]["images_per_s"] > 0
+
+
+def load_benchmark_cli():
+    """jobs/benchmark.py itself, for the benchmarks that need neither a stand-in package nor Ray of
+    their own: run in this process, which has torch (and transformers) imported already."""
+    spec = importlib.util.spec_from_file_location("vitray_jobs_benchmark", ROOT / "jobs" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_model_compares_with_transformers_at_a_tiny_size(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "m.json"
+    args = [*TINY, "--batch-size", "2", "--warmup", "1", "--iters", "1", "--compare-hf", "--json", str(out)]
+    assert load_benchmark_cli().main(["model", *args]) == 0
+    figures = json.loads(out.read_text())
+    assert [r["impl"] for r in figures["rows"]] == ["vitray", "transformers"]
+    assert all(r["images_per_s"] > 0 and r["cpu_ms"] > 0 for r in figures["rows"])
+    vitray, hf = figures["rows"]
+    assert figures["vitray_over_transformers"] == pytest.approx(vitray["images_per_s"] / hf["images_per_s"])
+    assert figures["model"] == "vit_tiny_test" and figures["batch_size"] == 2
+    assert "vitray / transformers images/s:" in capsys.readouterr().out
+
+
+def test_embed_naive_loop_at_a_tiny_size(tmp_path, capsys):
+    """`embed --naive-only`: the model alone and the single-process loop over photo shards (the job's half
+    starts a Ray of its own; the job itself is tested in tests/embed)."""
+    out = tmp_path / "e.json"
+    args = [
+        *TINY[:4],
+        "--images",
+        "8",
+        "--per-shard",
+        "4",
+        "--batch-size",
+        "4",
+        "--repeats",
+        "1",
+        "--iters",
+        "1",
+    ]
+    assert load_benchmark_cli().main(["embed", *args, "--naive-only", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["images"] == 8 and figures["model_only_images_per_s"] > 0
+    assert figures["naive_images_per_s"] > 0 and figures["naive_cpu_ms_per_image"]["driver"] > 0
+    printed = capsys.readouterr().out
+    assert "2 shards of 4 images" in printed and "naive" in printed and "job steady" not in printed
+
+
+def test_data_baselines_at_a_tiny_size(tmp_path):
+    """`data` without its Ray half (which starts a Ray of its own): the photo shards, the per-core
+    ceiling in one process and in parallel, and webdataset + DataLoader, reported."""
+    result = benchmark(
+        "data", "--images", "8", "--per-shard", "4", "--image-size", "32", "--patch-size", "8",
+        "--batch-size", "4", "--shuffle-buffer", "4", "--cores", "2", "--repeats", "1",
+        "--only", "ceiling,ceiling_parallel,webdataset", "--json", str(tmp_path / "d.json"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads((tmp_path / "d.json").read_text())
+    for name in ("ceiling", "ceiling_parallel", "webdataset"):
+        assert figures[f"{name}_images_per_s"] > 0 and len(figures[f"{name}_runs"]) == 1, name
+    assert figures["bytes_per_sample"]["unmasked"]["patches"] == 16 * 8 * 8 * 3  # 4 x 4 patches of 8 x 8 x 3
+    assert "2 shards of 4 photo-like JPEGs" in result.stdout and "bytes per sample" in result.stdout
