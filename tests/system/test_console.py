@@ -12,6 +12,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from pipeline.console import QUIET_LINES, Console, StripColour, quiet_pattern
 
@@ -95,6 +96,8 @@ def noise(console: str) -> list[str]:
 @pytest.mark.slow
 def test_training_then_embedding_console_is_vitray_lines_only(tmp_path):
     from pipeline.data.synthetic import write_synthetic_shards
+    from pipeline.train.driver import read_metrics
+    from pipeline.train.metrics import plot_training_curve
 
     shards = write_synthetic_shards(tmp_path / "shards", 128, samples_per_shard=64, image_size=32)
     run = tmp_path / "run"
@@ -106,6 +109,16 @@ def test_training_then_embedding_console_is_vitray_lines_only(tmp_path):
     assert [r["step"] for r in rows] == [5, 10, 15, 20]
     assert all(r.keys() == METRICS_FIELDS for r in rows), rows[0].keys()
     assert all(r["mfu"] is None for r in rows)  # no datasheet peak for a CPU
+    # The curve `make demo` draws from a run's metrics.jsonl: a readable 840 x 480 PNG with both curves
+    # on it (their colours cover a few hundred pixels each; the axis labels alone, about a hundred).
+    curve = Path(plot_training_curve(read_metrics(str(run)), str(run / "training_curve.png")))
+    assert 10_000 < curve.stat().st_size < 1_000_000
+    with Image.open(curve) as im:
+        assert (im.format, im.size) == ("PNG", (840, 480))
+        pixels = {colour: n for n, colour in im.convert("RGB").getcolors(maxcolors=1_000_000)}
+    assert (
+        pixels.get((0x1F, 0x77, 0xB4), 0) > 250 and pixels.get((0xFF, 0x7F, 0x0E), 0) > 250
+    )  # loss, accuracy
     # --keep-checkpoints 1: of the checkpoints at steps 10 and 20, only the newest is left.
     assert sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir()) == ["checkpoint_00000020"]
     for r in rows:  # every logged step has its line
