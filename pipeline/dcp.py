@@ -7,8 +7,9 @@ process without a process group). Both sides share this module, so neither impor
     <run>/checkpoint_00001000/  __<rank>_0.distcp (each rank's shards), .metadata (DCP's global layout,
                                 written last), train_state.json (step, data position, RNG), config.json
 
-A directory counts only once `.metadata`, `train_state.json` and every shard file the metadata names
-are there; `latest_complete` skips anything else (a crash mid-save leaves an ignorable directory).
+A directory counts only once `.metadata`, `train_state.json`, `config.json` and every shard file the
+metadata names are there whole; `latest_complete` skips anything else (a crash mid-save, or mid-upload,
+leaves an ignorable directory).
 
 DCP's `.metadata` is a pickle. It is read through `MetadataUnpickler`, which admits only the exact
 classes checkpoint metadata holds, never torch's own unpickler (`safe_reader`). DCP reads a non-tensor
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import json
 import pickle
 import warnings
 from pathlib import Path
@@ -46,24 +48,31 @@ def checkpoint_name(step: int) -> str:
 
 def is_complete(directory: str | Path, storage_options: dict[str, Any] | None = None) -> bool:
     """True once a checkpoint directory (local or URL) holds its `.metadata`, `train_state.json` and
-    every shard file the metadata names. Rank 0 writes the first two, so they alone do not show that
-    the other ranks' `__<rank>_0.distcp` files arrived; metadata that cannot be read (refused by
-    `MetadataUnpickler`, truncated) makes the directory incomplete, never an error."""
+    `config.json` (those two readable JSON) and every shard file the metadata names, each as long as the
+    metadata says. Rank 0 writes the first three, so they alone do not show that the other ranks'
+    `__<rank>_0.distcp` files arrived; a copy into storage cut short (a killed upload to a local or
+    mounted `--out` writes files in place) leaves files that exist but are short. Metadata that cannot
+    be read (refused by `MetadataUnpickler`, truncated) makes the directory incomplete, never an error."""
     fs, path = storage.filesystem(str(directory), storage_options)
     fs.invalidate_cache(path)  # a listing cached before the last rank's upload would hide its file
     try:
-        present = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+        entries = fs.ls(path, detail=True)
+        sizes = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") or 0 for e in entries}
     except (FileNotFoundError, NotADirectoryError):
         return False
-    if not {METADATA, TRAIN_STATE} <= present:
+    if not {METADATA, TRAIN_STATE, CONFIG} <= set(sizes):
         return False
     try:
+        for name in (TRAIN_STATE, CONFIG):
+            json.loads(fs.cat_file(f"{path}/{name}"))
         with fs.open(f"{path}/{METADATA}", "rb") as stream:
             metadata = MetadataUnpickler(stream).load()
-        referenced = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError):
+        ends: dict[str, int] = {}  # shard file -> the end of its last entry
+        for info in (metadata.storage_data or {}).values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError):  # JSONDecodeError too
         return False
-    return referenced <= present
+    return all(name in sizes and sizes[name] >= end for name, end in ends.items())
 
 
 def latest_complete(run_dir: str | Path, storage_options: dict[str, Any] | None = None) -> str | None:

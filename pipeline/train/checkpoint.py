@@ -8,9 +8,10 @@ Design notes
   directory and hands it to `ray.train.report(checkpoint=...)`, which merges the ranks' files into
   one directory of the run's storage (local, s3://, gs://) and registers it only once every rank
   has uploaded. Outside Ray the same functions write straight to a shared directory.
-- Completeness: a directory counts only once `.metadata`, `train_state.json` and every shard file the
-  metadata names are there (`pipeline.dcp.is_complete`); `latest_complete` skips anything else (a crash
-  mid-save, or a rank's upload that never arrived, leaves an ignorable directory).
+- Completeness: a directory counts only once `.metadata`, `train_state.json`, `config.json` and every
+  shard file the metadata names are there whole (`pipeline.dcp.is_complete`); `latest_complete` skips
+  anything else (a crash mid-save or mid-upload, or a rank's upload that never arrived, leaves an
+  ignorable directory).
 - Resharding: model and optimizer state go through `get_state_dict`/`set_state_dict`, keyed by
   parameter name (wrapper prefixes of activation checkpointing and compile stripped), so DCP can
   re-slice them for any world size on load. Load at world size N what was saved at M.

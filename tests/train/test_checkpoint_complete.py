@@ -18,12 +18,13 @@ from pipeline import dcp
 
 def write_checkpoint(path) -> list[str]:
     """A DCP checkpoint spread over two shard files (two writer threads stand in for two ranks), plus
-    rank 0's train_state.json; returns the shard file names."""
+    rank 0's train_state.json and config.json; returns the shard file names."""
     state = {"model": {"a": torch.arange(64.0), "b": torch.ones(8, 8), "c": torch.zeros(3)}}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         tdcp.save(state, storage_writer=tdcp.FileSystemWriter(str(path), thread_count=2), no_dist=True)
     (path / dcp.TRAIN_STATE).write_text('{"step": 3}')
+    (path / dcp.CONFIG).write_text('{"model_config": {}}')
     shards = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
     assert len(shards) == 2, shards
     return shards
@@ -46,13 +47,26 @@ def test_a_missing_shard_file_makes_it_incomplete(tmp_path):
     assert dcp.latest_complete(tmp_path) == str(older)
 
 
-def test_missing_train_state_or_metadata_makes_it_incomplete(tmp_path):
-    for name in (dcp.TRAIN_STATE, dcp.METADATA):
+def test_missing_train_state_config_or_metadata_makes_it_incomplete(tmp_path):
+    for name in (dcp.TRAIN_STATE, dcp.CONFIG, dcp.METADATA):
         path = tmp_path / name.strip(".") / dcp.checkpoint_name(3)
         write_checkpoint(path)
         os.remove(path / name)
         assert not dcp.is_complete(path)
     assert not dcp.is_complete(tmp_path / "no_such_checkpoint")
+
+
+@pytest.mark.parametrize("which", ["shard", dcp.TRAIN_STATE, dcp.CONFIG])
+def test_a_file_cut_short_makes_it_incomplete(tmp_path, which):
+    """A copy into a local or mounted `--out` writes each file in place: one killed mid-copy is there,
+    but short (the metadata, written whole, says how long each shard file is)."""
+    older, newer = tmp_path / dcp.checkpoint_name(2), tmp_path / dcp.checkpoint_name(3)
+    write_checkpoint(older)
+    shards = write_checkpoint(newer)
+    cut = newer / (shards[-1] if which == "shard" else which)
+    cut.write_bytes(cut.read_bytes()[:-1])
+    assert not dcp.is_complete(newer)
+    assert dcp.latest_complete(tmp_path) == str(older)
 
 
 class Marker:
