@@ -104,7 +104,7 @@ def worker(root: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(rank 0's summaries, its console) of both runs."""
+    """(the runs' root, rank 0's summaries of both runs, rank 0's console)."""
     root = tmp_path_factory.mktemp("budget")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,7 +120,13 @@ def runs(tmp_path_factory):
                 text=True,
             )
         )  # fmt: skip
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:  # a rank that died leaves the other waiting in a collective
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
     return root, json.loads((root / "rank0.json").read_text()), outputs[0]
 
