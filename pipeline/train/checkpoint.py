@@ -15,8 +15,8 @@ Design notes
 - Resharding: model and optimizer state go through `get_state_dict`/`set_state_dict`, keyed by
   parameter name (wrapper prefixes of activation checkpointing and compile stripped), so DCP can
   re-slice them for any world size on load. Load at world size N what was saved at M.
-- What else is saved: the step, the data position (epoch, and which shards of the epoch's order
-  have been started: resuming at another world size re-splits the rest), and every rank's RNG
+- What else is saved: the step, the data position (epoch, and the micro-batches each rank has taken
+  from its stream this epoch: `pipeline.train.loop` resumes at the next sample), and every rank's RNG
   state (restored when the world size matches; otherwise each rank reseeds from (seed, step, rank)).
   The learning-rate schedule is a pure function of the step, so it needs no state of its own.
 - The final export gathers one full tensor at a time onto rank 0's CPU (`cpu_offload`), so no

@@ -33,7 +33,7 @@ class StepInput:
     """One rank's input to one optimizer step, as the data thread built it."""
 
     micro_batches: list[tuple[torch.Tensor, ...]]  # host tensors (pinned on CUDA), one tuple per micro-batch
-    urls: set[str]  # the shards these samples came from
+    keys: list[str]  # the samples' keys, in the order the step takes them
     samples: int
     ran_dry: bool  # fewer micro-batches than a step takes: the stream has ended
     error: str  # a data error's one line (bad-sample budget, unlabeled shards), "" when none
@@ -179,7 +179,7 @@ class Prefetcher:
             tensors = [tuple(_tensor(b[c]) for c in self.columns) for b in batches]
         return StepInput(
             micro_batches=tensors,
-            urls={u for b in batches for u in b["url"].tolist()},
+            keys=[k for b in batches for k in b["key"].tolist()],
             samples=sum(len(b[self.columns[0]]) for b in batches),
             ran_dry=len(batches) < self.accum,
             error=error,

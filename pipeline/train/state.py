@@ -2,7 +2,7 @@
 
 `TrainState` is the part of a checkpoint that is not model or optimizer state (`train_state.json`).
 The agreements are the loop's collectives, each named by what the ranks settle: whether everyone has
-a full step of data, the first data error, the shards the epoch has started.
+a full step of data, the first data error, every rank's bad-sample counts.
 """
 
 from __future__ import annotations
@@ -24,9 +24,14 @@ class TrainState:
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0
-    # Shards of this epoch's order that some rank has started: a resumed run reads only the others.
-    shards_started: list[str] = field(default_factory=list)
     seed: int = 0
+    # Where every rank stands in this epoch's stream: {"world", "micro_batch_size", "micro_batches"},
+    # the micro-batches each rank has taken at that layout ({} at the epoch's start). A run resumed at
+    # the same layout re-reads exactly those and trains on the rest (`Trainer.epoch_input`).
+    epoch_position: dict[str, int] = field(default_factory=dict)
+    # Every rank's bad-sample counts when this epoch began: the re-read starts from them, so it ends
+    # at exactly the counts of `bad_samples` (each sample counted once across the resume).
+    epoch_bad_samples: list[dict[str, Any]] = field(default_factory=list)
     # Run totals, continued by a resumed run: steps skipped for a non-finite loss or gradient norm,
     # and every rank's bad-sample counts (`BadSamples.to_dict`, one per rank).
     skipped_steps: int = 0
@@ -41,16 +46,20 @@ class TrainState:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
 
-    def bad_samples_of(self, rank: int, world: int, data_config: DataConfig) -> BadSamples:
-        """This rank's bad-sample counts to continue from. At the world size that saved them each rank
-        takes its own; at another, rank 0 carries the run's merged counts and the others start at zero,
-        so the run's totals (the sum over ranks) go on either way."""
+    def bad_samples_of(
+        self, rank: int, world: int, data_config: DataConfig, *, at_epoch_start: bool = False
+    ) -> BadSamples:
+        """This rank's bad-sample counts to continue from (``at_epoch_start``: as the epoch began). At the
+        world size that saved them each rank takes its own; at another, rank 0 carries the run's merged
+        counts and the others start at zero, so the run's totals (the sum over ranks) go on either way."""
         counts = BadSamples.from_config(data_config)
-        if len(self.bad_samples) == world:
-            counts.merge(self.bad_samples[rank])
+        # A checkpoint older than `epoch_bad_samples` has only the counts as of its step.
+        saved = (self.epoch_bad_samples if at_epoch_start else []) or self.bad_samples
+        if len(saved) == world:
+            counts.merge(saved[rank])
         elif rank == 0:
-            for saved in self.bad_samples:
-                counts.merge(saved)
+            for one in saved:
+                counts.merge(one)
         return counts
 
 
@@ -91,13 +100,6 @@ def first_error(mine: str, group: dist.ProcessGroup | None) -> str:
     errors: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, mine, group=group)
     return next(e for e in errors if e)
-
-
-def agree_on_shards_started(mine: set[str], group: dist.ProcessGroup | None) -> list[str]:
-    """Collective: every shard that some rank has started this epoch, sorted."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(mine), group=group)
-    return sorted(set().union(*gathered))
 
 
 def gather_bad_samples(mine: BadSamples, group: dist.ProcessGroup | None) -> list[dict[str, Any]]:

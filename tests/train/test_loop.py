@@ -8,6 +8,7 @@ batch 8 -> exactly 4 steps an epoch, so step 4 is an epoch edge.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from pathlib import Path
 
@@ -15,9 +16,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
+from pipeline.data.masking import mask_batch
 from pipeline.train import loop
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import init_distributed, model_config
@@ -74,6 +77,8 @@ def fake_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, d
                 "label": g.integers(0, 4, n),
                 "error": np.array(["truncated image: test"] + [""] * (n - 1), dtype=object),
             }
+            if data_config.mask_ratio is not None:  # MAE: the data stage's mask, as the real pipeline
+                batch = mask_batch(batch, config=data_config, epoch=epoch)
             yield bad_samples.filter(batch)
 
     yield from rebatch(rows(), size)
@@ -229,9 +234,62 @@ def test_weights_that_are_not_finite_are_never_checkpointed(world, fake_data, mo
 def test_train_state_reads_checkpoints_written_before_its_newer_fields():
     old = {"step": 8, "epoch": 1, "shards_started": ["a"], "seed": 3, "from_the_future": 1}
     state = TrainState.from_dict(old)
-    assert (state.step, state.epoch, state.shards_started, state.seed) == (8, 1, ["a"], 3)
-    assert state.skipped_steps == 0 and state.bad_samples == []
+    assert (state.step, state.epoch, state.seed) == (8, 1, 3)
+    assert state.skipped_steps == 0 and state.bad_samples == [] and state.epoch_position == {}
     assert TrainState.from_dict(state.to_dict()) == state
+
+
+def record_keys(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The keys of the samples each step trains on, in order, across every run that follows."""
+    taken: list[list[str]] = []
+    real = loop.Trainer.train_step
+
+    def train_step(self, data, step_input, agreement):
+        taken.append(list(step_input.keys))
+        return real(self, data, step_input, agreement)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
+    return taken
+
+
+@pytest.mark.parametrize("stop_at", [2, 7])  # half-way through epoch 0; one step before epoch 1 ends
+def test_a_run_stopped_mid_epoch_and_resumed_trains_on_the_samples_of_a_straight_run(
+    world, fake_data, monkeypatch, tmp_path, stop_at
+):
+    taken = record_keys(monkeypatch)
+    straight = config(tmp_path / "straight", prefetch_steps=2)
+    summary, _ = run(straight, world)
+    straight_keys, _ = list(taken), taken.clear()
+    assert (
+        len(straight_keys) == 8 and len({k for step in straight_keys for k in step}) == 32
+    )  # 4 steps an epoch
+
+    stopped = config(tmp_path / "stopped", prefetch_steps=2, stop_at_step=stop_at)
+    run(stopped, world)
+    state = json.loads((tmp_path / "stopped" / dcp.checkpoint_name(stop_at) / "train_state.json").read_text())
+    assert state["epoch_position"] == {"world": 1, "micro_batch_size": 4, "micro_batches": 2 * (stop_at % 4)}
+    resumed, _ = run(stopped.replace(stop_at_step=None), world)
+    assert taken == straight_keys  # every sample of both epochs exactly once, in the same order
+    assert resumed["bad_samples"] == summary["bad_samples"]  # the re-read part not counted twice
+    a, b = weights(straight, 8), weights(stopped, 8)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_a_resume_at_another_micro_batch_size_starts_the_epoch_again_and_says_so(
+    world, fake_data, monkeypatch, tmp_path, capsys
+):
+    taken = record_keys(monkeypatch)
+    stopped = config(tmp_path / "run", stop_at_step=2)
+    run(stopped, world)
+    summary, _ = run(stopped.replace(stop_at_step=None, micro_batch_size=2), world)
+    assert (
+        "taken with 1 workers x micro-batch 4, so this epoch's data starts again" in capsys.readouterr().out
+    )
+    assert taken[2] == taken[0]  # step 3 trains on what step 1 did: the epoch began again
+    # After the stop, epoch 0 whole (steps 3-6: 4 shards, 4 bad) and half of epoch 1 (steps 7-8: 2
+    # shards, 2 bad): the 2 shards read before the stop are not counted a second time.
+    assert (summary["bad_samples"]["bad"], summary["bad_samples"]["total"]) == (6, 54), summary["bad_samples"]
 
 
 def test_input_built_ahead_on_a_thread_trains_exactly_like_input_built_by_the_step(
@@ -245,3 +303,26 @@ def test_input_built_ahead_on_a_thread_trains_exactly_like_input_built_by_the_st
     wa, wb = weights(inline, 6), weights(ahead, 6)
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name
+
+
+def test_an_mae_run_stopped_mid_epoch_and_resumed_ends_equal_to_a_straight_run(world, fake_data, tmp_path):
+    mae = {
+        "objective": "mae",
+        "label_key": None,
+        "decoder_dim": 32,
+        "decoder_depth": 1,
+        "decoder_num_heads": 4,
+    }
+    straight = config(tmp_path / "straight", **mae)
+    _, session = run(straight, world)
+    stopped = config(tmp_path / "stopped", stop_at_step=6, **mae)
+    run(stopped, world)
+    resumed, resumed_session = run(stopped.replace(stop_at_step=None), world)
+    assert resumed["metrics"]["step"] == 8 and resumed["metrics"]["accuracy"] is None
+    # The rows after the resume are the straight run's: reconstruction losses and gradient norms.
+    assert untimed(resumed_session.reports) == untimed(session.reports[3:])
+    assert all(r["loss"] > 0 and r["accuracy"] is None for r in session.reports)
+    a, b = (load_file(Path(c.out) / "final" / "weights.safetensors") for c in (straight, stopped))
+    assert a.keys() == b.keys() and not any(name.startswith("decoder") for name in a)  # the encoder alone
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

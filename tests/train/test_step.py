@@ -272,7 +272,12 @@ def test_checkpoint_round_trip(world, tmp_path):
     patches, labels = batch(8, seed=3)
     for i in range(3):
         step(i, [(patches, labels)], 8)
-    state = {"step": 3, "epoch": 1, "shards_started": ["a.tar"], "seed": 0}
+    state = {
+        "step": 3,
+        "epoch": 1,
+        "seed": 0,
+        "epoch_position": {"world": 1, "micro_batch_size": 8, "micro_batches": 2},
+    }
     mcfg = model_config(CONFIG)
     path = tmp_path / dcp.checkpoint_name(3)
     checkpoint.save(path, model, step.optimizer, state, {"model_config": mcfg.to_dict()})
