@@ -1,5 +1,6 @@
 """The two jobs on real Ray clusters: submitted to a `ray start --head` through the job CLI (token
-authentication on), and pretraining with its workers on two nodes of one machine."""
+authentication on), and pretraining with its workers on two nodes of one machine that join after the
+job was submitted."""
 
 from __future__ import annotations
 
@@ -154,28 +155,6 @@ TWO_NODES = textwrap.dedent(
 )
 
 
-def test_pretraining_with_workers_on_two_nodes(shards, tmp_path):
-    run = tmp_path / "run"
-    # Two nodes of one machine share its disk, which --shared-out declares.
-    args = [
-        "--preset", "tiny", "--data", str(shards.dir), "--out", str(run), "--placement-strategy", "STRICT_SPREAD",
-        "--max-steps", "4", "--warmup-steps", "1", "--checkpoint-every", "2", "--log-every", "2", "--shared-out",
-    ]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-c", TWO_NODES, *args],
-        env=ray_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    # FSDP2's collectives and the checkpoint gathering crossed the node boundary.
-    assert "2 workers on 2 node(s)" in result.stdout
-    assert dcp.is_complete(run / dcp.checkpoint_name(4))
-    assert "finished at step 4" in result.stdout
-
-
 def test_a_local_out_on_two_nodes_is_refused_before_any_work(shards, tmp_path):
     run = tmp_path / "run"
     args = [
@@ -206,8 +185,8 @@ def test_a_local_out_on_two_nodes_is_refused_before_any_work(shards, tmp_path):
     assert not run.exists()  # nothing was written: refused before the workers started
 
 
-# The shipped autoscaling configs in small: a head without CPUs for tasks, and a worker node that
-# joins only after the job was submitted (once its workers are waiting for resources).
+# The shipped autoscaling configs in small: a head without CPUs for tasks, and two worker nodes that
+# join only after the job was submitted (once its workers are waiting for resources).
 AUTOSCALING = textwrap.dedent(
     """
     import subprocess, sys, time
@@ -224,7 +203,8 @@ AUTOSCALING = textwrap.dedent(
                 break
             time.sleep(0.5)
         print("cluster CPUs when the workers asked:", ray.cluster_resources().get("CPU", 0), flush=True)
-        cluster.add_node(num_cpus=6)
+        cluster.add_node(num_cpus=3)
+        cluster.add_node(num_cpus=3)
         code = job.wait(timeout=480)
     finally:
         ray.shutdown()
@@ -234,11 +214,13 @@ AUTOSCALING = textwrap.dedent(
 )
 
 
-def test_decode_cpus_are_decided_when_the_nodes_have_come(shards, tmp_path):
+def test_workers_on_two_nodes_that_came_after_submission(shards, tmp_path):
     run = tmp_path / "run"
+    # Two nodes of one machine share its disk, which --shared-out declares.
     args = [
         "--preset", "tiny", "--data", str(shards.dir), "--out", str(run), "--shared-out",
-        "--max-steps", "2", "--warmup-steps", "1", "--checkpoint-every", "2", "--log-every", "2",
+        "--placement-strategy", "STRICT_SPREAD",
+        "--max-steps", "4", "--warmup-steps", "1", "--checkpoint-every", "2", "--log-every", "2",
     ]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-c", AUTOSCALING, *args],
@@ -252,4 +234,7 @@ def test_decode_cpus_are_decided_when_the_nodes_have_come(shards, tmp_path):
     assert "cluster CPUs when the workers asked: 0" in result.stdout
     # 6 CPUs joined, 2 workers hold 1 each: 4 spare, 2 per worker (a budget frozen at submission: 1).
     assert "epoch 0: 2 decode CPUs per worker (6 CPUs in the cluster now, 2 workers x 1" in result.stdout
-    assert "finished at step 2" in result.stdout
+    # FSDP2's collectives and the checkpoint gathering crossed the node boundary.
+    assert "2 workers on 2 node(s)" in result.stdout
+    assert dcp.is_complete(run / dcp.checkpoint_name(4))
+    assert "finished at step 4" in result.stdout

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 import vit
 from pipeline import dcp
@@ -26,30 +25,26 @@ pytestmark = pytest.mark.slow
 MAE = {"objective": "mae", "label_key": None, "decoder_dim": 32, "decoder_depth": 1, "decoder_num_heads": 4}
 
 
-def test_mae_resumed_run_ends_equal_to_a_straight_run_and_exports_its_encoder(ray_session, shards, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    fit(config(shards, straight, **MAE), shards.urls)
-    assert fit(config(shards, resumed, stop_at_step=4, **MAE), shards.urls)["metrics"]["step"] == 4
-    metrics = fit(config(shards, resumed, **MAE), shards.urls)["metrics"]  # the same command, continued
+def test_mae_run_logs_reconstruction_losses_and_exports_its_encoder(ray_session, shards, tmp_path):
+    # Stop-and-resume equality for MAE runs in one process: tests/train/test_loop.py.
+    run = tmp_path / "run"
+    metrics = fit(config(shards, run, **MAE), shards.urls)["metrics"]
     assert metrics["step"] == 8 and metrics["accuracy"] is None
 
-    rows = read_metrics(str(resumed))
+    rows = read_metrics(str(run))
     assert [r["step"] for r in rows] == [2, 4, 6, 8]
     assert all(r["accuracy"] is None and r["loss"] > 0 for r in rows)
-    a, b = final_weights(straight), final_weights(resumed)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs from the uninterrupted run"
+    a = final_weights(run)
 
     # final/ is the encoder alone, a plain ViT pooled by average; the checkpoint keeps the decoder.
-    meta = json.loads((resumed / "final" / "config.json").read_text())
+    meta = json.loads((run / "final" / "config.json").read_text())
     assert (meta["objective"], meta["mask_ratio"], meta["model"]["pool"]) == ("mae", 0.75, "gap")
-    model, _ = vit.load_pretrained(resumed / "final")
+    model, _ = vit.load_pretrained(run / "final")
     assert model.config.pool == "gap" and not any(name.startswith("decoder") for name in a)
-    saved = json.loads((resumed / dcp.checkpoint_name(8) / "config.json").read_text())
+    saved = json.loads((run / dcp.checkpoint_name(8) / "config.json").read_text())
     assert saved["mae"]["decoder_depth"] == 1
     with pytest.raises(ValueError, match="was written with mae"):  # another decoder: before any Ray work
-        prepare(config(shards, resumed, max_steps=12, **{**MAE, "decoder_depth": 2}))
+        prepare(config(shards, run, max_steps=12, **{**MAE, "decoder_depth": 2}))
 
 
 def test_finetuning_an_export_learns_and_its_export_embeds(ray_session, shards, tmp_path):
