@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -79,8 +80,6 @@ def test_augmentation_flags_reach_the_data_stage():
         (["--model", "vit_nope"], "unknown model 'vit_nope'; choose one of: vit_ti16"),
         (["--image-size", "30"], "image_size 30 is not divisible by patch_size 8"),
         (["--batch-size", "48"], "is not a multiple of --micro-batch-size"),
-        # 4 shards: every worker needs one of its own.
-        (["--num-workers", "5", "--batch-size", "160"], "4 shard(s) for 5 workers: every worker needs"),
     ],
 )
 def test_bad_configuration_fails_at_once_with_one_line(synthetic_shards, tmp_path, args, message):
@@ -92,6 +91,27 @@ def test_bad_configuration_fails_at_once_with_one_line(synthetic_shards, tmp_pat
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Ray" not in result.stdout + result.stderr  # failed before any cluster work
     assert not (tmp_path / "run").exists()
+
+
+def test_fewer_shards_than_workers_fail_at_once_with_one_line(
+    synthetic_shards, tmp_path, monkeypatch, capsys
+):
+    # The job script itself, in this process (a subprocess would spend its time importing torch),
+    # with Ray out of reach: reaching for it is the cluster work that must not start.
+    from pipeline import cli
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("the job reached for Ray")
+
+    monkeypatch.setattr(cli, "connect_ray", no_ray)
+    spec = importlib.util.spec_from_file_location("vitray_jobs_pretrain", PRETRAIN)
+    pretrain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain)
+    args = ["--data", synthetic_shards.dir, "--out", str(tmp_path / "run"), "--num-workers", "5"]
+    assert pretrain.main([*args, "--batch-size", "160"]) == cli.EXIT_BAD_INPUT  # 5 x 32: a valid batch
+    err = capsys.readouterr().err
+    assert err.startswith("error: 4 shard(s) for 5 workers: every worker needs at least one")
+    assert err.count("\n") == 1 and not (tmp_path / "run").exists()
 
 
 def test_empty_data_fails_at_once_with_one_line(tmp_path):
