@@ -51,8 +51,9 @@ def is_complete(directory: str | Path, storage_options: dict[str, Any] | None = 
     `config.json` (those two readable JSON) and every shard file the metadata names, each as long as the
     metadata says. Rank 0 writes the first three, so they alone do not show that the other ranks'
     `__<rank>_0.distcp` files arrived; a copy into storage cut short (a killed upload to a local or
-    mounted `--out` writes files in place) leaves files that exist but are short. Metadata that cannot
-    be read (refused by `MetadataUnpickler`, truncated) makes the directory incomplete, never an error."""
+    mounted `--out` writes files in place) leaves files that exist but are short. Metadata cut short
+    makes the directory incomplete; metadata naming what `MetadataUnpickler` refuses was written to run
+    code, not cut short, and raises `CheckpointRefusedError` (one line) rather than being passed over."""
     fs, path = storage.filesystem(str(directory), storage_options)
     fs.invalidate_cache(path)  # a listing cached before the last rank's upload would hide its file
     try:
@@ -70,6 +71,10 @@ def is_complete(directory: str | Path, storage_options: dict[str, Any] | None = 
         ends: dict[str, int] = {}  # shard file -> the end of its last entry
         for info in (metadata.storage_data or {}).values():
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except RefusedName as e:
+        raise CheckpointRefusedError(
+            f"checkpoint {directory}: {e}; remove that checkpoint directory (an earlier one is then used)"
+        ) from e
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError):  # JSONDecodeError too
         return False
     return all(name in sizes and sizes[name] >= end for name, end in ends.items())
@@ -85,6 +90,10 @@ def latest_complete(run_dir: str | Path, storage_options: dict[str, Any] | None 
         if name.startswith("checkpoint_") and is_complete(storage.join(str(run_dir), name), storage_options):
             return storage.join(str(run_dir), name)
     return None
+
+
+class RefusedName(pickle.UnpicklingError):
+    """A pickle names a class or function outside `MetadataUnpickler.NAMES`."""
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -114,9 +123,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.NAMES:
-            raise pickle.UnpicklingError(
-                f"checkpoint metadata refers to {module}.{name}; refusing to unpickle it"
-            )
+            raise RefusedName(f"checkpoint metadata refers to {module}.{name}; refusing to unpickle it")
         # A plain getattr: the base class would walk a dotted ``name`` attribute by attribute.
         return getattr(importlib.import_module(module), name)
 

@@ -82,16 +82,25 @@ class Marker:
         Marker.ran = True
 
 
-@pytest.mark.parametrize("content", ["hostile", "truncated"])
-def test_unreadable_metadata_makes_it_incomplete_without_running_anything(tmp_path, content):
+def test_cut_short_metadata_makes_it_incomplete(tmp_path):
     path = tmp_path / dcp.checkpoint_name(3)
     write_checkpoint(path)
     metadata = path / dcp.METADATA
-    if content == "hostile":
-        buffer = io.BytesIO()
-        pickle.dump(Marker(), buffer)
-        metadata.write_bytes(buffer.getvalue())
-    else:
-        metadata.write_bytes(metadata.read_bytes()[:40])
+    metadata.write_bytes(metadata.read_bytes()[:40])
     assert not dcp.is_complete(path)
+
+
+def test_hostile_metadata_is_refused_in_one_line_not_passed_over(tmp_path):
+    """Passed over as incomplete, it would let a run resume silently from an earlier checkpoint (or
+    start again) over a file somebody wrote to run code."""
+    path = tmp_path / dcp.checkpoint_name(3)
+    write_checkpoint(path)
+    buffer = io.BytesIO()
+    pickle.dump(Marker(), buffer)
+    (path / dcp.METADATA).write_bytes(buffer.getvalue())
+    with pytest.raises(
+        dcp.CheckpointRefusedError, match="refusing to unpickle it; remove that checkpoint"
+    ) as info:
+        dcp.latest_complete(tmp_path)
+    assert "\n" not in str(info.value)
     assert not Marker.ran

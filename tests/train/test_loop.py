@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -326,3 +328,57 @@ def test_an_mae_run_stopped_mid_epoch_and_resumed_ends_equal_to_a_straight_run(w
     assert a.keys() == b.keys() and not any(name.startswith("decoder") for name in a)  # the encoder alone
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+class _Exploit:
+    """Unpickling it runs ``touch <sentinel>``: the sentinel's absence proves nothing ran."""
+
+    def __init__(self, sentinel):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def test_a_crafted_checkpoint_stops_the_resume_in_one_line_and_runs_nothing(
+    world, fake_data, monkeypatch, tmp_path
+):
+    """The worker's entry point reads the run's latest checkpoint without trusting it: a crafted
+    ``.metadata`` becomes the run's one-line error, returned (not raised: Ray Train would restart the
+    workers into the same refusal), and the command in it never runs."""
+    stopped = config(tmp_path / "run", stop_at_step=2, checkpoint_every=2)
+    run(stopped, world)
+    latest = tmp_path / "run" / dcp.checkpoint_name(2)
+    sentinel = tmp_path / "pwned"
+    (latest / dcp.METADATA).write_bytes(pickle.dumps(_Exploit(sentinel)))
+
+    monkeypatch.setattr(loop, "RaySession", lambda: LocalSession(world, tmp_path / "run"))
+    loop_config = {
+        "train": stopped.replace(stop_at_step=None).to_dict(),
+        "shards": SHARDS,
+        "data_cpus_per_worker": 1.0,
+    }
+    summary = loop.train_loop_per_worker(loop_config)
+    assert "refusing to unpickle it; remove that checkpoint" in summary["error"]
+    assert "\n" not in summary["error"] and not sentinel.exists()
+    assert not (tmp_path / "run" / dcp.checkpoint_name(4)).exists()
+
+
+def test_a_compiled_run_with_activation_checkpointing_trains_like_an_eager_one(world, fake_data, tmp_path):
+    """The production order on the worker (activation checkpointing -> per-block inductor compile ->
+    FSDP2) through the whole loop: the same losses, accuracies and gradient norms as eager, within
+    float32 reordering."""
+    eager = config(tmp_path / "eager", max_steps=4, log_every=1)
+    fast = config(tmp_path / "fast", max_steps=4, log_every=1, compile=True, activation_checkpointing=True)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    (_, a), (_, b) = run(eager, world), run(fast, world)
+    assert counters["stats"]["unique_graphs"] >= 1  # compiled, not fallen back to eager
+    assert [r["step"] for r in b.reports] == [1, 2, 3, 4]
+    for x, y in zip(a.reports, b.reports, strict=True):
+        for field in ("loss", "grad_norm", "accuracy"):
+            assert y[field] == pytest.approx(x[field], rel=1e-4, abs=1e-6), (x["step"], field)
+    wa, wb = weights(eager, 4), weights(fast, 4)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=1e-5, msg=name)
