@@ -94,19 +94,28 @@ def noise(console: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_training_then_embedding_console_is_vitray_lines_only(tmp_path):
+def test_tiny_preset_learns_and_the_console_is_vitray_lines_only(tmp_path):
+    """One run of the tiny preset as its docstring gives it, then an embedding job over its export:
+    what the console shows, what the run leaves, and that it learns."""
     from pipeline.data.synthetic import write_synthetic_shards
     from pipeline.train.driver import read_metrics
     from pipeline.train.metrics import plot_training_curve
 
-    shards = write_synthetic_shards(tmp_path / "shards", 128, samples_per_shard=64, image_size=32)
+    # 5 shards (4 x 103 + 100 samples) for 2 workers: every epoch one worker reads 3 shards, the
+    # other 2 (>= 203 samples = 6 micro-batches of 32), so each epoch ends for both after exactly 6
+    # steps, when the shorter runs dry; no collective may hang there.
+    shards = write_synthetic_shards(
+        tmp_path / "shards", 512, samples_per_shard=103, image_size=64, num_classes=10
+    )
     run = tmp_path / "run"
-    train = job("pretrain.py", "--data", shards.dir, "--out", str(run), "--max-steps", "20", "--warmup-steps", "5",
-                "--log-every", "5", "--checkpoint-every", "10", "--keep-checkpoints", "1", "--tensorboard")  # fmt: skip
+    train = job("pretrain.py", "--preset", "tiny", "--data", shards.dir, "--out", str(run),
+                "--keep-checkpoints", "1", "--tensorboard", timeout=600)  # fmt: skip
     assert train.returncode == 0, train.stdout[-4000:]
     assert not noise(train.stdout), noise(train.stdout)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [5, 10, 15, 20]
+    assert [(r["step"], r["epoch"]) for r in rows] == [(s, (s - 1) // 6) for s in range(20, 241, 20)]
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    assert rows[-1]["accuracy"] > 0.9, [round(r["accuracy"], 3) for r in rows]
     assert all(r.keys() == METRICS_FIELDS for r in rows), rows[0].keys()
     assert all(r["mfu"] is None for r in rows)  # no datasheet peak for a CPU
     # The curve `make demo` draws from a run's metrics.jsonl: a readable 840 x 480 PNG with both curves
@@ -119,16 +128,16 @@ def test_training_then_embedding_console_is_vitray_lines_only(tmp_path):
     assert (
         pixels.get((0x1F, 0x77, 0xB4), 0) > 250 and pixels.get((0xFF, 0x7F, 0x0E), 0) > 250
     )  # loss, accuracy
-    # --keep-checkpoints 1: of the checkpoints at steps 10 and 20, only the newest is left.
-    assert sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir()) == ["checkpoint_00000020"]
+    # --keep-checkpoints 1: of the checkpoints at steps 120 and 240, only the newest is left.
+    assert sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir()) == ["checkpoint_00000240"]
     for r in rows:  # every logged step has its line
         assert re.search(
-            rf"step {r['step']}/20 \(\d+%\) \| epoch {r['epoch']} \| loss {r['loss']:.4f}", train.stdout
+            rf"step {r['step']}/240 \(\d+%\) \| epoch {r['epoch']} \| loss {r['loss']:.4f}", train.stdout
         )
     assert "vit_tiny_test: 2 workers on 1 node(s)" in train.stdout
     assert f"exported {run / 'final'}" in train.stdout
     assert train.stdout.rstrip().endswith(f"run directory: {run} (checkpoints, metrics.jsonl, final/)")
-    assert "finished at step 20: loss" in train.stdout
+    assert "finished at step 240: loss" in train.stdout
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
     emb = job(
@@ -136,11 +145,11 @@ def test_training_then_embedding_console_is_vitray_lines_only(tmp_path):
     )
     assert emb.returncode == 0, emb.stdout[-4000:]
     assert not noise(emb.stdout), noise(emb.stdout)
-    assert "2 shards, 0 already done, 2 to embed" in emb.stdout
+    assert "5 shards, 0 already done, 5 to embed" in emb.stdout
     assert re.search(
-        r"^embedded 2/2 shards \(100%\) \| 128 rows \| [\d.,]+ rows/s \| eta 0:00:00$", emb.stdout, re.M
+        r"^embedded 5/5 shards \(100%\) \| 512 rows \| [\d.,]+ rows/s \| eta 0:00:00$", emb.stdout, re.M
     )
-    assert "shards: 2 embedded, 0 already done (skipped), 0 failed, of 2" in emb.stdout
+    assert "shards: 5 embedded, 0 already done (skipped), 0 failed, of 5" in emb.stdout
     assert emb.stdout.rstrip().splitlines()[-1].startswith("     or: python -c")
 
 
