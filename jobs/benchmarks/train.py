@@ -15,7 +15,10 @@ A configuration joins switches with `+` (`compile+ac-ops+fp8`): `eager`, `compil
 AdamW on CUDA, clipping, `torch.compile` of the whole model when the configuration compiles), the
 two steps alternating (one process, one GPU; skipped with a note where timm is not installed).
 `--trace PATH` writes a torch.profiler trace of one step of the first configuration (chrome://tracing
-or Perfetto), to see where a step's time goes.
+or Perfetto), to see where a step's time goes. `--largest-micro-batch LIMIT` first searches, for each
+configuration, the largest micro-batch (a multiple of 8, at most LIMIT) whose steps run without running
+out of device memory (doubling from `--micro-batch-size`, then bisecting; one process), and measures
+the configuration there.
 MFU counts model FLOPs (3 x `vit.count_flops` per image; recomputation not counted) against two
 ceilings: the GPU's datasheet dense bf16 peak, and its bf16 matmul rate measured in the same run.
 """
@@ -92,15 +95,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--mask-ratio", type=float, default=0.75, help="share of patches hidden with --objective mae"
     )
     p.add_argument("--trace", metavar="PATH", help="write a torch.profiler trace (JSON) of one step")
+    p.add_argument(
+        "--largest-micro-batch", type=int, metavar="LIMIT",
+        help="measure each configuration at the largest micro-batch (a multiple of 8, <= LIMIT) that fits",
+    )  # fmt: skip
     p.add_argument("--json", help="also write the figures to this JSON file")
     return p.parse_args(argv)
 
 
-def measure(
-    args: argparse.Namespace, name: str, device: torch.device, world: int, trace: str | None
-) -> list[dict]:
-    """One configuration's rows: vitray's step, and timm's beside it with --compare-timm."""
-    config = TrainConfig(
+def train_config(args: argparse.Namespace, name: str, world: int) -> TrainConfig:
+    return TrainConfig(
         model=args.model,
         image_size=args.image_size,
         num_classes=args.num_classes,
@@ -113,6 +117,56 @@ def measure(
         mask_ratio=args.mask_ratio,
         **switches(name),
     )
+
+
+def largest_micro_batch(fits: Callable[[int], bool], start: int, limit: int, multiple: int = 8) -> int | None:
+    """The largest micro-batch `fits` accepts, at most `limit` and a multiple of `multiple` (or `start`):
+    double from `start` until a size fails, then bisect between the last that fit and the first that did
+    not. `fits` must be monotone (a size that fits, every smaller one does). None when `start` fails."""
+    if not fits(start):
+        return None
+    good, bad = start, None
+    while bad is None:
+        size = min(good * 2, limit)
+        if size == good:
+            return good
+        good, bad = (size, None) if fits(size) else (good, size)
+    while True:
+        middle = (good + bad) // 2 // multiple * multiple
+        if middle <= good:
+            return good
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+
+
+def steps_fit(args: argparse.Namespace, name: str, device: torch.device, micro_batch: int) -> bool:
+    """Whether two steps of configuration `name` (the second with AdamW's state allocated) run at
+    `micro_batch` images without running out of device memory."""
+    sized = argparse.Namespace(**{**vars(args), "micro_batch_size": micro_batch})
+    config = train_config(sized, name, world=1)
+    try:
+        model = build_model(config, device)
+        step = TrainStep(model, config, device)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        batch = tuple(t.to(device) for t in random_batch(objective_for(config), micro_batch, g))
+        for i in range(2):
+            step(i, [batch], global_count=micro_batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        model = step = batch = None  # freed before the next size is tried
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure(
+    args: argparse.Namespace, name: str, device: torch.device, world: int, trace: str | None
+) -> list[dict]:
+    """One configuration's rows: vitray's step, and timm's beside it with --compare-timm."""
+    config = train_config(args, name, world)
     objective = objective_for(config)
     model = build_model(config, device)
     step = TrainStep(model, config, device)
@@ -150,7 +204,8 @@ def measure(
     rows = []
     for label, sec in seconds.items():
         per_device = args.micro_batch_size / sec
-        rows.append({"config": label, "images_per_s": per_device * world, "images_per_s_per_device": per_device,
+        rows.append({"config": label, "micro_batch_size": args.micro_batch_size,
+                     "images_per_s": per_device * world, "images_per_s_per_device": per_device,
                      "step_ms": sec * 1e3, "flops_per_image": objective.flops_per_image(),
                      "optimizer": kernels[label], "peak_gib": peak_gib if label == name else None})  # fmt: skip
     return rows
@@ -246,9 +301,23 @@ def main(argv: list[str]) -> dict:
         print("--compare-timm runs in a single process (timm's script has no FSDP): skipped")
     peak, peak_note = peak_tflops(device)
     measured = matmul_tflops(device) if device.type == "cuda" else None
+    if args.largest_micro_batch and world > 1:
+        raise SystemExit("error: --largest-micro-batch searches in one process; run it without torchrun")
     rows = []
     for i, name in enumerate(names):
-        rows.extend(measure(args, name, device, world, args.trace if i == 0 else None))
+        sized = args
+        if args.largest_micro_batch:
+            found = largest_micro_batch(
+                lambda size, name=name: steps_fit(args, name, device, size),
+                args.micro_batch_size,
+                args.largest_micro_batch,
+            )
+            if found is None:
+                print(f"{name}: {args.micro_batch_size} images do not fit; lower --micro-batch-size")
+                continue
+            print(f"{name}: largest micro-batch that fits: {found} (search limit {args.largest_micro_batch})")
+            sized = argparse.Namespace(**{**vars(args), "micro_batch_size": found})
+        rows.extend(measure(sized, name, device, world, args.trace if i == 0 else None))
         gc.collect()  # the last configuration's model and optimizer state go before the next is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -277,6 +346,7 @@ def main(argv: list[str]) -> dict:
         table = [
             {
                 "config": r["config"],
+                "micro-batch": r["micro_batch_size"],
                 "img/s": r["images_per_s"],
                 "img/s/device": r["images_per_s_per_device"],
                 "step ms": r["step_ms"],

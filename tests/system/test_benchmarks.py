@@ -107,13 +107,33 @@ def test_train_compares_with_timm_alternating_and_writes_a_trace(tmp_path):
 
 
 def test_train_without_timm_says_so_in_one_line_and_still_measures(tmp_path):
+    # Also the micro-batch search: on a CPU nothing runs out of memory, so it ends at its limit.
     result = benchmark(
         "train", *TINY, "--micro-batch-size", "2", "--configs", "eager", "--warmup", "1", "--iters", "1",
-        "--compare-timm", "--json", str(tmp_path / "t.json"),
+        "--compare-timm", "--largest-micro-batch", "8", "--json", str(tmp_path / "t.json"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "timm is not installed: --compare-timm skipped" in result.stdout
-    assert [r["config"] for r in json.loads((tmp_path / "t.json").read_text())["results"]] == ["eager"]
+    assert "eager: largest micro-batch that fits: 8 (search limit 8)" in result.stdout
+    rows = json.loads((tmp_path / "t.json").read_text())["results"]
+    assert [(r["config"], r["micro_batch_size"]) for r in rows] == [("eager", 8)]
+
+
+@pytest.mark.parametrize(
+    ("capacity", "start", "limit", "found"),
+    [(100, 8, 4096, 96), (100, 2, 64, 64), (12, 8, 4096, 8), (5, 8, 64, None), (4096, 8, 4096, 4096)],
+)
+def test_the_micro_batch_search_finds_the_largest_multiple_of_8_that_fits(capacity, start, limit, found):
+    from jobs.benchmarks.train import largest_micro_batch
+
+    tried = []
+
+    def fits(size: int) -> bool:
+        tried.append(size)
+        return size <= capacity
+
+    assert largest_micro_batch(fits, start, limit) == found
+    assert len(tried) <= 2 + 2 * limit.bit_length()  # doubling, then bisecting: logarithmic
 
 
 def test_train_refuses_an_unknown_switch_before_building_anything():
