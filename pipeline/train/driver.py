@@ -170,7 +170,7 @@ def read_metrics(out: str) -> list[dict[str, Any]]:
 
 def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     """What a finished run prints: its last step's loss and accuracy (and evaluation accuracy), the
-    samples read and skipped."""
+    samples read and skipped. A run resumed at the end of its schedule trained no step: it says so."""
     metrics, bad = summary["metrics"], summary["bad_samples"]
     reasons = ", ".join(f"{n} {reason}" for reason, n in bad["by_reason"].items()) or "none"
     scores = "".join(
@@ -178,8 +178,13 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
         for key, label in (("accuracy", "accuracy"), ("eval_accuracy", "eval accuracy"))
         if metrics.get(key) is not None
     )
+    if metrics:
+        finished = f"finished at step {metrics['step']}: loss {metrics['loss']:.4f}{scores}"
+    else:  # resumed at the schedule's end (run again after it finished, or killed after its last checkpoint)
+        step = (summary.get("resumed_from") or {}).get("step")
+        finished = f"finished at step {step}: resumed at the end of the schedule, nothing left to train"
     return (
-        f"\nfinished at step {metrics['step']}: loss {metrics['loss']:.4f}{scores}\n"
+        f"\n{finished}\n"
         f"samples read: {bad['total']}, skipped as bad: {bad['bad']} ({reasons})\n"
         f"run directory: {config.out} (checkpoints, metrics.jsonl, final/)"
     )

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from pipeline import dcp
 from pipeline.train import loop
 from pipeline.train.config import TrainConfig
-from pipeline.train.driver import read_metrics
+from pipeline.train.driver import format_summary, read_metrics
 from pipeline.train.model import init_distributed, model_config
 from tests.train.test_loop import SHARDS, config, fake_micro_batches, untimed
 
@@ -105,7 +105,7 @@ def killed_and_straight(world, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loop, "micro_batches", fake_micro_batches)
         summary = train(config(straight), UploadingSession(world, straight))
-    output, _ = process.communicate(timeout=300)
+    output, _ = process.communicate(timeout=240)
     assert process.returncode == -signal.SIGKILL, output[-3000:]
     assert summary["error"] == "" and summary["metrics"]["step"] == 8
     return killed, straight
@@ -181,3 +181,29 @@ def test_a_checkpoint_copy_cut_anywhere_is_never_taken_as_complete(killed_and_st
     for name, data in files.items():  # and whole, it is
         (target / name).write_bytes(data)
     assert dcp.latest_complete(run) == str(target)
+
+
+def test_a_run_killed_after_its_last_checkpoint_run_again_exports_and_says_so(
+    killed_and_straight, world, monkeypatch, tmp_path
+):
+    """Killed between its last checkpoint and the export (what remains: the straight run without
+    final/), the same run started again resumes at the end of its schedule: no step, the export, and a
+    summary that says so."""
+    _, straight = killed_and_straight
+    run = tmp_path / "run"
+    shutil.copytree(straight, run, ignore=shutil.ignore_patterns("final"))
+    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    session = UploadingSession(world, run)
+    summary = train(config(run), session)
+    assert summary["error"] == "" and summary["resumed_from"]["step"] == 8 and session.reports == []
+    printed = format_summary(summary, config(run))
+    assert printed.startswith(
+        "\nfinished at step 8: resumed at the end of the schedule, nothing left to train"
+    )
+    assert "samples read: 72, skipped as bad: 8" in printed
+    assert [r["step"] for r in read_metrics(str(run))] == [2, 4, 6, 8]
+    final_a = load_file(straight / "final" / "weights.safetensors")
+    final_b = load_file(run / "final" / "weights.safetensors")
+    assert final_a.keys() == final_b.keys()
+    for name in final_a:
+        assert torch.equal(final_a[name], final_b[name]), name
