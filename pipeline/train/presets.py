@@ -55,20 +55,23 @@ def small() -> TrainConfig:
         python jobs/embed.py --weights /tmp/small --data '/tmp/fmnist/test-*.tar' --out /tmp/small-emb-test
         python jobs/evaluate.py --train /tmp/small-emb-train --test /tmp/small-emb-test
 
-    Expected: not yet measured on real images (BENCHMARKS.md says so); the bar it must clear there is
-    a linear probe on the raw pixels of the same images.
+    Measured on Fashion-MNIST (BENCHMARKS.md, "Learning"): 400 steps (51,200 images, under one epoch)
+    ran at 145-160 images/s on 2 CPU workers in its quieter windows (about 6 minutes alone) and ended
+    at 66.6% training accuracy (under augmentation); a linear probe on the embeddings scores 75.0% on
+    the 10,000 test images, below a linear probe on the raw pixels (81.1%): this budget does not
+    clear that bar yet; more steps are the first thing to try.
     """
     return TrainConfig(
         model="vit_mini4",
         image_size=32,
         num_classes=10,
-        crop_scale=(0.35, 1.0),
+        crop_scale=(0.6, 1.0),
         batch_size=128,
         micro_batch_size=64,
-        lr=1e-3,
+        lr=2e-3,
         weight_decay=0.05,
         warmup_steps=30,
-        max_steps=300,
+        max_steps=400,
         shuffle_buffer=1024,
         num_workers=2,
         use_gpu=False,
