@@ -122,6 +122,8 @@ def main(argv: list[str]) -> dict[str, Any]:
                 str(shards[split]),
                 "--out",
                 str(out / f"{name}-emb-{split}"),
+                "--label-key",  # an MAE export trained without labels records none
+                "cls",
             )
         scores = evaluate(out / f"{name}-emb-probe", out / f"{name}-emb-test", out / f"{name}-eval.json")
         rows.append(
