@@ -43,6 +43,7 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, init_distributed
 from pipeline.train.objective import Objective, objective_for
 from pipeline.train.optim import optimizer_kernels
+from pipeline.train.resources import largest_micro_batch
 from pipeline.train.step import TrainStep, peak_tflops
 
 CONFIGS = ("eager", "compile", "ac", "compile+ac")  # the usual ones; any `+` join of SWITCHES works
@@ -117,25 +118,6 @@ def train_config(args: argparse.Namespace, name: str, world: int) -> TrainConfig
         mask_ratio=args.mask_ratio,
         **switches(name),
     )
-
-
-def largest_micro_batch(fits: Callable[[int], bool], start: int, limit: int, multiple: int = 8) -> int | None:
-    """The largest micro-batch `fits` accepts, at most `limit` and a multiple of `multiple` (or `start`):
-    double from `start` until a size fails, then bisect between the last that fit and the first that did
-    not. `fits` must be monotone (a size that fits, every smaller one does). None when `start` fails."""
-    if not fits(start):
-        return None
-    good, bad = start, None
-    while bad is None:
-        size = min(good * 2, limit)
-        if size == good:
-            return good
-        good, bad = (size, None) if fits(size) else (good, size)
-    while True:
-        middle = (good + bad) // 2 // multiple * multiple
-        if middle <= good:
-            return good
-        good, bad = (middle, bad) if fits(middle) else (good, middle)
 
 
 def steps_fit(args: argparse.Namespace, name: str, device: torch.device, micro_batch: int) -> bool:

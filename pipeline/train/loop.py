@@ -34,19 +34,13 @@ stay on the device until a log line is due. The one wait per step is the skip de
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import ray
-import ray.train
-import ray.train.torch
 import torch.distributed as dist
-from ray.train import Checkpoint
 
 from pipeline import dcp, storage
 from pipeline.data.bad_samples import BadSamples
@@ -60,6 +54,7 @@ from pipeline.train.objective import objective_for
 from pipeline.train.optim import optimizer_kernels
 from pipeline.train.prefetch import Prefetcher, StepInput
 from pipeline.train.resources import data_cpus_per_worker
+from pipeline.train.session import RaySession
 from pipeline.train.state import (
     StepAgreement,
     TrainState,
@@ -73,35 +68,6 @@ from pipeline.train.step import StepStats, TrainStep, peak_tflops
 
 class StopRun(Exception):
     """The run ends on an error every rank agreed on; the message is the one line the driver shows."""
-
-
-class RaySession:
-    """This worker's link to Ray Train: who it is, the checkpoint to resume from, where reports go."""
-
-    def __init__(self) -> None:
-        ctx = ray.train.get_context()
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.device = ray.train.torch.get_device()
-        self.node_id = ray.get_runtime_context().get_node_id()
-
-    @contextlib.contextmanager
-    def resume_from(self) -> Iterator[tuple[Path, str] | None]:
-        """(local directory, where it came from) of the checkpoint to resume from, or None."""
-        resumed = ray.train.get_checkpoint()
-        if resumed is None:
-            yield None
-            return
-        with resumed.as_directory() as directory:
-            yield Path(directory), resumed.path
-
-    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None = None, name: str = "") -> None:
-        """Collective: hand metrics (and this rank's part of a checkpoint) to Ray Train."""
-        if checkpoint_dir is None:
-            ray.train.report(metrics)
-        else:
-            ray.train.report(
-                metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir), checkpoint_dir_name=name
-            )
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
@@ -176,26 +142,13 @@ class Trainer:
 
     def resumed_position(self) -> int:
         """Micro-batches of the current epoch this rank took before the checkpoint (0 without one)."""
-        position, config = self.state.epoch_position, self.config
         if self.resumed_from is None:
             return 0
-        taken = position.get("micro_batches", 0)
-        layout = (position.get("world"), position.get("micro_batch_size"))
-        same = layout == (self.world, config.micro_batch_size)
+        taken, note = self.state.taken_at(self.world, self.config.micro_batch_size)
         if self.rank == 0:
-            where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step} (epoch {self.state.epoch}"
-            if not taken:
-                log_line(f"{where})")
-            elif same:
-                log_line(
-                    f"{where}; each worker re-reads the {taken * config.micro_batch_size} samples it had taken)"
-                )
-            else:
-                log_line(
-                    f"{where}); it was taken with {layout[0]} workers x micro-batch {layout[1]}, so this "
-                    "epoch's data starts again from its first sample"
-                )
-        return taken if same else 0
+            where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step}"
+            log_line(f"{where} (epoch {self.state.epoch})" + (f": {note}" if note else ""))
+        return taken
 
     def announce(self, peak_note: str) -> None:
         """Collective: the run's shape in one log line (rank 0 writes it)."""

@@ -46,6 +46,21 @@ class TrainState:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
 
+    def taken_at(self, world: int, micro_batch_size: int) -> tuple[int, str]:
+        """(micro-batches of the current epoch each rank took before this checkpoint, a note for the
+        resume's log line). At another world size or micro-batch size the ranks' streams differ: the
+        epoch's data starts again from its first sample (0)."""
+        taken = self.epoch_position.get("micro_batches", 0)
+        layout = (self.epoch_position.get("world"), self.epoch_position.get("micro_batch_size"))
+        if not taken:
+            return 0, ""
+        if layout == (world, micro_batch_size):
+            return taken, f"each worker re-reads the {taken * micro_batch_size} samples it had taken"
+        return 0, (
+            f"it was taken with {layout[0]} workers x micro-batch {layout[1]}, so this epoch's data "
+            "starts again from its first sample"
+        )
+
     def bad_samples_of(
         self, rank: int, world: int, data_config: DataConfig, *, at_epoch_start: bool = False
     ) -> BadSamples:

@@ -124,7 +124,7 @@ def test_train_without_timm_says_so_in_one_line_and_still_measures(tmp_path):
     [(100, 8, 4096, 96), (100, 2, 64, 64), (12, 8, 4096, 8), (5, 8, 64, None), (4096, 8, 4096, 4096)],
 )
 def test_the_micro_batch_search_finds_the_largest_multiple_of_8_that_fits(capacity, start, limit, found):
-    from jobs.benchmarks.train import largest_micro_batch
+    from pipeline.train.resources import largest_micro_batch
 
     tried = []
 

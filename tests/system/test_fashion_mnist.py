@@ -55,27 +55,3 @@ def test_pack_reads_back_every_image_with_its_label(tmp_path):
         # The 4th image of its class (3 train, 1 test), gray widened to RGB: every channel equals the pixel.
         image = np.asarray(pixels[label][3], dtype=np.uint8).reshape(7, 4, 7, 4).transpose(0, 2, 1, 3)
         assert np.array_equal(patches.reshape(49, 16, 3)[:, :, 0], image.reshape(49, 16)), key
-
-
-def test_learning_driver_scores_a_raw_pixel_probe_and_reads_the_last_eval_accuracy(tmp_path):
-    from jobs.benchmarks.learning import final_eval_accuracy, raw_pixel_probe
-
-    # Two classes a linear model separates exactly (bright left half or bright right half): all right;
-    # with the test set's labels swapped, all wrong.
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 40, size=(40, 28, 28), dtype=np.uint8)
-    labels = np.arange(40) % 2
-    images[labels == 0, :, :14] += 200
-    images[labels == 1, :, 14:] += 200
-    train, test = np.arange(20), np.arange(20, 40)
-    assert raw_pixel_probe(images, labels, train, test) == 1.0
-    swapped = np.concatenate([labels[:20], 1 - labels[20:]])
-    assert raw_pixel_probe(images, swapped, train, test) == 0.0
-
-    rows = [
-        {"step": 10, "eval_accuracy": 0.5},
-        {"step": 20, "loss": 1.0},
-        {"step": 20, "eval_accuracy": 0.75},
-    ]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert final_eval_accuracy(tmp_path) == 0.75

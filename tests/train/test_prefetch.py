@@ -16,7 +16,13 @@ from pipeline.train.prefetch import Prefetcher
 def micro_batch(i: int, size: int = 4) -> dict[str, np.ndarray]:
     patches = np.full((size, 3, 6), i, dtype=np.uint8)
     patches.flags.writeable = False  # as Ray hands them out
-    return {"patches": patches, "label": np.arange(size) + i, "url": np.array([f"shard-{i // 2}"] * size)}
+    keys = np.array([f"shard-{i // 2}/{i}-{j}" for j in range(size)])
+    return {
+        "patches": patches,
+        "label": np.arange(size) + i,
+        "url": np.array([f"shard-{i // 2}"] * size),
+        "key": keys,
+    }
 
 
 def stream(n: int, fail: BaseException | None = None, closed: threading.Event | None = None):
@@ -52,7 +58,10 @@ def test_the_thread_builds_what_the_step_would_build_itself(depth):
 
     inline, threaded = run(0), run(depth)
     assert [s.samples for s in threaded] == [8, 8, 4] and threaded[-1].ran_dry
-    assert [s.urls for s in threaded] == [{"shard-0"}, {"shard-1"}, {"shard-2"}]
+    # Each step's keys, in the order the step takes them: micro-batches 0-1, 2-3, then 4 alone.
+    assert [s.keys for s in threaded] == [
+        [f"shard-{i // 2}/{i}-{j}" for i in ids for j in range(4)] for ids in ((0, 1), (2, 3), (4,))
+    ]
     for a, b in zip(inline, threaded, strict=True):
         assert len(a.micro_batches) == len(b.micro_batches)
         for x, y in zip(a.micro_batches, b.micro_batches, strict=True):
