@@ -82,12 +82,10 @@ class TrainConfig:
     use_gpu: bool = True
     cpus_per_worker: float = 1.0  # the rest of the cluster's CPUs decode data
     placement_strategy: str = "PACK"  # of the workers over nodes: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
-    data_cpus_per_worker: float | None = (
-        None  # decode CPUs per worker; None: decided each epoch from the cluster
-    )
-    shard_group_size: int | None = (
-        None  # ranks sharing one FSDP shard group (HSDP); None: the workers of a node
-    )
+    # Decode CPUs per worker; None: decided each epoch from the cluster.
+    data_cpus_per_worker: float | None = None
+    # Ranks sharing one FSDP shard group (HSDP); None: the workers of a node.
+    shard_group_size: int | None = None
     shared_out: bool = False  # a local --out is one filesystem mounted at the same path on every node
 
     # --- run -----------------------------------------------------------------------------------

@@ -17,10 +17,8 @@ Arithmetic: 2 shards x 16 samples, micro-batch 4, batch 8 (one micro-batch per r
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -61,29 +59,13 @@ class InMemoryDataset:
             }
 
 
-class LocalSession:
-    """Ray Train's part: every rank's checkpoint files are gathered into one directory of the run."""
-
-    node_id = "local"
-
-    def __init__(self, rank: int, world: int, device, run_dir: Path):
-        self.rank, self.world, self.device, self.run_dir = rank, world, device, run_dir
-
-    @contextlib.contextmanager
-    def resume_from(self):
-        yield None
-
-    def report(self, metrics, checkpoint_dir=None, name=""):
-        if checkpoint_dir is not None:
-            shutil.copytree(checkpoint_dir, self.run_dir / name, dirs_exist_ok=True)
-
-
 def worker(root: str) -> None:
     """One rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): both runs, summaries to a JSON file."""
     from pipeline.data import dataset
     from pipeline.train import loop
     from pipeline.train.config import TrainConfig
     from pipeline.train.model import init_distributed
+    from tests.train.test_loop import LocalSession
 
     dataset.build_dataset = lambda shards, config, **_: InMemoryDataset(
         shards, config.image_size, config.patch_size
@@ -98,7 +80,7 @@ def worker(root: str) -> None:
             max_steps=6, log_every=3, checkpoint_every=6, max_bad_fraction=budget,
         )  # fmt: skip
         loop_config = {"train": config.to_dict(), "shards": shards, "data_cpus_per_worker": 1.0}
-        summaries[name] = loop.Trainer(loop_config, LocalSession(rank, world, device, out)).train()
+        summaries[name] = loop.Trainer(loop_config, LocalSession(device, out, rank, world)).train()
     Path(root, f"rank{rank}.json").write_text(json.dumps(summaries))
 
 

@@ -87,12 +87,13 @@ def fake_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, d
 
 
 class LocalSession:
-    """Ray Train's part, in one process: checkpoints are copied under the run directory."""
+    """Ray Train's part, without Ray: every rank's checkpoint files are merged into one directory under
+    the run directory, and the latest complete one is resumed from."""
 
-    rank, world, node_id = 0, 1, "local"
+    node_id = "local"
 
-    def __init__(self, device: torch.device, run_dir: Path):
-        self.device, self.run_dir = device, run_dir
+    def __init__(self, device: torch.device, run_dir: Path, rank: int = 0, world: int = 1):
+        self.device, self.run_dir, self.rank, self.world = device, run_dir, rank, world
         self.reports: list[dict] = []
 
     @contextlib.contextmanager
@@ -103,7 +104,7 @@ class LocalSession:
     def report(self, metrics, checkpoint_dir=None, name=""):
         self.reports.append(metrics)
         if checkpoint_dir is not None:
-            shutil.copytree(checkpoint_dir, self.run_dir / name)
+            shutil.copytree(checkpoint_dir, self.run_dir / name, dirs_exist_ok=True)
 
 
 @pytest.fixture
