@@ -270,7 +270,8 @@ def test_fsdp_shards_encoder_and_decoder_blocks_and_computes_the_same(param_dtyp
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = create_mae(TINY, mae=SMALL, device="meta")
-        parallelize(model, activation_checkpointing=True, param_dtype=param_dtype)  # what the loop runs
+        # What the loop runs on many devices (on one, the whole model is one unit).
+        parallelize(model, activation_checkpointing=True, param_dtype=param_dtype, per_block=True)
         assert all(isinstance(block, FSDPModule) for block in model.blocks) and len(model.blocks) == 3
         model.to_empty(device="cpu")
         model.init_weights()

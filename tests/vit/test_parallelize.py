@@ -144,6 +144,57 @@ def test_fsdp_shards_every_parameter_and_matches_the_plain_gradients():
     mp.spawn(_fsdp_worker, args=(free_port(),), nprocs=WORLD_SIZE, join=True)
 
 
+def one_device_fsdp(per_block: bool | None, compile_model: bool = False) -> tuple[nn.Module, list]:
+    """The reference model under FSDP2 on a world of one (call inside a process group), and the
+    graphs a whole-model compile traced (with `compile_model`)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = vit.create_model(TINY, device="meta")
+    if compile_model:
+        apply_compile(model, backend=backend, scope="model")
+    apply_fsdp(model, param_dtype=None, per_block=per_block)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, reference_model().state_dict(), options=full)
+    return model, graphs
+
+
+def test_one_device_is_one_fsdp_unit_that_computes_what_per_block_units_do():
+    from torch.distributed.fsdp import FSDPModule
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x, y = batch()
+        loss, grads = loss_and_grads(reference_model(), x, y)
+        per_block, _ = one_device_fsdp(per_block=True)
+        assert all(isinstance(block, FSDPModule) for block in per_block.blocks)
+        one_unit, _ = one_device_fsdp(per_block=None)  # the default on one device
+        assert isinstance(one_unit, FSDPModule)
+        assert not any(isinstance(block, FSDPModule) for block in one_unit.blocks)
+        for model in (per_block, one_unit):
+            loss_m, grads_m = loss_and_grads(model, x, y)
+            torch.testing.assert_close(loss_m, loss, rtol=1e-5, atol=1e-6)
+            for name in grads:
+                torch.testing.assert_close(grads_m[name].full_tensor(), grads[name], rtol=1e-4, atol=1e-6)
+        # A whole-model compile is one graph when nothing splits the forward into per-block hooks.
+        compiled, graphs = one_device_fsdp(per_block=None, compile_model=True)
+        loss_c, _ = loss_and_grads(compiled, x, y)
+        torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=1e-6)
+        assert len(graphs) == 1
+        compiled, graphs = one_device_fsdp(per_block=True, compile_model=True)
+        loss_and_grads(compiled, x, y)
+        assert len(graphs) > 1  # the graph breaks at each block's hooks
+    finally:
+        dist.destroy_process_group()
+
+
 def _cuda_worker(rank: int, port: int, world_size: int) -> None:
     # The production setup on GPUs: AC, then per-block inductor compile, then FSDP2 in bf16.
     from torch.distributed.tensor import distribute_tensor
