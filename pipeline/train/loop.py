@@ -48,7 +48,7 @@ from pipeline.data.config import shard_order
 from pipeline.data.dataset import Batch, micro_batches
 from pipeline.train import checkpoint, finetune, sinks
 from pipeline.train.config import TrainConfig, data_config
-from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, log_line
+from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
 from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import objective_for
 from pipeline.train.optim import optimizer_kernels
@@ -109,7 +109,7 @@ class Trainer:
             self.rank, self.world, self.data_config, at_epoch_start=True
         )
         self.taken = self.resumed_position()
-        self.skipped_in_a_row = 0
+        self.skipped = SkippedSteps(self.device)
         self.log = sinks.attach(MetricsLog(config.out, self.state.step), config) if self.rank == 0 else None
         self.saved_config = {
             "train": config.to_dict(),
@@ -244,7 +244,7 @@ class Trainer:
         )
         self.state.step += 1
         self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
-        self.count_skipped(stats)
+        self.skipped.add(stats.skipped)
         step, config = self.state.step, self.config
         save = step % config.checkpoint_every == 0 or step == config.last_step
         evaluate = bool(self.eval_shards) and (
@@ -274,25 +274,23 @@ class Trainer:
             )
         return accuracy
 
-    def count_skipped(self, stats: StepStats) -> None:
-        """Count a step skipped for a non-finite loss or gradient norm; too many in a row end the run.
-
-        Every rank sees the same global gradient norm, so every rank decides alike without a collective.
-        """
-        if not stats.skipped:
-            self.skipped_in_a_row = 0
+    def check_skipped(self) -> None:
+        """At each log line: count the skipped steps since the last one, and end the run when too many
+        came in a row (found at most --log-every steps late; a skipped step changes no weight). Every
+        rank sees the same global gradient norm, so every rank decides alike without a collective."""
+        new, in_a_row = self.skipped.read()
+        if not new:
             return
-        self.state.skipped_steps += 1
-        self.skipped_in_a_row += 1
+        self.state.skipped_steps += new
         step, limit = self.state.step, self.config.max_skipped_steps
         if self.rank == 0:
             log_line(
-                f"step {step} skipped: non-finite loss or gradient norm ({stats.grad_norm.item()}); "
-                f"{self.skipped_in_a_row} in a row, {self.state.skipped_steps} in the run"
+                f"{new} step(s) up to step {step} skipped for a non-finite loss or gradient norm; "
+                f"{in_a_row} in a row, {self.state.skipped_steps} in the run"
             )
-        if self.skipped_in_a_row >= limit:
+        if in_a_row >= limit:
             raise StopRun(
-                f"{self.skipped_in_a_row} steps in a row (up to step {step}) had a non-finite loss or "
+                f"{in_a_row} steps in a row (up to step {step}) had a non-finite loss or "
                 f"gradient norm and were skipped, --max-skipped-steps {limit}; resume from the last "
                 "checkpoint with a lower --lr or a smaller --grad-clip, or check the data"
             )
@@ -300,6 +298,7 @@ class Trainer:
     # --- report and checkpoint -------------------------------------------------------------------
     def report(self, stats: StepStats, *, save: bool, eval_accuracy: float | None = None) -> None:
         """Collective: a log line and `metrics.jsonl` row, then a report to Ray Train (with a checkpoint)."""
+        self.check_skipped()
         metrics = self.window.reduce(
             step=self.state.step,
             epoch=self.state.epoch,

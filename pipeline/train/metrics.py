@@ -36,17 +36,20 @@ class MetricsWindow:
         self.loss = torch.zeros((), dtype=torch.float64, device=device)  # summed per-sample loss
         self.correct = torch.zeros((), dtype=torch.float64, device=device)
         self.count = 0  # samples stepped over
-        self.scored = 0  # samples of the steps not skipped: what loss and accuracy average over
+        # Samples of the steps not skipped: what loss and accuracy average over.
+        self.scored = torch.zeros((), dtype=torch.float64, device=device)
         self.data_wait = 0.0  # seconds spent waiting for the next step's batches
         self.start = time.perf_counter()
 
-    def add_step(self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int, skipped: bool) -> None:
-        """One step's sums on this rank; a skipped step's (non-finite) loss is left out."""
+    def add_step(
+        self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int, skipped: torch.Tensor
+    ) -> None:
+        """One step's sums on this rank; a skipped step's (non-finite) loss is left out, on the device."""
         self.count += count
-        if not skipped:
-            self.loss += loss_sum
-            self.correct += correct
-            self.scored += count
+        kept = ~skipped
+        self.loss += torch.where(kept, loss_sum, 0.0)
+        self.correct += torch.where(kept, correct, 0)
+        self.scored += kept * count
 
     def reduce(
         self,
@@ -71,13 +74,11 @@ class MetricsWindow:
         world = dist.get_world_size()
         elapsed = time.perf_counter() - self.start
         host = torch.tensor(
-            [self.count, self.scored, self.data_wait, samples_seen, bad_samples],
-            dtype=torch.float64,
-            device=self.device,
+            [self.count, self.data_wait, samples_seen, bad_samples], dtype=torch.float64, device=self.device
         )
-        sums = torch.cat([torch.stack([self.loss, self.correct]), host])
+        sums = torch.cat([torch.stack([self.loss, self.correct, self.scored]), host])
         dist.all_reduce(sums)
-        loss, correct, count, scored, wait, seen, n_bad = sums.tolist()
+        loss, correct, scored, count, wait, seen, n_bad = sums.tolist()
         memory = torch.tensor([_memory_gib(self.device)], dtype=torch.float64, device=self.device)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         images_per_s = count / elapsed
@@ -100,6 +101,26 @@ class MetricsWindow:
             "skipped_steps": skipped_steps,
             "memory_gib": memory.item(),
         }
+
+
+class SkippedSteps:
+    """Steps skipped for a non-finite loss or gradient norm, counted on the device, so that a step never
+    waits for its verdict; read back when a log line is due."""
+
+    def __init__(self, device: torch.device):
+        self.unread = torch.zeros((), device=device)  # skipped since the last read
+        self.in_a_row = torch.zeros((), device=device)  # the latest steps, all skipped
+
+    def add(self, skipped: torch.Tensor) -> None:
+        skipped = skipped.float()
+        self.unread += skipped
+        self.in_a_row = (self.in_a_row + skipped) * skipped
+
+    def read(self) -> tuple[int, int]:
+        """(skipped since the last read, skipped in a row up to the latest step): one wait for the device."""
+        new, in_a_row = (int(v) for v in torch.stack([self.unread, self.in_a_row]).tolist())
+        self.unread.zero_()
+        return new, in_a_row
 
 
 def _memory_gib(device: torch.device) -> float:

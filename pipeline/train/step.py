@@ -48,7 +48,7 @@ class StepStats:
     count: int  # samples on this rank
     grad_norm: torch.Tensor  # global (all ranks) gradient norm before clipping
     lr: float
-    skipped: bool = False  # the loss or gradient norm was not finite: no update, gradients dropped
+    skipped: torch.Tensor  # (bool, on the device) the loss or gradient norm was not finite: no update
 
 
 class TrainStep:
@@ -107,13 +107,17 @@ class TrainStep:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         lr = self.config.lr * lr_factor(step, self.config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         # A non-finite loss on any rank makes that rank's gradients, hence the global norm, non-finite,
-        # so every rank reaches the same verdict here without a collective of its own. The update must
-        # be decided before it is applied: this is the step's one wait for the device.
-        skipped = not bool(torch.isfinite(grad_norm))
-        if not skipped:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+        # so every rank reaches the same verdict here without a collective of its own.
+        skipped = ~torch.isfinite(grad_norm.detach())
+        if self.optimizer.defaults.get("fused"):
+            # The fused kernels skip the update on the device when `found_inf` is set (and take their
+            # step count back), so the host queues the next step without waiting for this one.
+            self.optimizer.found_inf = skipped.float()
+            self.optimizer.step()
+        elif not bool(skipped):  # other kernels: decided on the host, the step's one wait for the device
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(loss_sum, correct, count, grad_norm.detach(), lr, skipped)

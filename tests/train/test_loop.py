@@ -210,7 +210,8 @@ def test_too_many_skipped_steps_in_a_row_stop_the_run_without_saving_nan(
     patch_nan_loss(monkeypatch, set(range(2, 100)))
     cfg = config(tmp_path / "run", max_skipped_steps=3)
     summary, session = run(cfg, world)
-    assert summary["error"].startswith("3 steps in a row (up to step 5) had a non-finite loss")
+    # Steps 3-6 are skipped; the count is read at step 6's log line (--log-every 2), which stops the run.
+    assert summary["error"].startswith("4 steps in a row (up to step 6) had a non-finite loss")
     assert "--max-skipped-steps 3" in summary["error"] and "\n" not in summary["error"]
     assert [r["step"] for r in session.reports] == [2, 4]
     # Step 4's checkpoint came after two skipped steps: it holds step 2's weights, all finite.

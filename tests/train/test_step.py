@@ -238,20 +238,36 @@ def test_loss_falls_on_a_fixed_batch(world):
     assert torch.isfinite(stats.grad_norm)
 
 
-def test_a_non_finite_loss_skips_the_update_as_if_the_step_never_ran(world, monkeypatch):
+def refuse_reads_from_the_device(monkeypatch) -> None:
+    """Make any read of a tensor's value on the host (what waits for a GPU) fail."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the step read a value back from the device")
+
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_a_non_finite_loss_skips_the_update_as_if_the_step_never_ran(world, monkeypatch, impl):
+    # foreach: the host decides, reading the norm back; fused: the kernels skip on the device, and
+    # the step reads nothing back.
+    config = CONFIG.replace(optimizer_impl=impl)
     good, other = batch(8, seed=4), batch(8, seed=5)
-    straight = build_model(CONFIG, world)
-    straight_step = TrainStep(straight, CONFIG, world)
+    straight = build_model(config, world)
+    straight_step = TrainStep(straight, config, world)
     straight_step(0, [good], 8)
     straight_step(2, [other], 8)
 
-    model = build_model(CONFIG, world)
-    step = TrainStep(model, CONFIG, world)
+    model = build_model(config, world)
+    step = TrainStep(model, config, world)
     step(0, [good], 8)
     real_loss = torch.nn.functional.cross_entropy
     monkeypatch.setattr(
         torch.nn.functional, "cross_entropy", lambda *a, **k: real_loss(*a, **k) * float("nan")
     )
+    if impl == "fused":
+        refuse_reads_from_the_device(monkeypatch)
     stats = step(1, [good], 8)
     monkeypatch.undo()
     assert stats.skipped and not torch.isfinite(stats.grad_norm)
