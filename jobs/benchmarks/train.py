@@ -300,7 +300,11 @@ def main(argv: list[str]) -> dict:
             print(f"{name}: largest micro-batch that fits: {found} (search limit {args.largest_micro_batch})")
             sized = argparse.Namespace(**{**vars(args), "micro_batch_size": found})
         rows.extend(measure(sized, name, device, world, args.trace if i == 0 else None))
-        gc.collect()  # the last configuration's model and optimizer state go before the next is built
+        # The last configuration's model and optimizer state go before the next is built, and so do
+        # its compiled graphs: each new model would otherwise count as a recompile of the same code,
+        # and past dynamo's limit (8) a later configuration would run eager under a compiled name.
+        torch._dynamo.reset()
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     for row in rows:

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU figures of BENCHMARKS.md ("GPU speed"), each the command written there, on one GPU machine.
+#
+#     bash jobs/benchmarks/gpu.sh OUT ITEM...      e.g.  bash jobs/benchmarks/gpu.sh /tmp/gpu h14-timm fp8
+#
+# Each ITEM writes OUT/ITEM.log and its JSON beside it; a failing or timed-out item (ITEM_TIMEOUT
+# seconds, default 900) is reported and the next one runs. PYTHON picks the interpreter (python3).
+# Items without Ray: h14-timm (with a profiler trace of one step), b16-timm, h14-model, fp8, embed,
+# mae, ac, largest. With Ray installed: shards, then curve-bf16 and curve-fp8 (the loss curves of
+# --fp8 against bf16, whose logs also give the worker loop's `data wait`), embed-job.
+set -u
+out=${1:?usage: bash jobs/benchmarks/gpu.sh OUT ITEM...}
+shift
+mkdir -p "$out"
+py=${PYTHON:-python3}
+bench=("$py" jobs/benchmark.py)
+shards=${SHARDS:-/tmp/vitray-shards}
+
+run() {
+    local name=$1
+    shift
+    echo "== $name: $*"
+    local start=$SECONDS
+    timeout "${ITEM_TIMEOUT:-900}" "$@" >"$out/$name.log" 2>&1
+    echo "   $name: exit $? after $((SECONDS - start)) s"
+    grep -v "^\[rank" "$out/$name.log" | tail -n "${TAIL:-14}"
+}
+
+curve() {  # one short pretraining run; its metrics.jsonl is the loss curve
+    local name=$1
+    shift
+    rm -rf "/tmp/vitray-$name"
+    run "$name" "$py" jobs/pretrain.py --preset vit_b16_224 --data "$shards" --out "/tmp/vitray-$name" \
+        --num-workers 1 --batch-size 256 --micro-batch-size 128 --warmup-steps 50 --max-steps 300 \
+        --log-every 10 --compile "$@"
+    cp "/tmp/vitray-$name/metrics.jsonl" "$out/$name-metrics.jsonl" 2>/dev/null
+}
+
+for item in "$@"; do
+    case $item in
+    h14-timm) run "$item" "${bench[@]}" train --model vit_h14 --micro-batch-size 64 --configs compile-model \
+        --compare-timm --warmup 5 --iters 20 --trace "$out/h14-step.json" --json "$out/h14-vs-timm.json" ;;
+    b16-timm) run "$item" "${bench[@]}" train --model vit_b16 --micro-batch-size 128 --configs compile-model \
+        --compare-timm --warmup 5 --iters 20 --json "$out/b16-vs-timm.json" ;;
+    h14-model) run "$item" "${bench[@]}" train --model vit_h14 --micro-batch-size 64 \
+        --configs compile,compile-model,compile+foreach,eager --warmup 5 --iters 20 --json "$out/h14-model.json" ;;
+    fp8) run "$item" "${bench[@]}" train --model vit_h14 --micro-batch-size 64 \
+        --configs compile-model,compile-model+fp8,compile --warmup 5 --iters 20 --json "$out/h14-fp8.json" ;;
+    embed) run "$item" "${bench[@]}" embed --device cuda --model-only --compare-timm --model vit_h14 \
+        --batch-size 256 --iters 20 --json "$out/embed-h14-vs-timm.json" ;;
+    mae) run "$item" "${bench[@]}" train --model vit_h14 --objective mae --micro-batch-size 256 \
+        --configs compile-model,compile --warmup 5 --iters 10 --json "$out/h14-mae.json" ;;
+    ac) TORCH_LOGS=recompiles run "$item" "${bench[@]}" train --model vit_h14 --micro-batch-size 128 \
+        --configs compile-model+ac,compile-model+ac-alternate,compile-model+ac-ops --json "$out/h14-ac.json" ;;
+    largest) run "$item" "${bench[@]}" train --model vit_h14 --micro-batch-size 32 --largest-micro-batch 1024 \
+        --configs compile-model,compile-model+ac,compile-model+ac-ops --json "$out/h14-largest.json" ;;
+    shards) run "$item" "$py" jobs/make_shards.py --synthetic "${SHARD_IMAGES:-8000}" --image-size 256 \
+        --out "$shards" ;;
+    curve-bf16) curve "$item" ;;
+    curve-fp8) curve "$item" --fp8 ;;
+    embed-job)  # the Ray job against the naive loop where Ray is installed, the loop alone where not
+        naive=(--naive-only)
+        "$py" -c "import ray" 2>/dev/null && naive=()
+        run "$item" "${bench[@]}" embed --model vit_h14 --device cuda "${naive[@]}" --batch-size 256 \
+            --images 4096 --per-shard 256 --repeats 1 --json "$out/embed-job.json" ;;
+    *) echo "unknown item $item" >&2 ;;
+    esac
+done
