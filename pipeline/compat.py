@@ -31,3 +31,12 @@ def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
     """Where a DCP `FileSystemReader` (or its fsspec subclass) finds ``.metadata``: the path its own
     `read_metadata` opens, which ours must open too when it swaps in a restricted unpickler."""
     return reader._get_metadata_path(rank)
+
+
+def forget_compiled_graphs() -> None:
+    """Drop every graph torch.compile has made in this process. Dynamo keys its caches by code object,
+    so a second model of the same class counts as a recompile of the first (`torch._dynamo.reset` is
+    the one documented way to start afresh)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()

@@ -8,6 +8,10 @@
 # Items without Ray: h14-timm (with a profiler trace of one step), b16-timm, h14-model, fp8, embed,
 # mae, ac, largest. With Ray installed: shards, then curve-bf16 and curve-fp8 (the loss curves of
 # --fp8 against bf16, whose logs also give the worker loop's `data wait`), embed-job.
+# A GPU machine with torch but no Ray (and no network) takes Ray's wheel and the few it needs that
+# such an image lacks (jsonschema, referencing, rpds-py, jsonschema-specifications, pydantic,
+# pydantic-core, annotated-types, typing-inspection, tensorboardX; the versions in constraints.txt),
+# plus torchao for fp8: `pip install --no-index --no-deps --target DIR WHEELS...`, then PYTHONPATH=DIR.
 set -u
 out=${1:?usage: bash jobs/benchmarks/gpu.sh OUT ITEM...}
 shift

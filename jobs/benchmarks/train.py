@@ -39,6 +39,7 @@ import vit
 from jobs.benchmarks.model import interleaved_seconds
 from jobs.benchmarks.report import print_table, write_json
 from jobs.benchmarks.timing import matmul_tflops, time_step
+from pipeline import compat
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, init_distributed
 from pipeline.train.objective import Objective, objective_for
@@ -303,7 +304,7 @@ def main(argv: list[str]) -> dict:
         # The last configuration's model and optimizer state go before the next is built, and so do
         # its compiled graphs: each new model would otherwise count as a recompile of the same code,
         # and past dynamo's limit (8) a later configuration would run eager under a compiled name.
-        torch._dynamo.reset()
+        compat.forget_compiled_graphs()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
