@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -99,26 +100,61 @@ def upload_dir(
     storage_options: dict[str, Any] | None = None,
     *,
     commit_last: str | None = None,
+    attempts: int = 4,
+    backoff_s: float = 1.0,
 ) -> None:
     """Copy a local directory's files into `uri` (a directory), each file replaced whole.
 
     Local: copied under a temporary name, then renamed, so a reader never sees half a file (and a
     file already open, or memory-mapped, keeps its old contents). Object stores: one upload per
-    file, which becomes visible only once complete. `commit_last` names the file readers take as
-    the commit (an export's config.json): it is copied after every other file, so a crash part-way
-    never leaves a new commit beside old files.
+    file, which becomes visible only once complete; then the directory is listed, and a file that
+    is missing or of another size is sent again (`attempts` rounds, `backoff_s` doubling between
+    them), after which an OSError names it: a failed or silently dropped upload never passes. A
+    `commit_last` file, the one readers take as the commit (an export's config.json), goes only
+    once every other file is there, so a crash part-way never leaves a new commit beside old files.
     """
     fs, path = filesystem(uri, storage_options)
     fs.makedirs(path, exist_ok=True)
     children = sorted(Path(local_dir).iterdir(), key=lambda child: (child.name == commit_last, child.name))
-    for child in children:
-        target = f"{path.rstrip('/')}/{child.name}"
-        if is_local(uri):
+    if is_local(uri):
+        for child in children:
+            target = f"{path.rstrip('/')}/{child.name}"
             tmp = temporary_name(target)
             shutil.copyfile(child, tmp)
             os.replace(tmp, target)
-        else:
-            fs.put_file(str(child), target)
+        return
+    rest = [child for child in children if child.name != commit_last]
+    for group in (rest, [child for child in children if child.name == commit_last]):
+        _put_checked(fs, path, group, uri, storage_options, attempts, backoff_s)
+
+
+def _put_checked(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    files: list[Path],
+    uri: str,
+    storage_options: dict[str, Any] | None,
+    attempts: int,
+    backoff_s: float,
+) -> None:
+    """Upload `files` into directory `path` until a listing shows each whole, or raise."""
+    pending, error = files, None
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+        for child in pending:
+            try:
+                fs.put_file(str(child), f"{path.rstrip('/')}/{child.name}")
+            except Exception as e:
+                error = e
+        present = list_files(uri, storage_options)
+        pending = [child for child in pending if present.get(child.name) != child.stat().st_size]
+        if not pending:
+            return
+    names = ", ".join(child.name for child in pending)
+    raise OSError(
+        f"could not upload {names} to {uri} in {attempts} tries (last error: {error}); check the store"
+    )
 
 
 # --- whole-file commits and listings, for outputs that are resumed file by file ---------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ import ray
 import ray.train
 import ray.train.torch
 from ray.train import Checkpoint
+
+from pipeline import storage
 
 
 class RaySession:
@@ -37,7 +40,27 @@ class RaySession:
         """Collective: hand metrics (and this rank's part of a checkpoint) to Ray Train."""
         if checkpoint_dir is None:
             ray.train.report(metrics)
-        else:
-            ray.train.report(
-                metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir), checkpoint_dir_name=name
-            )
+            return
+        store = ray.train.get_context().get_storage()
+        # On object stores the files go through `storage.upload_dir`, each checked once uploaded:
+        # Ray Train's own copy (pyarrow's copy_files) can drop a file whose S3 part upload failed
+        # three times and report success, registering a checkpoint that cannot be resumed from.
+        checked = OBJECT_STORES.get(store.storage_filesystem.type_name)
+        ray.train.report(
+            metrics,
+            checkpoint=Checkpoint.from_directory(checkpoint_dir),
+            checkpoint_dir_name=name,
+            checkpoint_upload_fn=partial(upload_checked, store, checked) if checked else None,
+        )
+
+
+# pyarrow filesystem type -> the URL scheme fsspec reaches the same store with.
+OBJECT_STORES = {"s3": "s3", "gcs": "gs"}
+
+
+def upload_checked(store: Any, scheme: str, checkpoint: Checkpoint, name: str) -> Checkpoint:
+    """This rank's checkpoint files into `name` under the run's storage (Ray Train's StorageContext
+    `store`), every file checked; the checkpoint there, as Ray Train registers it."""
+    path = f"{store.experiment_fs_path.rstrip('/')}/{name}"
+    storage.upload_dir(checkpoint.path, f"{scheme}://{path}")
+    return Checkpoint(path=path, filesystem=store.storage_filesystem)

@@ -1,0 +1,134 @@
+"""Checkpoint files onto an object store: each file checked once uploaded, sent again when missing,
+an error when it stays missing; and Ray Train's checkpoint upload goes that way (not through pyarrow's
+copy_files, which can drop a file and report success). On a loopback S3 (moto), some of it failing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import boto3
+import pyarrow.fs
+import pytest
+import s3fs
+
+from pipeline import storage
+from tests.flaky_s3 import FlakyS3
+
+BUCKET = "vitray-upload"
+FILES = {
+    "__0_0.distcp": b"x" * 300_000,
+    ".metadata": b"m" * 500,
+    "train_state.json": b"{}",
+    "config.json": b"{}",
+}
+
+
+@pytest.fixture
+def s3():
+    s3 = FlakyS3(period=2, max_faults=20).start()
+    boto3.client(
+        "s3", endpoint_url=s3.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=BUCKET)  # fmt: skip
+    yield s3
+    s3.stop()
+
+
+def local_checkpoint(tmp_path: Path) -> Path:
+    directory = tmp_path / "checkpoint"
+    directory.mkdir()
+    for name, data in FILES.items():
+        (directory / name).write_bytes(data)
+    return directory
+
+
+def uploaded(s3: FlakyS3, prefix: str) -> dict[str, bytes]:
+    host, port = s3.upstream  # past the faults
+    fs = s3fs.S3FileSystem(
+        skip_instance_cache=True, key="testing", secret="testing",
+        client_kwargs={"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"},
+    )  # fmt: skip
+    return {Path(p).name: fs.cat_file(p) for p in fs.find(f"{BUCKET}/{prefix}")}
+
+
+def test_every_file_arrives_whole_through_failing_requests(s3, tmp_path):
+    s3.faulty()
+    storage.upload_dir(local_checkpoint(tmp_path), f"s3://{BUCKET}/run/a", s3.storage_options, backoff_s=0.1)
+    s3.faulty(False)
+    assert sum(s3.faults.values()) > 0
+    assert uploaded(s3, "run/a") == FILES
+
+
+def dropping(monkeypatch, name: str, times: int) -> list[str]:
+    """Make s3fs's put_file return without uploading `name`, `times` times (what pyarrow's copy_files
+    did after a part upload failed); returns the names it was asked to put."""
+    real, calls = s3fs.S3FileSystem.put_file, []
+
+    def put_file(self, lpath, rpath, *args, **kwargs):
+        calls.append(Path(lpath).name)
+        if Path(lpath).name == name and calls.count(name) <= times:
+            return None
+        return real(self, lpath, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "put_file", put_file)
+    return calls
+
+
+def test_a_silently_dropped_file_is_sent_again(s3, tmp_path, monkeypatch):
+    calls = dropping(monkeypatch, "train_state.json", times=1)
+    storage.upload_dir(local_checkpoint(tmp_path), f"s3://{BUCKET}/run/b", s3.storage_options, backoff_s=0.1)
+    assert calls.count("train_state.json") == 2
+    assert uploaded(s3, "run/b") == FILES
+
+
+def test_a_file_that_never_arrives_is_an_error_and_the_commit_file_is_not_sent(s3, tmp_path, monkeypatch):
+    calls = dropping(monkeypatch, "train_state.json", times=100)
+    with pytest.raises(OSError, match=r"could not upload train_state.json to s3://.* in 3 tries"):
+        storage.upload_dir(
+            local_checkpoint(tmp_path), f"s3://{BUCKET}/run/c", s3.storage_options,
+            commit_last="config.json", attempts=3, backoff_s=0.1,
+        )  # fmt: skip
+    assert "config.json" not in calls and "config.json" not in uploaded(s3, "run/c")
+
+
+def test_ray_train_uploads_a_checkpoint_to_s3_through_the_checked_upload(s3, tmp_path, monkeypatch):
+    import ray.train
+
+    from pipeline.train import session
+
+    host, port = s3.endpoint.removeprefix("http://").rsplit(":", 1)
+    for key, value in {"AWS_ENDPOINT_URL": s3.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    arrow_s3 = pyarrow.fs.S3FileSystem(
+        endpoint_override=f"{host}:{port}", scheme="http", access_key="testing", secret_key="testing",
+        region="us-east-1",
+    )  # fmt: skip
+    store = SimpleNamespace(storage_filesystem=arrow_s3, experiment_fs_path=f"{BUCKET}/runs/r")
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: store))
+    reports = []
+    monkeypatch.setattr(ray.train, "report", lambda metrics, **kwargs: reports.append(kwargs))
+    calls = dropping(monkeypatch, ".metadata", times=1)
+    rank = session.RaySession.__new__(session.RaySession)  # its report alone, outside a Ray Train worker
+    rank.report({"step": 4}, str(local_checkpoint(tmp_path)), name="checkpoint_000004")
+    (kwargs,) = reports
+    upload = kwargs["checkpoint_upload_fn"]
+    assert upload is not None  # without it, Ray Train copies with pyarrow's copy_files
+    persisted = upload(kwargs["checkpoint"], kwargs["checkpoint_dir_name"])
+    assert persisted.path == f"{BUCKET}/runs/r/checkpoint_000004" and persisted.filesystem is arrow_s3
+    assert calls.count(".metadata") == 2 and uploaded(s3, "runs/r/checkpoint_000004") == FILES
+
+
+def test_a_local_run_directory_keeps_ray_trains_own_copy(tmp_path, monkeypatch):
+    import ray.train
+
+    from pipeline.train import session
+
+    store = SimpleNamespace(storage_filesystem=pyarrow.fs.LocalFileSystem(), experiment_fs_path=str(tmp_path))
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: store))
+    reports = []
+    monkeypatch.setattr(ray.train, "report", lambda metrics, **kwargs: reports.append(kwargs))
+    rank = session.RaySession.__new__(session.RaySession)
+    rank.report({"step": 4}, str(local_checkpoint(tmp_path)), name="checkpoint_000004")
+    assert reports[0]["checkpoint_upload_fn"] is None
