@@ -62,6 +62,7 @@ from pipeline.train.state import (
     agree_weights_are_finite,
     control_group,
     gather_bad_samples,
+    stream_fingerprint,
 )
 from pipeline.train.step import StepStats, TrainStep, peak_tflops
 
@@ -108,6 +109,7 @@ class Trainer:
         self.epoch_bad_samples = self.state.bad_samples_of(
             self.rank, self.world, self.data_config, at_epoch_start=True
         )
+        self.stream = stream_fingerprint(self.shards, config.seed, self.data_config.shuffle_buffer)
         self.taken = self.resumed_position()
         self.skipped = SkippedSteps(self.device)
         self.log = sinks.attach(MetricsLog(config.out, self.state.step), config) if self.rank == 0 else None
@@ -144,7 +146,7 @@ class Trainer:
         """Micro-batches of the current epoch this rank took before the checkpoint (0 without one)."""
         if self.resumed_from is None:
             return 0
-        taken, note = self.state.taken_at(self.world, self.config.micro_batch_size)
+        taken, note = self.state.taken_at(self.world, self.config.micro_batch_size, self.stream)
         if self.rank == 0:
             where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step}"
             log_line(f"{where} (epoch {self.state.epoch})" + (f": {note}" if note else ""))
@@ -338,6 +340,7 @@ class Trainer:
         self.state.epoch_position = {
             "world": self.world,
             "micro_batch_size": self.config.micro_batch_size,
+            "stream": self.stream,
             "micro_batches": self.taken,
         }
         self.state.bad_samples = gather_bad_samples(self.bad_samples, self.group)
@@ -363,7 +366,11 @@ class Trainer:
 
     def export(self) -> None:
         """Collective: `final/weights.safetensors` + `config.json` under the run directory."""
-        config, metrics = self.config, self.last_metrics
+        # A run resumed at the end of its schedule trained no step: its last step's row was logged.
+        config, metrics = (
+            self.config,
+            self.last_metrics or (self.log.row(self.state.step) if self.log else {}),
+        )
         extra = {
             **self.objective.checkpoint_meta(),  # MAE: objective, mask ratio, decoder (not exported)
             "preprocessing": self.data_config.to_dict(),

@@ -152,6 +152,10 @@ class MetricsLog:
     def flush(self) -> None:
         storage.write_text(self.uri, "".join(json.dumps(r) + "\n" for r in self.rows))
 
+    def row(self, step: int) -> dict[str, Any]:
+        """The row logged at `step`, or {}."""
+        return next((r for r in reversed(self.rows) if r["step"] == step), {})
+
 
 def format_line(m: dict[str, Any], last_step: int, started: float, first_step: int) -> str:
     """`step 120/1000 (12%) | loss 1.234 | acc 56.0% | ...`: what a person watching wants to read."""

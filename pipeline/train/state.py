@@ -8,6 +8,8 @@ a full step of data, the first data error, every rank's bad-sample counts.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,13 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 
 
+def stream_fingerprint(shards: list[str], seed: int, shuffle_buffer: int) -> str:
+    """What fixes the order of every rank's samples in an epoch, beside the layout: a resume re-reads
+    a position only in the stream it was taken from."""
+    text = json.dumps([list(shards), seed, shuffle_buffer])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 @dataclass
 class TrainState:
     """Where the run stands: saved beside every checkpoint, the same on every rank."""
@@ -25,7 +34,8 @@ class TrainState:
     step: int = 0  # optimizer steps taken
     epoch: int = 0
     seed: int = 0
-    # Where every rank stands in this epoch's stream: {"world", "micro_batch_size", "micro_batches"},
+    # Where every rank stands in this epoch's stream: {"world", "micro_batch_size", "stream",
+    # "micro_batches"},
     # the micro-batches each rank has taken at that layout ({} at the epoch's start). A run resumed at
     # the same layout re-reads exactly those and trains on the rest (`Trainer.epoch_input`).
     epoch_position: dict[str, int] = field(default_factory=dict)
@@ -46,20 +56,23 @@ class TrainState:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
 
-    def taken_at(self, world: int, micro_batch_size: int) -> tuple[int, str]:
+    def taken_at(self, world: int, micro_batch_size: int, stream: str) -> tuple[int, str]:
         """(micro-batches of the current epoch each rank took before this checkpoint, a note for the
-        resume's log line). At another world size or micro-batch size the ranks' streams differ: the
-        epoch's data starts again from its first sample (0)."""
-        taken = self.epoch_position.get("micro_batches", 0)
-        layout = (self.epoch_position.get("world"), self.epoch_position.get("micro_batch_size"))
+        resume's log line). At another world size or micro-batch size, or another `stream` (see
+        `stream_fingerprint`), the ranks' streams differ: the epoch's data starts again from its first
+        sample (0)."""
+        position = self.epoch_position
+        taken = position.get("micro_batches", 0)
+        layout = (position.get("world"), position.get("micro_batch_size"))
         if not taken:
             return 0, ""
-        if layout == (world, micro_batch_size):
+        if layout != (world, micro_batch_size):
+            why = f"it was taken with {layout[0]} workers x micro-batch {layout[1]}"
+        elif position.get("stream") != stream:
+            why = "it was taken from other shards, or with another seed or shuffle buffer"
+        else:
             return taken, f"each worker re-reads the {taken * micro_batch_size} samples it had taken"
-        return 0, (
-            f"it was taken with {layout[0]} workers x micro-batch {layout[1]}, so this epoch's data "
-            "starts again from its first sample"
-        )
+        return 0, f"{why}, so this epoch's data starts again from its first sample"
 
     def bad_samples_of(
         self, rank: int, world: int, data_config: DataConfig, *, at_epoch_start: bool = False

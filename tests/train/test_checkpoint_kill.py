@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -207,3 +208,11 @@ def test_a_run_killed_after_its_last_checkpoint_run_again_exports_and_says_so(
     assert final_a.keys() == final_b.keys()
     for name in final_a:
         assert torch.equal(final_a[name], final_b[name]), name
+    # The export records the training it came from, as the straight run's did (not nulls).
+    trained_a, trained_b = (
+        json.loads((r / "final" / "config.json").read_text())["training"] for r in (straight, run)
+    )
+    assert trained_b["loss"] is not None and trained_b["accuracy"] is not None
+    assert {k: trained_b[k] for k in ("step", "loss", "accuracy")} == {
+        k: trained_a[k] for k in ("step", "loss", "accuracy")
+    }
