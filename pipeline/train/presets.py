@@ -58,8 +58,8 @@ def small() -> TrainConfig:
     Measured on Fashion-MNIST (BENCHMARKS.md, "Learning"): 400 steps (51,200 images, under one epoch)
     ran at 145-160 images/s on 2 CPU workers in its quieter windows (about 6 minutes alone) and ended
     at 66.6% training accuracy (under augmentation); a linear probe on the embeddings scores 75.0% on
-    the 10,000 test images, below a linear probe on the raw pixels (81.1%): this budget does not
-    clear that bar yet; more steps are the first thing to try.
+    the 10,000 test images, below a linear probe on the raw pixels (81.1%). With `--max-steps 1600`
+    (3.4 epochs, about 22 minutes on the 2 CPU workers) the probe scores 82.3%, above the raw pixels.
     """
     return TrainConfig(
         model="vit_mini4",
