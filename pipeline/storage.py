@@ -125,19 +125,14 @@ def upload_dir(
         return
     rest = [child for child in children if child.name != commit_last]
     for group in (rest, [child for child in children if child.name == commit_last]):
-        _put_checked(fs, path, group, uri, storage_options, attempts, backoff_s)
+        _put_checked(group, uri, storage_options, attempts, backoff_s)
 
 
 def _put_checked(
-    fs: fsspec.AbstractFileSystem,
-    path: str,
-    files: list[Path],
-    uri: str,
-    storage_options: dict[str, Any] | None,
-    attempts: int,
-    backoff_s: float,
+    files: list[Path], uri: str, storage_options: dict[str, Any] | None, attempts: int, backoff_s: float
 ) -> None:
-    """Upload `files` into directory `path` until a listing shows each whole, or raise."""
+    """Upload `files` into directory `uri` until a listing shows each whole, or raise."""
+    fs, path = filesystem(uri, storage_options)
     pending, error = files, None
     for attempt in range(attempts):
         if attempt:

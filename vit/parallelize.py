@@ -146,7 +146,8 @@ def apply_fsdp(
             reshard_after_forward=reshard_after_forward and i < last,
         )
     # The root holds what is left: patch embedding, [CLS], position embeddings, final norm, head.
-    # (FSDP keeps the root unsharded between forward and backward in any case.)
+    # (FSDP keeps the root gathered from forward to backward only when reshard_after_forward is left
+    # unset; an explicit True, as here by default, reshards it and gathers it again for backward.)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     return model
 

@@ -28,8 +28,8 @@ rank step: 68k samples, about 0.5% of a 14M-image epoch).
 
 The GPU is not kept waiting on the host: the next steps' input is built on a background thread
 (`pipeline.train.prefetch`), the ranks' agreements go through a CPU group, and loss and accuracy
-stay on the device until a log line is due. The one wait per step is the skip decision
-(`pipeline.train.step`).
+stay on the device until a log line is due, as do the counts of skipped steps: with fused AdamW a
+step waits for nothing (`pipeline.train.step`); other AdamW kernels read the gradient norm back.
 """
 
 from __future__ import annotations
@@ -366,11 +366,9 @@ class Trainer:
 
     def export(self) -> None:
         """Collective: `final/weights.safetensors` + `config.json` under the run directory."""
+        config = self.config
         # A run resumed at the end of its schedule trained no step: its last step's row was logged.
-        config, metrics = (
-            self.config,
-            self.last_metrics or (self.log.row(self.state.step) if self.log else {}),
-        )
+        metrics = self.last_metrics or (self.log.row(self.state.step) if self.log else {})
         extra = {
             **self.objective.checkpoint_meta(),  # MAE: objective, mask ratio, decoder (not exported)
             "preprocessing": self.data_config.to_dict(),

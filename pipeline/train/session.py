@@ -16,6 +16,9 @@ from ray.train import Checkpoint
 
 from pipeline import storage
 
+# Ray Train's storage filesystem (pyarrow) type -> the URL scheme fsspec reaches the same store with.
+OBJECT_STORES = {"s3": "s3", "gcs": "gs"}
+
 
 class RaySession:
     """This worker's link to Ray Train: who it is, the checkpoint to resume from, where reports go."""
@@ -52,10 +55,6 @@ class RaySession:
             checkpoint_dir_name=name,
             checkpoint_upload_fn=partial(upload_checked, store, checked) if checked else None,
         )
-
-
-# pyarrow filesystem type -> the URL scheme fsspec reaches the same store with.
-OBJECT_STORES = {"s3": "s3", "gcs": "gs"}
 
 
 def upload_checked(store: Any, scheme: str, checkpoint: Checkpoint, name: str) -> Checkpoint:

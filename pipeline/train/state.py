@@ -35,9 +35,9 @@ class TrainState:
     epoch: int = 0
     seed: int = 0
     # Where every rank stands in this epoch's stream: {"world", "micro_batch_size", "stream",
-    # "micro_batches"},
-    # the micro-batches each rank has taken at that layout ({} at the epoch's start). A run resumed at
-    # the same layout re-reads exactly those and trains on the rest (`Trainer.epoch_input`).
+    # "micro_batches"}, the micro-batches each rank has taken at that layout from that stream ({} at
+    # the epoch's start). A run resumed at the same layout and stream re-reads exactly those and
+    # trains on the rest (`taken_at`, `Trainer.epoch_input`).
     epoch_position: dict[str, int] = field(default_factory=dict)
     # Every rank's bad-sample counts when this epoch began: the re-read starts from them, so it ends
     # at exactly the counts of `bad_samples` (each sample counted once across the resume).
