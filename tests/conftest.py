@@ -21,6 +21,37 @@ RAY_NUM_CPUS = 8
 apply_local_ray_env()
 
 
+def import_torchvision_without_its_compiled_ops() -> None:
+    """Import torchvision (and so timm) beside torch's CPU build.
+
+    The registry's torchvision wheels are built against CUDA torch: beside the CPU build their compiled
+    ops (nms, roi_align, ...) fail to load, and the import then stops at the fake kernels it registers
+    for ``torchvision::nms`` and ``qnms`` ("operator torchvision::nms does not exist"). The models the
+    tests convert (ViT, ResNet) use none of those ops, so when that is the only failure, the two
+    operators are declared and the import goes on: every model is the library's own code.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        return
+    try:
+        import torchvision
+    except RuntimeError as e:
+        if "torchvision::nms does not exist" not in str(e):
+            raise
+        import torch
+
+        declared = torch.library.Library("torchvision", "DEF")
+        for op in ("nms", "qnms"):
+            declared.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        # Kept alive for the session: a Library's definitions go with it.
+        globals()["_TORCHVISION_OPS"] = declared
+        import torchvision  # noqa: F401
+
+
+import_torchvision_without_its_compiled_ops()
+
+
 # pytest-timeout's limit (pyproject.toml) fits the fast tests; an end-to-end test waits on its own
 # subprocesses for up to 720 s, so it gets a limit above that, or its own timeouts could never fire.
 SLOW_TEST_TIMEOUT_S = 900

@@ -169,7 +169,8 @@ def test_timm_file_loads_the_same_weights_and_pickles_are_refused(tmp_path):
 
 
 def test_transformers_directory_converts_and_embeds_like_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     hf_config = transformers.ViTConfig(
         image_size=32,
         patch_size=8,
@@ -223,7 +224,8 @@ def test_weights_files_of_other_libraries_embed_as_their_own_model(synthetic_sha
         logits = F.linear(model.embed(x), tv["heads.head.weight"], tv["heads.head.bias"])
         torch.testing.assert_close(logits, torchvision_reference(tv, x), rtol=1e-4, atol=1e-4)
 
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     hf_config = transformers.ViTConfig(
         image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=128, attn_implementation="eager",

@@ -32,7 +32,6 @@ it, which the job spreads over the cluster's CPUs and a naive loop cannot.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import tempfile
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 
 import vit
+from jobs.benchmarks.model import timm_available
 from jobs.benchmarks.process_cpu import RAY_KINDS
 from jobs.benchmarks.report import print_table, write_json
 from pipeline.embed.actor import build_embedding_model
@@ -121,13 +121,6 @@ def actor_precision(device: torch.device) -> dict[str, Any]:
     """What the job's actor uses (`pipeline.embed.actor.Embedder`): bf16 weights and compile on CUDA."""
     cuda = device.type == "cuda"
     return {"dtype": torch.bfloat16 if cuda else torch.float32, "compile": cuda}
-
-
-def timm_available() -> bool:
-    if importlib.util.find_spec("timm") is None:
-        print("timm is not installed: --compare-timm skipped (pip install timm)")
-        return False
-    return True
 
 
 def compare_timm(model: vit.VisionTransformer, args: argparse.Namespace, device: torch.device) -> dict:

@@ -14,6 +14,7 @@ images instead), float images for transformers. Imports no Ray.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -85,6 +86,20 @@ def hf_model(config: vit.ViTConfig, args: argparse.Namespace) -> torch.nn.Module
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def timm_available() -> bool:
+    """Whether timm imports here (for ``--compare-timm``); if not, one line saying why, and False."""
+    if importlib.util.find_spec("timm") is None:
+        print("timm is not installed: --compare-timm skipped (pip install timm)")
+        return False
+    try:
+        import timm  # noqa: F401
+    except Exception as e:  # e.g. a torchvision built for another torch: RuntimeError at import
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"timm does not import ({type(e).__name__}: {reason}): --compare-timm skipped")
+        return False
+    return True
 
 
 def step_memory(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import vit
-from jobs.benchmarks.model import interleaved_seconds
+from jobs.benchmarks.model import interleaved_seconds, timm_available
 from jobs.benchmarks.report import print_table, write_json
 from jobs.benchmarks.timing import matmul_tflops, time_step
 from pipeline import compat
@@ -206,13 +205,6 @@ def random_batch(objective: Objective, size: int, g: torch.Generator) -> tuple[t
     visible = torch.randint(0, 256, (size, n, c.patch_dim), dtype=torch.uint8, generator=g)
     masked = torch.randint(0, 256, (size, c.num_patches - n, c.patch_dim), dtype=torch.uint8, generator=g)
     return visible, masked, ids
-
-
-def timm_available() -> bool:
-    if importlib.util.find_spec("timm") is None:
-        print("timm is not installed: --compare-timm skipped (pip install timm)")
-        return False
-    return True
 
 
 def timm_step(

@@ -1,6 +1,7 @@
 """The benchmarks' options run at a tiny size on CPU, as a user runs them: `train --compare-timm --trace`
-and `embed --compare-timm`. timm is not installed here (it needs torchvision, which has no build beside
-the CPU torch), so a stand-in package named timm, put first on PYTHONPATH, whose `create_model` builds a
+and `embed --compare-timm`. timm is installed here, but in a job it does not import beside the CPU torch
+(the registry's torchvision is built against CUDA torch; only the tests declare around that, in
+conftest.py). So a stand-in package named timm, put first on PYTHONPATH, whose `create_model` builds a
 ViT of the asked shape from vitray's own parts, takes its place: what is tested is the benchmark's logic
 (the shape it asks for, the alternation, the report), not timm."""
 
@@ -65,8 +66,10 @@ def _record():
 """
 
 
-def benchmark(*args: str, stand_in: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def benchmark(
+    *args: str, stand_in: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {})}
     if stand_in is not None:
         (stand_in / "timm").mkdir(parents=True, exist_ok=True)
         (stand_in / "timm" / "__init__.py").write_text(STAND_IN)
@@ -106,14 +109,22 @@ def test_train_compares_with_timm_alternating_and_writes_a_trace(tmp_path):
     assert any("aten::" in e.get("name", "") for e in events), "the trace holds no operator"
 
 
-def test_train_without_timm_says_so_in_one_line_and_still_measures(tmp_path):
+def test_train_with_a_timm_that_does_not_import_says_so_in_one_line_and_still_measures(tmp_path):
+    # A timm whose import fails as it does beside a torchvision built for another torch.
+    broken = tmp_path / "broken" / "timm"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    env = {"PYTHONPATH": os.pathsep.join([str(broken.parent), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     # Also the micro-batch search: on a CPU nothing runs out of memory, so it ends at its limit.
     result = benchmark(
         "train", *TINY, "--micro-batch-size", "2", "--configs", "eager", "--warmup", "1", "--iters", "1",
-        "--compare-timm", "--largest-micro-batch", "8", "--json", str(tmp_path / "t.json"),
+        "--compare-timm", "--largest-micro-batch", "8", "--json", str(tmp_path / "t.json"), env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "timm is not installed: --compare-timm skipped" in result.stdout
+    assert (
+        "timm does not import (RuntimeError: operator torchvision::nms does not exist): "
+        "--compare-timm skipped\n" in result.stdout
+    ), result.stdout[-3000:]
     assert "eager: largest micro-batch that fits: 8 (search limit 8)" in result.stdout
     rows = json.loads((tmp_path / "t.json").read_text())["results"]
     assert [(r["config"], r["micro_batch_size"]) for r in rows] == [("eager", 8)]
@@ -200,7 +211,6 @@ def load_benchmark_cli():
 
 
 def test_model_compares_with_transformers_at_a_tiny_size(tmp_path, capsys):
-    pytest.importorskip("transformers")
     out = tmp_path / "m.json"
     args = [*TINY, "--batch-size", "2", "--warmup", "1", "--iters", "1", "--compare-hf", "--json", str(out)]
     assert load_benchmark_cli().main(["model", *args]) == 0

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+import torchao  # the fp8 extra: `make test` installs it
 from torch import nn
 
 import vit
@@ -18,8 +19,6 @@ from pipeline.train import fp8
 from pipeline.train.config import TrainConfig
 from tests.vit.test_parallelize import free_port
 from vit.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp
-
-torchao = pytest.importorskip("torchao", reason="the fp8 extra (torchao) is not installed")
 
 BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
 

@@ -43,7 +43,6 @@ def test_fused_adamw_on_cuda_makes_the_foreach_update(cuda_world):
 
 
 def test_a_float8_step_runs_on_hopper(cuda_world):
-    pytest.importorskip("torchao")
     if torch.cuda.get_device_capability(cuda_world) < (8, 9):
         pytest.skip("float8 needs compute capability 8.9+")
     config = CONFIG.replace(use_gpu=True, fp8=True, compile=True, model_overrides={})

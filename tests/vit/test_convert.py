@@ -57,7 +57,8 @@ def images(batch: int = 2, size: int = SIZE) -> torch.Tensor:
 
 
 def hf_config(**kwargs):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     return transformers.ViTConfig(
         image_size=SIZE,
         patch_size=P,
@@ -329,7 +330,8 @@ def test_torchvision_conversion_matches_the_reference(representation_size, legac
 
 
 def test_real_timm_models_convert():
-    timm = pytest.importorskip("timm")
+    import timm
+
     x = images()
     for kwargs in ({}, {"class_token": True, "no_embed_class": True}, {"qkv_bias": False}):
         ref = timm.create_model(
@@ -351,7 +353,8 @@ def test_real_timm_models_convert():
 
 
 def test_real_torchvision_models_convert():
-    tv = pytest.importorskip("torchvision")
+    import torchvision as tv
+
     x = images()
     for representation_size in (None, 48):
         ref = tv.models.VisionTransformer(
