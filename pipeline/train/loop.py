@@ -147,6 +147,8 @@ class Trainer:
         if self.resumed_from is None:
             return 0
         taken, note = self.state.taken_at(self.world, self.config.micro_batch_size, self.stream)
+        if self.state.step >= self.config.last_step:
+            note = "the schedule is done, nothing is re-read"
         if self.rank == 0:
             where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step}"
             log_line(f"{where} (epoch {self.state.epoch})" + (f": {note}" if note else ""))

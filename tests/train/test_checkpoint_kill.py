@@ -185,7 +185,7 @@ def test_a_checkpoint_copy_cut_anywhere_is_never_taken_as_complete(killed_and_st
 
 
 def test_a_run_killed_after_its_last_checkpoint_run_again_exports_and_says_so(
-    killed_and_straight, world, monkeypatch, tmp_path
+    killed_and_straight, world, monkeypatch, tmp_path, capsys
 ):
     """Killed between its last checkpoint and the export (what remains: the straight run without
     final/), the same run started again resumes at the end of its schedule: no step, the export, and a
@@ -197,6 +197,9 @@ def test_a_run_killed_after_its_last_checkpoint_run_again_exports_and_says_so(
     session = UploadingSession(world, run)
     summary = train(config(run), session)
     assert summary["error"] == "" and summary["resumed_from"]["step"] == 8 and session.reports == []
+    # Its log says no sample is read again (the epoch position would say so for a resume mid-epoch).
+    resumed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resumed from")]
+    assert len(resumed) == 1 and resumed[0].endswith(": the schedule is done, nothing is re-read"), resumed
     printed = format_summary(summary, config(run))
     assert printed.startswith(
         "\nfinished at step 8: resumed at the end of the schedule, nothing left to train"
