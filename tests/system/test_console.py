@@ -94,63 +94,83 @@ def noise(console: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_tiny_preset_learns_and_the_console_is_vitray_lines_only(tmp_path):
-    """One run of the tiny preset as its docstring gives it, then an embedding job over its export:
-    what the console shows, what the run leaves, and that it learns."""
-    from pipeline.data.synthetic import write_synthetic_shards
-    from pipeline.train.driver import read_metrics
-    from pipeline.train.metrics import plot_training_curve
+def test_make_demo_runs_every_stage_learns_and_its_console_is_vitray_lines_only(tmp_path):
+    """`make demo` (`python jobs/demo.py`, here with its --out): five jobs on local Rays, the tiny preset
+    as its docstring gives it. What the console shows, what each stage leaves, and that it learns."""
+    import pyarrow.parquet as pq
 
-    # 5 shards (4 x 103 + 100 samples) for 2 workers: every epoch one worker reads 3 shards, the
-    # other 2 (>= 203 samples = 6 micro-batches of 32), so each epoch ends for both after exactly 6
-    # steps, when the shorter runs dry; no collective may hang there.
-    shards = write_synthetic_shards(
-        tmp_path / "shards", 512, samples_per_shard=103, image_size=64, num_classes=10
-    )
-    run = tmp_path / "run"
-    train = job("pretrain.py", "--preset", "tiny", "--data", shards.dir, "--out", str(run),
-                "--keep-checkpoints", "1", "--tensorboard", timeout=600)  # fmt: skip
-    assert train.returncode == 0, train.stdout[-4000:]
-    assert not noise(train.stdout), noise(train.stdout)
+    demo = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "demo.py"), "--out", str(tmp_path / "demo")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=720,
+    )  # fmt: skip
+    out, console = tmp_path / "demo", demo.stdout
+    assert demo.returncode == 0, console[-4000:]
+    assert not noise(console), noise(console)
+    for n in range(1, 6):
+        assert re.search(rf"^=== {n}/5 ", console, re.M), n
+
+    # Pretraining: 512 images in 4 shards of 128, 2 workers x micro-batch 32 -> 8 steps an epoch;
+    # a log line every 60 of the preset's 240 steps.
+    run = out / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["epoch"]) for r in rows] == [(s, (s - 1) // 6) for s in range(20, 241, 20)]
-    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
-    assert rows[-1]["accuracy"] > 0.9, [round(r["accuracy"], 3) for r in rows]
+    assert [(r["step"], r["epoch"]) for r in rows] == [(s, (s - 1) // 8) for s in (60, 120, 180, 240)]
     assert all(r.keys() == METRICS_FIELDS for r in rows), rows[0].keys()
     assert all(r["mfu"] is None for r in rows)  # no datasheet peak for a CPU
-    # The curve `make demo` draws from a run's metrics.jsonl: a readable 840 x 480 PNG with both curves
-    # on it (their colours cover a few hundred pixels each; the axis labels alone, about a hundred).
-    curve = Path(plot_training_curve(read_metrics(str(run)), str(run / "training_curve.png")))
-    assert 10_000 < curve.stat().st_size < 1_000_000
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    assert rows[-1]["accuracy"] > 0.9, [round(r["accuracy"], 3) for r in rows]
+    for r in rows:  # every logged step has its line
+        assert re.search(
+            rf"step {r['step']}/240 \(\d+%\) \| epoch {r['epoch']} \| loss {r['loss']:.4f}", console
+        )
+    assert "vit_tiny_test: 2 workers on 1 node(s)" in console
+    assert f"exported {run / 'final'}" in console and "finished at step 240: loss" in console
+    assert f"run directory: {run} (checkpoints, metrics.jsonl, final/)" in console
+    # The preset keeps 2 checkpoints, written every 120 steps.
+    assert sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir()) == [
+        "checkpoint_00000120",
+        "checkpoint_00000240",
+    ]
+    # The curve the demo draws from metrics.jsonl: a readable 840 x 480 PNG with both curves on it
+    # (their colours cover a few hundred pixels each; the axis labels alone, about a hundred).
+    curve = run / "training_curve.png"
+    assert f"curve:      {curve}" in console and 10_000 < curve.stat().st_size < 1_000_000
     with Image.open(curve) as im:
         assert (im.format, im.size) == ("PNG", (840, 480))
         pixels = {colour: n for n, colour in im.convert("RGB").getcolors(maxcolors=1_000_000)}
     assert (
         pixels.get((0x1F, 0x77, 0xB4), 0) > 250 and pixels.get((0xFF, 0x7F, 0x0E), 0) > 250
     )  # loss, accuracy
-    # --keep-checkpoints 1: of the checkpoints at steps 120 and 240, only the newest is left.
-    assert sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir()) == ["checkpoint_00000240"]
-    for r in rows:  # every logged step has its line
-        assert re.search(
-            rf"step {r['step']}/240 \(\d+%\) \| epoch {r['epoch']} \| loss {r['loss']:.4f}", train.stdout
-        )
-    assert "vit_tiny_test: 2 workers on 1 node(s)" in train.stdout
-    assert f"exported {run / 'final'}" in train.stdout
-    assert train.stdout.rstrip().endswith(f"run directory: {run} (checkpoints, metrics.jsonl, final/)")
-    assert "finished at step 240: loss" in train.stdout
-    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
-    emb = job(
-        "embed.py", "--data", shards.dir, "--weights", str(run / "final"), "--out", str(tmp_path / "emb")
-    )
-    assert emb.returncode == 0, emb.stdout[-4000:]
-    assert not noise(emb.stdout), noise(emb.stdout)
-    assert "5 shards, 0 already done, 5 to embed" in emb.stdout
+    # Embeddings of the export: one row per image, the job's progress and summary lines.
+    embeddings = out / "embeddings"
+    assert "4 shards, 0 already done, 4 to embed" in console
     assert re.search(
-        r"^embedded 5/5 shards \(100%\) \| 512 rows \| [\d.,]+ rows/s \| eta 0:00:00$", emb.stdout, re.M
+        r"^embedded 4/4 shards \(100%\) \| 512 rows \| [\d.,]+ rows/s \| eta 0:00:00$", console, re.M
     )
-    assert "shards: 5 embedded, 0 already done (skipped), 0 failed, of 5" in emb.stdout
-    assert emb.stdout.rstrip().splitlines()[-1].startswith("     or: python -c")
+    assert "shards: 4 embedded, 0 already done (skipped), 0 failed, of 4" in console
+    table = pq.read_table(embeddings)
+    assert table.num_rows == 512 and len(set(table.column("key").to_pylist())) == 512
+    assert f"embeddings: {embeddings}  (512 rows of 512 images, D = 64)" in console
+
+    # Fine-tuning at 48 px, evaluated on 128 held-out images of another seed (chance: 10%).
+    finetuned = json.loads((out / "finetuned" / "final" / "config.json").read_text())["model"]
+    assert (finetuned["head"], finetuned["image_size"], finetuned["num_classes"]) == ("finetune", 48, 10)
+    tuned = re.search(
+        r"^fine-tuned: .*\(48 px, eval accuracy (\d+)% on held-out/ at step 30\)$", console, re.M
+    )
+    assert tuned and int(tuned[1]) >= 60, console[-3000:]
+
+    # The paper's Fig. 7 panels of the pretrained model, and where they are.
+    figures = sorted((out / "analysis").glob("*.png"))
+    assert [f.name for f in figures] == [
+        "attention_distance.png",
+        "patch_embedding_filters.png",
+        "position_embedding_similarity.png",
+    ]
+    assert f"figures:    {', '.join(str(f) for f in figures)}" in console
+    analysis = json.loads((out / "analysis" / "analysis.json").read_text())
+    assert len(analysis["mean_attention_distance"]) == 2  # the tiny model's 2 layers
+    assert console.rstrip().endswith("ray down cluster/aws.yaml")
 
 
 @pytest.mark.slow

@@ -6,9 +6,6 @@ Same shards and arithmetic as test_pretrain.py (4 shards x 16 samples, batch 16 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -20,7 +17,6 @@ from pipeline.train.finetune import resolve_pretrained
 from tests.system.test_pretrain import config, final_weights
 from tests.system.test_pretrain import shards as shards  # a fixture, shared
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 MAE = {"objective": "mae", "label_key": None, "decoder_dim": 32, "decoder_depth": 1, "decoder_num_heads": 4}
 
@@ -83,11 +79,15 @@ def test_finetuning_an_export_learns_and_its_export_embeds(ray_session, shards, 
     meta = json.loads((out / "final" / "config.json").read_text())
     model = meta["model"]
     assert (model["head"], model["image_size"], model["num_classes"]) == ("finetune", 48, 4)
+    # The export embeds (the job's plan and run, on this session's Ray): one row per held-out image.
+    from pipeline.embed.config import EmbedConfig
+    from pipeline.embed.job import prepare as prepare_embedding
+    from pipeline.embed.job import run as run_embedding
+
     embeddings = tmp_path / "embeddings"
-    result = subprocess.run(
-        [sys.executable, "jobs/embed.py", "--data", held_out.dir, "--weights", str(out), "--out", str(embeddings),
-         "--num-cpus", "4"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
+    plan = prepare_embedding(
+        EmbedConfig(data=held_out.dir, weights=str(out), out=str(embeddings), batch_size=8)
+    )
+    assert plan.header["weights"]["source"] == "export" and plan.header["dim"] == 64
+    run_embedding(plan)
     assert pq.read_table(embeddings).num_rows == 32
