@@ -4,7 +4,9 @@ job was submitted."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -138,64 +140,19 @@ def test_job_submission_without_the_token_is_refused(ray_head):
     assert "authentication" in (result.stdout + result.stderr).lower()
 
 
-TWO_NODES = textwrap.dedent(
-    """
-    import subprocess, sys
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 4})
-    cluster.add_node(num_cpus=4)
-    cluster.wait_for_nodes()
-    try:
-        result = subprocess.run([sys.executable, "jobs/pretrain.py", "--address", cluster.address, *sys.argv[1:]])
-    finally:
-        cluster.shutdown()
-    sys.exit(result.returncode)
-    """
-)
-
-
-def test_a_local_out_on_two_nodes_is_refused_before_any_work(shards, tmp_path):
-    run = tmp_path / "run"
-    args = [
-        "--preset",
-        "tiny",
-        "--data",
-        str(shards.dir),
-        "--out",
-        str(run),
-        "--max-steps",
-        "4",
-        "--warmup-steps",
-        "1",
-    ]
-    result = subprocess.run(
-        [sys.executable, "-c", TWO_NODES, *args],
-        env=ray_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
-    error = result.stderr.strip().splitlines()[-1]
-    assert (
-        error.startswith("error: --out ") and "the cluster has 2 nodes" in error and "--shared-out" in error
-    )
-    assert not run.exists()  # nothing was written: refused before the workers started
-
-
 # The shipped autoscaling configs in small: a head without CPUs for tasks, and two worker nodes that
-# join only after the job was submitted (once its workers are waiting for resources).
+# join only after the job was submitted (once its workers are waiting for resources). Then, on the same
+# three nodes, the job again with an --out only one node's disk would hold: refused before any work.
 AUTOSCALING = textwrap.dedent(
     """
-    import subprocess, sys, time
+    import json, subprocess, sys, time
     import ray
     from ray.cluster_utils import Cluster
 
+    runs = json.loads(sys.argv[1])
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
     try:
-        job = subprocess.Popen([sys.executable, "jobs/pretrain.py", "--address", cluster.address, *sys.argv[1:]])
+        job = subprocess.Popen([sys.executable, "jobs/pretrain.py", "--address", cluster.address, *runs["train"]])
         ray.init(address=cluster.address)
         deadline = time.time() + 180
         while time.time() < deadline and job.poll() is None:
@@ -206,6 +163,11 @@ AUTOSCALING = textwrap.dedent(
         cluster.add_node(num_cpus=3)
         cluster.add_node(num_cpus=3)
         code = job.wait(timeout=480)
+        refused = subprocess.run(
+            [sys.executable, "jobs/pretrain.py", "--address", cluster.address, *runs["refused"]],
+            capture_output=True, text=True, timeout=300,
+        )
+        print("refused:", refused.returncode, (refused.stderr.strip().splitlines() or [""])[-1], flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -215,15 +177,18 @@ AUTOSCALING = textwrap.dedent(
 
 
 def test_workers_on_two_nodes_that_came_after_submission(shards, tmp_path):
-    run = tmp_path / "run"
+    run, local = tmp_path / "run", tmp_path / "local"
     # Two nodes of one machine share its disk, which --shared-out declares.
-    args = [
-        "--preset", "tiny", "--data", str(shards.dir), "--out", str(run), "--shared-out",
-        "--placement-strategy", "STRICT_SPREAD",
-        "--max-steps", "4", "--warmup-steps", "1", "--checkpoint-every", "2", "--log-every", "2",
-    ]  # fmt: skip
+    common = ["--preset", "tiny", "--data", str(shards.dir), "--max-steps", "4", "--warmup-steps", "1"]
+    runs = {
+        "train": [
+            *common, "--out", str(run), "--shared-out", "--placement-strategy", "STRICT_SPREAD",
+            "--checkpoint-every", "2", "--log-every", "2",
+        ],
+        "refused": [*common, "--out", str(local)],
+    }  # fmt: skip
     result = subprocess.run(
-        [sys.executable, "-c", AUTOSCALING, *args],
+        [sys.executable, "-c", AUTOSCALING, json.dumps(runs)],
         env=ray_env(),
         cwd=ROOT,
         capture_output=True,
@@ -238,3 +203,11 @@ def test_workers_on_two_nodes_that_came_after_submission(shards, tmp_path):
     assert "2 workers on 2 node(s)" in result.stdout
     assert dcp.is_complete(run / dcp.checkpoint_name(4))
     assert "finished at step 4" in result.stdout
+
+    # A local --out without --shared-out on the same cluster: exit 2 and one line, nothing written.
+    refused = re.search(r"^refused: (\d+) (.*)$", result.stdout, re.M)
+    assert refused, result.stdout[-3000:]
+    code, error = int(refused[1]), refused[2]
+    assert code == 2 and error.startswith("error: --out "), error
+    assert "the cluster has 3 nodes" in error and "--shared-out" in error, error
+    assert not local.exists()  # refused before the workers started
