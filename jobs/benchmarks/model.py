@@ -96,8 +96,8 @@ def timm_available() -> bool:
     try:
         import timm  # noqa: F401
     except Exception as e:  # e.g. a torchvision built for another torch: RuntimeError at import
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"timm does not import ({type(e).__name__}: {reason}): --compare-timm skipped")
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        print(f"timm does not import ({type(e).__name__}: {first_line}): --compare-timm skipped")
         return False
     return True
 
