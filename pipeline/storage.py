@@ -109,7 +109,8 @@ def upload_dir(
     file already open, or memory-mapped, keeps its old contents). Object stores: one upload per
     file, which becomes visible only once complete; then the directory is listed, and a file that
     is missing or of another size is sent again (`attempts` rounds, `backoff_s` doubling between
-    them), after which an OSError names it: a failed or silently dropped upload never passes. A
+    them; a listing that fails counts as nothing there), after which an OSError names it: a failed or
+    silently dropped upload never passes. A
     `commit_last` file, the one readers take as the commit (an export's config.json), goes only
     once every other file is there, so a crash part-way never leaves a new commit beside old files.
     """
@@ -125,7 +126,8 @@ def upload_dir(
         return
     rest = [child for child in children if child.name != commit_last]
     for group in (rest, [child for child in children if child.name == commit_last]):
-        _put_checked(group, uri, storage_options, attempts, backoff_s)
+        if group:
+            _put_checked(group, uri, storage_options, attempts, backoff_s)
 
 
 def _put_checked(
@@ -142,7 +144,10 @@ def _put_checked(
                 fs.put_file(str(child), f"{path.rstrip('/')}/{child.name}")
             except Exception as e:
                 error = e
-        present = list_files(uri, storage_options)
+        try:
+            present = list_files(uri, storage_options)
+        except Exception as e:  # the store did not answer the check: check again next round
+            error, present = e, {}
         pending = [child for child in pending if present.get(child.name) != child.stat().st_size]
         if not pending:
             return

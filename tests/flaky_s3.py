@@ -1,8 +1,9 @@
 """A loopback S3 that fails: moto's server behind a small HTTP proxy on 127.0.0.1 that answers a share of
 requests with a 5xx, a stall past the client's read timeout, or a dropped connection.
 
-Faults are deterministic (every ``period``-th request, kinds in turn) and bounded: at most ``max_faults``
-of them, and none once ``seconds`` have passed since the start, so a test that retries always finishes.
+Faults are deterministic (every ``period``-th request, of ``methods`` if given, ``kinds`` in turn) and
+bounded: at most ``max_faults`` of them, and none once ``seconds`` have passed since the start, so a
+test that retries always finishes.
 Clients reach it with `FlakyS3.storage_options` (short timeouts, so a stall costs about a second).
 """
 
@@ -28,14 +29,23 @@ _SLOW_DOWN = (
 class FlakyS3:
     """Start with `start`, stop with `stop`; `faults` counts what was injected, by kind."""
 
-    def __init__(self, *, period: int = 4, max_faults: int = 40, seconds: float = 120.0):
+    def __init__(
+        self,
+        *,
+        period: int = 4,
+        max_faults: int = 40,
+        seconds: float = 120.0,
+        kinds: tuple[str, ...] = FAULTS,
+        methods: tuple[str, ...] | None = None,
+    ):
         from moto import server as moto_server
 
         self.moto = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.period, self.max_faults, self.seconds = period, max_faults, seconds
         self.requests = 0
         self.faults: Counter[str] = Counter()
-        self.kinds = itertools.cycle(FAULTS)
+        self.kinds = itertools.cycle(kinds)
+        self.methods = methods  # only requests of these HTTP methods count and fail (None: all)
         self.lock = threading.Lock()
         self.on = False  # faults only while on (set up buckets first, then turn them on)
 
@@ -68,8 +78,10 @@ class FlakyS3:
             "config_kwargs": {"connect_timeout": 1, "read_timeout": READ_TIMEOUT_S},
         }
 
-    def next_fault(self) -> str | None:
+    def next_fault(self, method: str) -> str | None:
         with self.lock:
+            if self.methods is not None and method not in self.methods:
+                return None
             self.requests += 1
             if not self.on or self.requests % self.period or sum(self.faults.values()) >= self.max_faults:
                 return None
@@ -89,7 +101,7 @@ def _handler(s3: FlakyS3) -> type[BaseHTTPRequestHandler]:
 
         def handle_one(self) -> None:
             body = self._body()
-            fault = s3.next_fault()
+            fault = s3.next_fault(self.command)
             if fault == "drop":
                 self.connection.shutdown(socket.SHUT_RDWR)
                 self.close_connection = True

@@ -60,6 +60,40 @@ def test_every_file_arrives_whole_through_failing_requests(s3, tmp_path):
     assert uploaded(s3, "run/a") == FILES
 
 
+def test_an_upload_that_fails_past_the_clients_retries_is_sent_again(tmp_path):
+    """The client's own retries off and the first 2 uploads (PUT requests) answered with 500: the first
+    file's put fails outright, and the checked upload's next round must send it."""
+    s3 = FlakyS3(period=1, max_faults=2, kinds=("500",), methods=("PUT",)).start()
+    try:
+        options = {**s3.storage_options, "config_kwargs": {**s3.storage_options["config_kwargs"],
+                   "retries": {"mode": "standard", "max_attempts": 1}}}  # fmt: skip
+        boto3.client(
+            "s3", endpoint_url=s3.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+            region_name="us-east-1",
+        ).create_bucket(Bucket=BUCKET)  # fmt: skip
+        s3.faulty()
+        storage.upload_dir(local_checkpoint(tmp_path), f"s3://{BUCKET}/run/f", options, backoff_s=0.05)
+        assert s3.faults["500"] == 2
+        assert uploaded(s3, "run/f") == FILES
+    finally:
+        s3.stop()
+
+
+def test_a_listing_that_fails_is_tried_again_in_the_next_round(s3, tmp_path, monkeypatch):
+    real, calls = storage.list_files, []
+
+    def list_files(uri, options=None):
+        calls.append(uri)
+        if len(calls) == 1:
+            raise OSError("503 Slow Down")  # the store did not answer the check
+        return real(uri, options)
+
+    monkeypatch.setattr(storage, "list_files", list_files)
+    storage.upload_dir(local_checkpoint(tmp_path), f"s3://{BUCKET}/run/l", s3.storage_options, backoff_s=0.05)
+    assert len(calls) == 2
+    assert uploaded(s3, "run/l") == FILES
+
+
 def dropping(monkeypatch, name: str, times: int) -> list[str]:
     """Make s3fs's put_file return without uploading `name`, `times` times (what pyarrow's copy_files
     did after a part upload failed); returns the names it was asked to put."""
