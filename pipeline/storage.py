@@ -109,10 +109,10 @@ def upload_dir(
     file already open, or memory-mapped, keeps its old contents). Object stores: one upload per
     file, which becomes visible only once complete; then the directory is listed, and a file that
     is missing or of another size is sent again (`attempts` rounds, `backoff_s` doubling between
-    them; a listing that fails counts as nothing there), after which an OSError names it: a failed or
-    silently dropped upload never passes. A
-    `commit_last` file, the one readers take as the commit (an export's config.json), goes only
-    once every other file is there, so a crash part-way never leaves a new commit beside old files.
+    them; a listing that fails counts as nothing there), after which an OSError names it: a failed
+    or silently dropped upload never passes. A `commit_last` file, the one readers take as the
+    commit (an export's config.json), goes only once every other file is there, so a crash part-way
+    never leaves a new commit beside old files.
     """
     fs, path = filesystem(uri, storage_options)
     fs.makedirs(path, exist_ok=True)

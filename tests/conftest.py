@@ -21,6 +21,9 @@ RAY_NUM_CPUS = 8
 apply_local_ray_env()
 
 
+_DECLARED_LIBRARIES: list = []  # kept for the session
+
+
 def import_torchvision_without_its_compiled_ops() -> None:
     """Import torchvision (and so timm) beside torch's CPU build.
 
@@ -44,8 +47,7 @@ def import_torchvision_without_its_compiled_ops() -> None:
         declared = torch.library.Library("torchvision", "DEF")
         for op in ("nms", "qnms"):
             declared.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        # Kept alive for the session: a Library's definitions go with it.
-        globals()["_TORCHVISION_OPS"] = declared
+        _DECLARED_LIBRARIES.append(declared)  # a Library's definitions live as long as it does
         import torchvision  # noqa: F401
 
 

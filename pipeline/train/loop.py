@@ -146,9 +146,10 @@ class Trainer:
         """Micro-batches of the current epoch this rank took before the checkpoint (0 without one)."""
         if self.resumed_from is None:
             return 0
-        taken, note = self.state.taken_at(self.world, self.config.micro_batch_size, self.stream)
         if self.state.step >= self.config.last_step:
-            note = "the schedule is done, nothing is re-read"
+            taken, note = 0, "the schedule is done, nothing is re-read"
+        else:
+            taken, note = self.state.taken_at(self.world, self.config.micro_batch_size, self.stream)
         if self.rank == 0:
             where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step}"
             log_line(f"{where} (epoch {self.state.epoch})" + (f": {note}" if note else ""))

@@ -12,6 +12,9 @@ import pytest
 
 import vit
 from pipeline import dcp
+from pipeline.embed.config import EmbedConfig
+from pipeline.embed.job import prepare as prepare_embedding
+from pipeline.embed.job import run as run_embedding
 from pipeline.train.driver import fit, prepare, prepare_eval, read_metrics
 from pipeline.train.finetune import resolve_pretrained
 from tests.system.test_pretrain import config, final_weights
@@ -80,10 +83,6 @@ def test_finetuning_an_export_learns_and_its_export_embeds(ray_session, shards, 
     model = meta["model"]
     assert (model["head"], model["image_size"], model["num_classes"]) == ("finetune", 48, 4)
     # The export embeds (the job's plan and run, on this session's Ray): one row per held-out image.
-    from pipeline.embed.config import EmbedConfig
-    from pipeline.embed.job import prepare as prepare_embedding
-    from pipeline.embed.job import run as run_embedding
-
     embeddings = tmp_path / "embeddings"
     plan = prepare_embedding(
         EmbedConfig(data=held_out.dir, weights=str(out), out=str(embeddings), batch_size=8)
