@@ -9,7 +9,6 @@ import importlib.util
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchao  # the fp8 extra: `make test` installs it
 from torch import nn
@@ -17,7 +16,7 @@ from torch import nn
 import vit
 from pipeline.train import fp8
 from pipeline.train.config import TrainConfig
-from tests.vit.test_parallelize import free_port
+from tests.distributed import spawn
 from vit.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp
 
 BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
@@ -88,47 +87,43 @@ def test_the_float8_model_computes_the_same_function_in_bf16():
         assert cosine > 0.9, (name, cosine.item())
 
 
-def _fsdp_float8_worker(rank: int, port: int) -> None:
+def _fsdp_float8_worker(rank: int) -> None:
     from torch.distributed.tensor import distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        plain = reference()
-        single = converted(plain)  # float8, one process: what the sharded model must compute
-        x, y = batch(4)
-        mine = slice(2 * rank, 2 * rank + 2)
-        # float8 scales are per tensor and per batch, so each half's gradient is taken on its own.
-        halves = []
-        for half in (slice(0, 2), slice(2, 4)):
-            single.zero_grad()
-            F.cross_entropy(single(x[half]), y[half]).backward()
-            halves.append({n: p.grad.clone() for n, p in single.named_parameters()})
+    plain = reference()
+    single = converted(plain)  # float8, one process: what the sharded model must compute
+    x, y = batch(4)
+    mine = slice(2 * rank, 2 * rank + 2)
+    # float8 scales are per tensor and per batch, so each half's gradient is taken on its own.
+    halves = []
+    for half in (slice(0, 2), slice(2, 4)):
+        single.zero_grad()
+        F.cross_entropy(single(x[half]), y[half]).backward()
+        halves.append({n: p.grad.clone() for n, p in single.named_parameters()})
 
-        model = vit.create_model("vit_tiny_test", device="meta")
-        fp8.convert_to_float8(model, emulate=True)  # the production order: float8 -> AC -> compile -> FSDP2
-        apply_activation_checkpointing(model)
-        apply_compile(model, backend="aot_eager")
-        apply_fsdp(model, param_dtype=None)
-        model.to_empty(device="cpu")
-        model.init_weights()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                full = plain.get_parameter(name).detach()
-                param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
-        fp8.precompute_scales_after_step(torch.optim.SGD(model.parameters(), lr=0.0), model)
-        logits = model(x[mine])
-        torch.testing.assert_close(logits, single(x[mine]), rtol=1e-5, atol=1e-5)
-        F.cross_entropy(logits, y[mine]).backward()
+    model = vit.create_model("vit_tiny_test", device="meta")
+    fp8.convert_to_float8(model, emulate=True)  # the production order: float8 -> AC -> compile -> FSDP2
+    apply_activation_checkpointing(model)
+    apply_compile(model, backend="aot_eager")
+    apply_fsdp(model, param_dtype=None)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    with torch.no_grad():
         for name, param in model.named_parameters():
-            expected = (halves[0][name] + halves[1][name]) / 2
-            torch.testing.assert_close(param.grad.full_tensor(), expected, rtol=1e-4, atol=1e-5, msg=name)
-    finally:
-        dist.destroy_process_group()
+            full = plain.get_parameter(name).detach()
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+    fp8.precompute_scales_after_step(torch.optim.SGD(model.parameters(), lr=0.0), model)
+    logits = model(x[mine])
+    torch.testing.assert_close(logits, single(x[mine]), rtol=1e-5, atol=1e-5)
+    F.cross_entropy(logits, y[mine]).backward()
+    for name, param in model.named_parameters():
+        expected = (halves[0][name] + halves[1][name]) / 2
+        torch.testing.assert_close(param.grad.full_tensor(), expected, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow
 def test_fsdp2_with_float8_all_gather_computes_the_single_process_float8_model():
-    mp.spawn(_fsdp_float8_worker, args=(free_port(),), nprocs=2, join=True)
+    spawn(_fsdp_float8_worker)
 
 
 def test_fp8_is_refused_in_one_line_where_it_cannot_run(monkeypatch):

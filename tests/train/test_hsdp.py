@@ -5,14 +5,10 @@ that every Ray Train worker runs, each rank with its own micro-batches, two per 
 from __future__ import annotations
 
 import json
-import os
-import socket
-from contextlib import closing
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import Replicate, Shard
 
@@ -20,6 +16,7 @@ import vit
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, model_config
 from pipeline.train.step import TrainStep
+from tests.distributed import spawn
 
 WORLD, STEPS, MICRO = 4, 4, 4
 CONFIG = TrainConfig(
@@ -79,36 +76,25 @@ def train(group: int, start: dict[str, torch.Tensor], rank: int) -> tuple[dict[s
     return full(model), facts
 
 
-def worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+def worker(rank: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(0)
-        reference = vit.VisionTransformer(model_config(CONFIG))
-        reference.init_weights()
-        start = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-        fsdp, fsdp_facts = train(WORLD, start, rank)
-        hsdp, hsdp_facts = train(2, start, rank)
-        moved = max((fsdp[k] - start[k]).abs().max().item() for k in start)
-        differ = max((fsdp[k] - hsdp[k]).abs().max().item() for k in start)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump({"fsdp": fsdp_facts, "hsdp": hsdp_facts, "moved": moved, "differ": differ}, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    torch.manual_seed(0)
+    reference = vit.VisionTransformer(model_config(CONFIG))
+    reference.init_weights()
+    start = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    fsdp, fsdp_facts = train(WORLD, start, rank)
+    hsdp, hsdp_facts = train(2, start, rank)
+    moved = max((fsdp[k] - start[k]).abs().max().item() for k in start)
+    differ = max((fsdp[k] - hsdp[k]).abs().max().item() for k in start)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"fsdp": fsdp_facts, "hsdp": hsdp_facts, "moved": moved, "differ": differ}, f)
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("hsdp") / "result.json"
-    mp.spawn(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn(worker, str(out), world_size=WORLD)
     with open(out) as f:
         return json.load(f)
 

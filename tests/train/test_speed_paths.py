@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -21,7 +20,7 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, init_distributed
 from pipeline.train.optim import adamw_impl, optimizer_kernels
 from pipeline.train.step import TrainStep
-from tests.vit.test_parallelize import free_port
+from tests.distributed import spawn
 from vit.parallelize import AC_MODES, apply_activation_checkpointing, apply_compile, apply_fsdp
 
 CONFIG = TrainConfig(
@@ -213,40 +212,36 @@ def test_whole_model_compile_under_fsdp2_compiles_once(world):
 VARIANTS = [("full", "blocks"), ("ops", "model")]
 
 
-def _production_order_worker(rank: int, port: int) -> None:
+def _production_order_worker(rank: int) -> None:
     from torch.distributed.tensor import distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        x, y = batch(4)
-        plain = reference()
-        expected = loss_and_grads(plain, x, y)  # the whole batch in one process
-        mine = slice(2 * rank, 2 * rank + 2)
-        for ac_mode, scope in VARIANTS:
-            model = vit.create_model("vit_tiny_test", depth=4, device="meta")
-            apply_activation_checkpointing(model, ac_mode)
-            apply_compile(model, backend="aot_eager", scope=scope)
-            apply_fsdp(model, param_dtype=None)
-            model.to_empty(device="cpu")
-            model.init_weights()  # the buffers; the parameters are the reference's, sharded:
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    full = plain.get_parameter(name).detach()
-                    param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
-            for _ in range(2):  # the second step runs the graphs compiled in the first
-                _, grads = loss_and_grads(model, x[mine], y[mine])
-            # FSDP2 averages the two halves' gradients: the gradient of the whole batch's mean loss.
-            for name, grad in expected[1].items():
-                torch.testing.assert_close(
-                    grads[name], grad, rtol=1e-4, atol=1e-6, msg=f"{ac_mode} {scope} {name}"
-                )
-    finally:
-        dist.destroy_process_group()
+    x, y = batch(4)
+    plain = reference()
+    expected = loss_and_grads(plain, x, y)  # the whole batch in one process
+    mine = slice(2 * rank, 2 * rank + 2)
+    for ac_mode, scope in VARIANTS:
+        model = vit.create_model("vit_tiny_test", depth=4, device="meta")
+        apply_activation_checkpointing(model, ac_mode)
+        apply_compile(model, backend="aot_eager", scope=scope)
+        apply_fsdp(model, param_dtype=None)
+        model.to_empty(device="cpu")
+        model.init_weights()  # the buffers; the parameters are the reference's, sharded:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                full = plain.get_parameter(name).detach()
+                param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+        for _ in range(2):  # the second step runs the graphs compiled in the first
+            _, grads = loss_and_grads(model, x[mine], y[mine])
+        # FSDP2 averages the two halves' gradients: the gradient of the whole batch's mean loss.
+        for name, grad in expected[1].items():
+            torch.testing.assert_close(
+                grads[name], grad, rtol=1e-4, atol=1e-6, msg=f"{ac_mode} {scope} {name}"
+            )
 
 
 @pytest.mark.slow
 def test_checkpointing_then_compile_then_fsdp2_gives_the_plain_gradients():
-    mp.spawn(_production_order_worker, args=(free_port(),), nprocs=2, join=True)
+    spawn(_production_order_worker)
 
 
 def test_speed_switches_are_validated_in_one_line():

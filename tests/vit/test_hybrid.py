@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import vit
+from tests.distributed import spawn
 from tests.vit.test_convert import CLASSES, D, random_state_dict, timm_shapes
 from vit.config import ViTConfig
 from vit.hybrid import same_padding
@@ -297,44 +295,37 @@ def test_export_round_trip_and_another_resolution(tmp_path):
 # --- FSDP2 -----------------------------------------------------------------------------------------
 
 
-def _fsdp_worker(rank: int, port: int) -> None:
+def _fsdp_worker(rank: int) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     from vit.parallelize import apply_activation_checkpointing, apply_fsdp
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        reference = vit.create_model(HYBRID)
-        nn.init.normal_(reference.head.fc.weight, std=0.5)
-        x = vit.patchify(pixels(4, seed=3), 8)
-        y = torch.tensor([0, 3, 6, 9])
-        F.cross_entropy(reference(x), y).backward()
-        model = vit.create_model(HYBRID, device="meta")
-        apply_activation_checkpointing(model)
-        apply_fsdp(model, param_dtype=None)
-        model.to_empty(device="cpu")
-        model.init_weights()
-        for name, param in model.named_parameters():  # the stem is sharded with the root, half per rank
-            rows = param.shape[0]
-            assert abs(param.to_local().numel() - param.numel() / 2) <= param.numel() / rows, name
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                full = reference.get_parameter(name).detach()
-                param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
-        mine = slice(2 * rank, 2 * rank + 2)
-        logits = model(x[mine])
-        torch.testing.assert_close(logits, reference(x[mine]), rtol=1e-5, atol=1e-5)
-        F.cross_entropy(logits, y[mine]).backward()
+    torch.manual_seed(0)
+    reference = vit.create_model(HYBRID)
+    nn.init.normal_(reference.head.fc.weight, std=0.5)
+    x = vit.patchify(pixels(4, seed=3), 8)
+    y = torch.tensor([0, 3, 6, 9])
+    F.cross_entropy(reference(x), y).backward()
+    model = vit.create_model(HYBRID, device="meta")
+    apply_activation_checkpointing(model)
+    apply_fsdp(model, param_dtype=None)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    for name, param in model.named_parameters():  # the stem is sharded with the root, half per rank
+        rows = param.shape[0]
+        assert abs(param.to_local().numel() - param.numel() / 2) <= param.numel() / rows, name
+    with torch.no_grad():
         for name, param in model.named_parameters():
-            expected = reference.get_parameter(name).grad
-            torch.testing.assert_close(param.grad.full_tensor(), expected, rtol=1e-4, atol=1e-5, msg=name)
-    finally:
-        dist.destroy_process_group()
+            full = reference.get_parameter(name).detach()
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+    mine = slice(2 * rank, 2 * rank + 2)
+    logits = model(x[mine])
+    torch.testing.assert_close(logits, reference(x[mine]), rtol=1e-5, atol=1e-5)
+    F.cross_entropy(logits, y[mine]).backward()
+    for name, param in model.named_parameters():
+        expected = reference.get_parameter(name).grad
+        torch.testing.assert_close(param.grad.full_tensor(), expected, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_fsdp_shards_the_hybrid_and_matches_the_plain_gradients():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_fsdp_worker, args=(port,), nprocs=2, join=True)
+    spawn(_fsdp_worker)

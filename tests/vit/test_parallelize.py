@@ -6,16 +6,14 @@ parameter on each rank and produce the plain model's gradients.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import vit
+from tests.distributed import spawn
 from vit.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp
 
 TINY = "vit_tiny_test"
@@ -91,57 +89,47 @@ def test_inductor_compiled_blocks_compute_the_same():
         torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
-def _fsdp_worker(rank: int, port: int) -> None:
+def _fsdp_worker(rank: int) -> None:
     from torch.distributed.tensor import distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    try:
-        reference = reference_model()
-        x, y = batch(4)
-        _, grads = loss_and_grads(reference, x, y)  # the whole batch, one process
-        mine = slice(2 * rank, 2 * rank + 2)  # this rank's half of the batch
+    reference = reference_model()
+    x, y = batch(4)
+    _, grads = loss_and_grads(reference, x, y)  # the whole batch, one process
+    mine = slice(2 * rank, 2 * rank + 2)  # this rank's half of the batch
 
-        for param_dtype in (None, torch.bfloat16):
-            model = vit.create_model(TINY, device="meta")
-            apply_activation_checkpointing(model)
-            apply_fsdp(model, param_dtype=param_dtype)
-            model.to_empty(device="cpu")
-            model.init_weights()  # in place, on DTensor shards
-            assert model.cls_token.full_tensor().abs().sum() == 0
-            assert torch.equal(model.patch_embed.mean, torch.full((3,), 0.5))
-            assert 0.01 < model.pos_embed.full_tensor().std() < 0.03
-            assert list(dict(model.named_parameters())) == list(dict(reference.named_parameters()))
+    for param_dtype in (None, torch.bfloat16):
+        model = vit.create_model(TINY, device="meta")
+        apply_activation_checkpointing(model)
+        apply_fsdp(model, param_dtype=param_dtype)
+        model.to_empty(device="cpu")
+        model.init_weights()  # in place, on DTensor shards
+        assert model.cls_token.full_tensor().abs().sum() == 0
+        assert torch.equal(model.patch_embed.mean, torch.full((3,), 0.5))
+        assert 0.01 < model.pos_embed.full_tensor().std() < 0.03
+        assert list(dict(model.named_parameters())) == list(dict(reference.named_parameters()))
+        for name, param in model.named_parameters():
+            local, rows = param.to_local().numel(), param.shape[0]
+            assert abs(local - param.numel() / WORLD_SIZE) <= param.numel() / rows, (name, local)
+
+        with torch.no_grad():  # the reference's weights, sharded
             for name, param in model.named_parameters():
-                local, rows = param.to_local().numel(), param.shape[0]
-                assert abs(local - param.numel() / WORLD_SIZE) <= param.numel() / rows, (name, local)
-
-            with torch.no_grad():  # the reference's weights, sharded
-                for name, param in model.named_parameters():
-                    full = reference.get_parameter(name).detach()
-                    param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
-            logits = model(x[mine])
-            if param_dtype is None:
-                torch.testing.assert_close(logits, reference(x[mine]), rtol=1e-5, atol=1e-5)
-                F.cross_entropy(logits, y[mine]).backward()  # FSDP averages the two halves' gradients
-                for name, param in model.named_parameters():
-                    torch.testing.assert_close(
-                        param.grad.full_tensor(), grads[name], rtol=1e-4, atol=1e-6, msg=name
-                    )
-            else:
-                assert logits.dtype == torch.bfloat16
-                torch.testing.assert_close(logits.float(), reference(x[mine]), rtol=0.05, atol=0.05)
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+                full = reference.get_parameter(name).detach()
+                param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+        logits = model(x[mine])
+        if param_dtype is None:
+            torch.testing.assert_close(logits, reference(x[mine]), rtol=1e-5, atol=1e-5)
+            F.cross_entropy(logits, y[mine]).backward()  # FSDP averages the two halves' gradients
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(
+                    param.grad.full_tensor(), grads[name], rtol=1e-4, atol=1e-6, msg=name
+                )
+        else:
+            assert logits.dtype == torch.bfloat16
+            torch.testing.assert_close(logits.float(), reference(x[mine]), rtol=0.05, atol=0.05)
 
 
 def test_fsdp_shards_every_parameter_and_matches_the_plain_gradients():
-    mp.spawn(_fsdp_worker, args=(free_port(),), nprocs=WORLD_SIZE, join=True)
+    spawn(_fsdp_worker, world_size=WORLD_SIZE)
 
 
 def one_device_fsdp(per_block: bool | None, compile_model: bool = False) -> tuple[nn.Module, list]:
@@ -195,39 +183,34 @@ def test_one_device_is_one_fsdp_unit_that_computes_what_per_block_units_do():
         dist.destroy_process_group()
 
 
-def _cuda_worker(rank: int, port: int, world_size: int) -> None:
+def _cuda_worker(rank: int) -> None:
     # The production setup on GPUs: AC, then per-block inductor compile, then FSDP2 in bf16.
     from torch.distributed.tensor import distribute_tensor
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        device = torch.device("cuda", rank)
-        reference = reference_model().to(device)
-        x, y = (t.to(device) for t in batch(4))
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            expected = reference(x)
-        model = vit.create_model(TINY, device="meta")
-        apply_activation_checkpointing(model)
-        apply_compile(model)
-        apply_fsdp(model)
-        model.to_empty(device=device)
-        model.init_weights()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                full = reference.get_parameter(name).detach()
-                param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
-        for _ in range(2):  # the second step reuses the compiled graphs
-            model.zero_grad()
-            logits = model(x)
-            F.cross_entropy(logits.float(), y).backward()
-        torch.testing.assert_close(logits.float(), expected.float(), rtol=0.05, atol=0.05)
-        assert all(torch.isfinite(p.grad.full_tensor()).all() for p in model.parameters())
-    finally:
-        dist.destroy_process_group()
+    device = torch.device("cuda", rank)
+    reference = reference_model().to(device)
+    x, y = (t.to(device) for t in batch(4))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = reference(x)
+    model = vit.create_model(TINY, device="meta")
+    apply_activation_checkpointing(model)
+    apply_compile(model)
+    apply_fsdp(model)
+    model.to_empty(device=device)
+    model.init_weights()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = reference.get_parameter(name).detach()
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+    for _ in range(2):  # the second step reuses the compiled graphs
+        model.zero_grad()
+        logits = model(x)
+        F.cross_entropy(logits.float(), y).backward()
+    torch.testing.assert_close(logits.float(), expected.float(), rtol=0.05, atol=0.05)
+    assert all(torch.isfinite(p.grad.full_tensor()).all() for p in model.parameters())
 
 
 @pytest.mark.gpu
 def test_fsdp_with_compile_and_checkpointing_on_cuda():
     world_size = min(torch.cuda.device_count(), 2)
-    mp.spawn(_cuda_worker, args=(free_port(), world_size), nprocs=world_size, join=True)
+    spawn(_cuda_worker, world_size=world_size, backend="nccl")
