@@ -12,9 +12,12 @@ import gc
 import os
 import socket
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+TIMEOUT = timedelta(seconds=120)
 
 
 def free_port() -> int:
@@ -38,7 +41,10 @@ def _rank(rank: int, worker: Callable[..., None], args: tuple, port: int, world_
         import torch
 
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    # A collective that one rank never joins fails the others within the timeout instead of hanging.
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=TIMEOUT
+    )
     try:
         worker(rank, *args)
         gc.collect()

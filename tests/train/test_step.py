@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +17,7 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, init_distributed, model_config
 from pipeline.train.optim import lr_factor, param_groups
 from pipeline.train.step import TrainStep
+from tests.distributed import spawn
 
 CONFIG = TrainConfig(
     model="vit_tiny_test",
@@ -140,88 +136,57 @@ def test_parameters_stay_gathered_and_gradients_unsynced_until_the_last_micro_ba
     assert calls == {"sync": [False, False, False, True], "reshard": [False, False, False, True]}
 
 
-RANK_SCRIPT = """
-import json, sys, torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from pipeline.train.config import TrainConfig
-from pipeline.train.model import build_model, init_distributed
-from pipeline.train.step import TrainStep
-sys.path.insert(0, {tests!r})
-from test_step import gradients_of_one_step
-rank, world, device = init_distributed()
-cfg = TrainConfig.from_dict(json.loads({config!r}))
-model = build_model(cfg, device)
-weights = torch.load({weights!r}, weights_only=True)
-set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
-data = torch.load({data!r}, weights_only=True)
-step = TrainStep(model, cfg, device)
-grads, stats = gradients_of_one_step(step, data["per_rank"][rank], data["global_count"], data["micro_steps"])
-if rank == 0:
-    torch.save({{"grads": grads, "grad_norm": stats.grad_norm}}, {out!r})
-"""
+def _two_rank_steps(rank: int, config: dict, weights_path: str, cases_path: str, out_path: str) -> None:
+    """Each case's step on this rank's micro-batches, from the same weights; rank 0 saves them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-
-def run_two_ranks(tmp_path, config: TrainConfig, weights: dict, per_rank: list, micro_steps: int) -> dict:
-    """One step on two gloo ranks (two processes, FSDP2), each over its own micro-batches."""
-    global_count = sum(len(labels) for rank in per_rank for _, labels in rank)
-    torch.save(weights, tmp_path / "weights.pt")
-    data = {"per_rank": per_rank, "global_count": global_count, "micro_steps": micro_steps}
-    torch.save(data, tmp_path / "data.pt")
-    code = RANK_SCRIPT.format(
-        tests=str(Path(__file__).parent),
-        config=config.to_json(),
-        weights=str(tmp_path / "weights.pt"),
-        data=str(tmp_path / "data.pt"),
-        out=str(tmp_path / "out.pt"),
-    )
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", code],
-                cwd=Path(__file__).resolve().parents[2],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+    cfg = TrainConfig.from_dict(config)
+    weights = torch.load(weights_path, weights_only=True)
+    results = []
+    for case in torch.load(cases_path, weights_only=True):
+        model = build_model(cfg, torch.device("cpu"))
+        set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True))
+        step = TrainStep(model, cfg, torch.device("cpu"))
+        grads, stats = gradients_of_one_step(
+            step, case["per_rank"][rank], case["global_count"], case["micro_steps"]
         )
-    for proc in procs:
-        try:
-            output, _ = proc.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            pytest.fail("the two ranks did not finish their step: a collective one of them never joined")
-        assert proc.returncode == 0, output[-3000:]
-    return torch.load(tmp_path / "out.pt", weights_only=True)
+        results.append({"grads": grads, "grad_norm": stats.grad_norm})
+    if rank == 0:
+        torch.save(results, out_path)
 
 
-@pytest.mark.parametrize(
-    "sizes",
-    [([4, 2], [1, 1]), ([4, 2], [2]), ([4, 4], [])],
-    ids=["uneven samples", "fewer micro-batches", "a rank with no samples"],
-)
-def test_ranks_with_uneven_or_no_samples_make_the_gradient_of_the_mean_loss(world, tmp_path, sizes):
-    """Two ranks' micro-batches (their sizes per rank) against one process over all 8 samples."""
+# Micro-batch sizes of rank 0 and rank 1, cut from one batch of 8.
+UNEVEN = {
+    "uneven samples": ([4, 2], [1, 1]),
+    "fewer micro-batches": ([4, 2], [2]),
+    "a rank with no samples": ([4, 4], []),
+}
+
+
+def test_ranks_with_uneven_or_no_samples_make_the_gradient_of_the_mean_loss(world, tmp_path):
+    """Two ranks' micro-batches (two processes, FSDP2; two micro-steps each, whether or not a rank has
+    data for them) against one process over all 8 samples."""
     patches, labels = batch(8, seed=6)
     reference = build_model(NO_CLIP, world)
     weights = params(reference)
     grads, stats = gradients_of_one_step(TrainStep(reference, NO_CLIP, world), [(patches, labels)], 8)
 
-    bounds = np.cumsum([0, *sizes[0], *sizes[1]]).tolist()
-    cuts = [(patches[a:b], labels[a:b]) for a, b in itertools.pairwise(bounds)]
-    per_rank = [cuts[: len(sizes[0])], cuts[len(sizes[0]) :]]
+    cases = []
+    for sizes in UNEVEN.values():
+        bounds = np.cumsum([0, *sizes[0], *sizes[1]]).tolist()
+        cuts = [(patches[a:b], labels[a:b]) for a, b in itertools.pairwise(bounds)]
+        per_rank = [cuts[: len(sizes[0])], cuts[len(sizes[0]) :]]
+        cases.append({"per_rank": per_rank, "global_count": 8, "micro_steps": 2})
+    torch.save(weights, tmp_path / "weights.pt")
+    torch.save(cases, tmp_path / "cases.pt")
     cfg = NO_CLIP.replace(num_workers=2, micro_batch_size=4)
-    two = run_two_ranks(tmp_path, cfg, weights, per_rank, micro_steps=2)
-    torch.testing.assert_close(two["grad_norm"], stats.grad_norm, rtol=1e-5, atol=0)
-    for name, grad in grads.items():
-        torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-7)
+    spawn(_two_rank_steps, cfg.to_dict(), *(str(tmp_path / n) for n in ("weights.pt", "cases.pt", "out.pt")))
+    for name, two in zip(UNEVEN, torch.load(tmp_path / "out.pt", weights_only=True), strict=True):
+        torch.testing.assert_close(two["grad_norm"], stats.grad_norm, rtol=1e-5, atol=0, msg=name)
+        for param, grad in grads.items():
+            torch.testing.assert_close(
+                two["grads"][param], grad, rtol=1e-4, atol=1e-7, msg=f"{name}: {param}"
+            )
 
 
 def test_loss_falls_on_a_fixed_batch(world):
