@@ -214,7 +214,7 @@ def test_uneven_shards_end_every_epoch_together_and_the_run_keeps_and_logs_as_to
 
 
 def test_vit_h14_builds_shards_steps_and_checkpoints_on_two_cpu_workers(ray_session, tmp_path):
-    """The real ViT-H/14 (632M parameters; at 56 px, 16 patches, to keep the CPU step short): each of 2
+    """The real ViT-H/14 (632M parameters; at 28 px, 4 patches, to keep the CPU step short): each of 2
     gloo workers holds about half of every parameter, takes one optimizer step on one image with the
     AdamW kernels a GPU run uses (fused: on a CPU too, and about 4x faster here than foreach), and
     writes its half of a DCP checkpoint (model + AdamW state)."""
@@ -257,7 +257,7 @@ def test_vit_h14_builds_shards_steps_and_checkpoints_on_two_cpu_workers(ray_sess
                 "grad_norm": stats.grad_norm.item(), "unmoved": unmoved, "seconds": seconds,
                 "kernels": optimizer_kernels(step.optimizer), "skipped": int(stats.skipped)}  # fmt: skip
 
-    config = TrainConfig(model="vit_h14", image_size=56, num_classes=1000, batch_size=2, micro_batch_size=1,
+    config = TrainConfig(model="vit_h14", image_size=28, num_classes=1000, batch_size=2, micro_batch_size=1,
                          num_workers=2, warmup_steps=1, max_steps=10, optimizer_impl="fused")  # fmt: skip
     directory = tmp_path / "h14_checkpoint"
     trainer = TorchTrainer(
