@@ -16,6 +16,8 @@ the setting Ray offers for it (`Console.apply` before Ray is imported, `Console.
 - lines that Ray's processes print at a level no setting reaches (`QUIET_LINES`): Ray's driver-side
   filter of forwarded lines, ``RAY_DEDUP_LOGS_SKIP_REGEX`` (read when Ray is imported); the same
   patterns filter the driver's own Ray loggers;
+- the core worker's actor-restart notice, written once per process to the driver's stderr when Ray Data
+  starts an actor pool: spent on an actor that never runs (`spend_actor_restart_notice`);
 - colour where stdout is no terminal (a log file, ``ray job logs``): ``RAY_COLOR_PREFIX=0`` for the
   ``(Actor pid=...)`` prefixes; the escape codes Ray writes regardless (its green
   ``[repeated Nx across cluster]`` note) are stripped from the driver's stdout and stderr.
@@ -122,6 +124,44 @@ class Console:
             for handler in logging.getLogger(name).handlers:
                 if not any(isinstance(f, QuietFilter) for f in handler.filters):
                     handler.addFilter(QuietFilter())
+        spend_actor_restart_notice()
+
+
+# Ray's core worker writes this ERROR line (ray#53727) straight to the driver's stderr, once per process,
+# when the driver creates an actor that may restart and takes an argument by reference. Ray Data
+# creates every actor-pool worker so (its function travels by reference, restarts are on) and holds
+# that reference for the operator's life, so the restart it warns of cannot fail; no setting quiets it.
+ACTOR_RESTART_NOTICE = r"has constructor arguments in the object store and max_restarts > 0"
+
+
+def spend_actor_restart_notice() -> None:
+    """Spend the driver's one `ACTOR_RESTART_NOTICE` on an actor that is never scheduled (it asks for a
+    resource no node has) and is killed at once, with fd 2 captured meanwhile: what else was written
+    there in that moment goes back to stderr. The embedding job's actor pool then starts quietly."""
+    import tempfile
+
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=1, resources={"vitray-never-scheduled": 1})
+    class Unscheduled:
+        def __init__(self, _argument: Any):
+            pass
+
+    argument = ray.put(None)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            actor = Unscheduled.remote(argument)  # the core worker logs while creating it, in this call
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        ray.kill(actor)
+        captured.seek(0)
+        for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+            if not re.search(ACTOR_RESTART_NOTICE, line):
+                sys.stderr.write(line)
 
 
 def train_log_level() -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pipeline.console import QUIET_LINES, Console, StripColour, quiet_pattern
+from pipeline.console import ACTOR_RESTART_NOTICE, QUIET_LINES, Console, StripColour, quiet_pattern
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,9 +31,13 @@ RAY_LINES = {
     "`ray.data.DataContext.get_current().enable_progress_bars = True`.",
 }
 # What must never show by default, whatever line of it: the sources above, Ray's INFO logs and Ray
-# Data's progress blocks on the driver, the token-auth notice, colour codes.
+# Data's progress blocks on the driver, the token-auth notice, the actor-restart notice of any actor,
+# colour codes.
 NOISE = re.compile(
-    quiet_pattern() + r"|PlacementGroupCleaner|PreemptionWatcher|logging_progress|Running Dataset|"
+    quiet_pattern()
+    + "|"
+    + ACTOR_RESTART_NOTICE
+    + r"|PlacementGroupCleaner|PreemptionWatcher|logging_progress|Running Dataset|"
     r"\bINFO\b|Token authentication|\x1b\["
 )
 
