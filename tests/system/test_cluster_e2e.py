@@ -63,23 +63,9 @@ CLUSTER = textwrap.dedent(
         return subprocess.Popen([*runs["submit"], *entrypoint], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, **kwargs)
 
-    def submit_once_an_agent_takes_it(*entrypoint):
-        # The head's job agent registers a little after its dashboard answers; a job submitted before
-        # is refused ("No available agent to submit job, please try again later") and sent again.
-        deadline = time.time() + 120
-        while True:
-            job = submit(*entrypoint)
-            try:
-                output = job.communicate(timeout=5)[0]
-            except subprocess.TimeoutExpired:
-                return job, ""  # running; the rest of its output is read later
-            if "No available agent" not in output or time.time() > deadline:
-                return job, output
-            time.sleep(1)
-
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={
         "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-        "dashboard_port": int(runs["dashboard"].rsplit(":", 1)[1])})
+        "dashboard_port": int(runs["dashboard"].rsplit(":", 1)[1]), **runs["head_ports"]})
     try:
         deadline = time.time() + 120
         while True:  # the job server is up once it refuses a request without the token
@@ -99,7 +85,7 @@ CLUSTER = textwrap.dedent(
         print("without the token:", unauthenticated.wait(timeout=120),
               unauthenticated.stdout.read().replace("\\n", " "), flush=True)
 
-        train, early = submit_once_an_agent_takes_it("python", "jobs/pretrain.py", *runs["train"])
+        train = submit("python", "jobs/pretrain.py", *runs["train"])
         ray.init(address=cluster.address)
         deadline = time.time() + 180
         while time.time() < deadline and train.poll() is None:
@@ -109,7 +95,7 @@ CLUSTER = textwrap.dedent(
         print("cluster CPUs when the workers asked:", ray.cluster_resources().get("CPU", 0), flush=True)
         cluster.add_node(num_cpus=3)
         cluster.add_node(num_cpus=3)
-        print(early + train.communicate(timeout=480)[0], flush=True)
+        print(train.communicate(timeout=480)[0], flush=True)
         print("train job exit:", train.returncode, flush=True)
         embed = submit("python", "jobs/embed.py", *runs["embed"])
         print(embed.communicate(timeout=300)[0], flush=True)
@@ -126,6 +112,14 @@ CLUSTER = textwrap.dedent(
 )
 
 
+HEAD_PORTS = (
+    "dashboard_agent_listen_port",
+    "metrics_agent_port",
+    "metrics_export_port",
+    "runtime_env_agent_port",
+)
+
+
 def test_jobs_submitted_with_the_token_to_a_cluster_whose_nodes_join_after_submission(shards, tmp_path):
     run, local, out = tmp_path / "run", tmp_path / "local", tmp_path / "embeddings"
     dashboard = f"http://127.0.0.1:{free_port()}"
@@ -133,6 +127,9 @@ def test_jobs_submitted_with_the_token_to_a_cluster_whose_nodes_join_after_submi
     common = ["--preset", "tiny", "--data", str(shards.dir), "--max-steps", "4", "--warmup-steps", "1"]
     runs = {
         "dashboard": dashboard,
+        # Free ports for the head's agents: the defaults may be held by another Ray on the machine
+        # (the tests' own), and a head whose job agent cannot bind takes no job.
+        "head_ports": {name: free_port() for name in HEAD_PORTS},
         "submit": submit_command(dashboard),
         "train": [
             *common, "--out", str(run), "--shared-out", "--placement-strategy", "STRICT_SPREAD",
