@@ -1,5 +1,5 @@
 """Ranks as processes, for the tests that shard a model: `spawn(worker, *args)` runs `worker(rank, *args)`
-in `world_size` fresh processes that share one gloo process group on 127.0.0.1.
+in `world_size` fresh processes that share one process group on 127.0.0.1 (gloo; NCCL for the GPU tests).
 
 Every rank leaves the same way: its worker's objects (FSDP2 state holds the group's pending work) are
 collected, a barrier waits until every rank is past its last collective, and only then is the group

@@ -136,20 +136,17 @@ def test_parameters_stay_gathered_and_gradients_unsynced_until_the_last_micro_ba
     assert calls == {"sync": [False, False, False, True], "reshard": [False, False, False, True]}
 
 
-def _two_rank_steps(rank: int, config: dict, weights_path: str, cases_path: str, out_path: str) -> None:
-    """Each case's step on this rank's micro-batches, from the same weights; rank 0 saves them."""
+def _two_rank_steps(rank: int, config: dict, weights: dict, cases: list, out_path: str) -> None:
+    """Each case's step on this rank's micro-batches (8 samples in all, two micro-steps on every rank),
+    from the same weights; rank 0 saves the gradients and norms."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     cfg = TrainConfig.from_dict(config)
-    weights = torch.load(weights_path, weights_only=True)
     results = []
-    for case in torch.load(cases_path, weights_only=True):
+    for per_rank in cases:
         model = build_model(cfg, torch.device("cpu"))
         set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True))
-        step = TrainStep(model, cfg, torch.device("cpu"))
-        grads, stats = gradients_of_one_step(
-            step, case["per_rank"][rank], case["global_count"], case["micro_steps"]
-        )
+        grads, stats = gradients_of_one_step(TrainStep(model, cfg, torch.device("cpu")), per_rank[rank], 8, 2)
         results.append({"grads": grads, "grad_norm": stats.grad_norm})
     if rank == 0:
         torch.save(results, out_path)
@@ -176,11 +173,9 @@ def test_ranks_with_uneven_or_no_samples_make_the_gradient_of_the_mean_loss(worl
         bounds = np.cumsum([0, *sizes[0], *sizes[1]]).tolist()
         cuts = [(patches[a:b], labels[a:b]) for a, b in itertools.pairwise(bounds)]
         per_rank = [cuts[: len(sizes[0])], cuts[len(sizes[0]) :]]
-        cases.append({"per_rank": per_rank, "global_count": 8, "micro_steps": 2})
-    torch.save(weights, tmp_path / "weights.pt")
-    torch.save(cases, tmp_path / "cases.pt")
+        cases.append(per_rank)
     cfg = NO_CLIP.replace(num_workers=2, micro_batch_size=4)
-    spawn(_two_rank_steps, cfg.to_dict(), *(str(tmp_path / n) for n in ("weights.pt", "cases.pt", "out.pt")))
+    spawn(_two_rank_steps, cfg.to_dict(), weights, cases, str(tmp_path / "out.pt"))
     for name, two in zip(UNEVEN, torch.load(tmp_path / "out.pt", weights_only=True), strict=True):
         torch.testing.assert_close(two["grad_norm"], stats.grad_norm, rtol=1e-5, atol=0, msg=name)
         for param, grad in grads.items():
