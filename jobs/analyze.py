@@ -25,42 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from pipeline import cli
-from pipeline.evaluate.config import AnalyzeConfig
-from pipeline.weights import FORMATS
-
-FLAGS = [
-    cli.Flag("weights", "run dir, final/ export, checkpoint_* dir, HF dir or weights file", required=True),
-    cli.Flag(
-        "data",
-        "shards to take the images from (path, directory, glob, brace range, s3://, ...)",
-        required=True,
-    ),
-    cli.Flag("out", "directory for the PNGs and analysis.json (local, s3:// or gs://)", required=True),
-    cli.Flag("images", "images the attention distances are averaged over"),
-    cli.Flag("batch_size", "images per forward pass"),
-    cli.Flag("cpu", "stay on CPU where a GPU is"),
-    cli.Flag(
-        "weights_format",
-        "what --weights holds (default: auto, told from the files and their keys)",
-        choices=FORMATS,
-    ),
-    cli.Flag("model", "variant name, checked against the weights; needed where shapes can't tell heads"),
-    cli.Flag(
-        "crop_fraction", "center-crop share of the short side (default: the training run's, else 0.875)"
-    ),
-    cli.Flag("storage_options", "fsspec options as JSON (credentials: prefer the environment)"),
-]
+from pipeline.evaluate.config import AnalyzeConfig, analyze_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jobs/analyze.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    cli.add_flags(parser, AnalyzeConfig, FLAGS, defaults=AnalyzeConfig(weights="", data="", out=""))
-    parser.add_argument(
-        "--print-config", action="store_true", help="print the resolved configuration as JSON and exit"
-    )
-    return parser
+    return analyze_parser(__doc__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         from pipeline.evaluate.inspection import analyze
 
-        config = AnalyzeConfig(**cli.overrides(args, FLAGS))
+        config = AnalyzeConfig(**cli.overrides(args, AnalyzeConfig))
         if args.print_config:
             cli.print_config(config)
             return 0

@@ -26,74 +26,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from pipeline import cli
-from pipeline.data.config import INTERPOLATIONS
-from pipeline.embed.config import EMBEDDINGS, EmbedConfig
-from pipeline.weights import FORMATS
-
-FLAGS = [
-    cli.Flag(
-        "data",
-        "shard URL(s): path, directory, glob, brace range, s3://, gs://; comma-separated",
-        required=True,
-    ),
-    cli.Flag("weights", "run dir, final/ export, checkpoint_* dir, HF dir or weights file", required=True),
-    cli.Flag("out", "output directory (local path, s3:// or gs://)", required=True),
-    cli.Flag(
-        "weights_format",
-        "what --weights holds (default: auto, told from the files and their keys)",
-        choices=FORMATS,
-    ),
-    cli.Flag(
-        "model",
-        "variant name (e.g. vit_b16): checked against the weights; needed where shapes can't tell heads",
-    ),
-    cli.Flag(
-        "embedding",
-        "cls: [CLS] token after the final LayerNorm (default); pre_logits: the pretraining head's hidden layer",
-        choices=EMBEDDINGS,
-    ),
-    cli.Flag("image_size", "input resolution (default: the model's; others resample pos_embed)"),
-    cli.Flag("batch_size", "images per forward pass (default: 64 on CPU, 256 per GPU)"),
-    cli.Flag("concurrency", "model actors, one GPU each on GPU"),
-    cli.Flag(
-        "cpus_per_actor",
-        "CPUs per model actor, its torch threads on CPU (default: 1 with GPUs or a cluster; "
-        "this machine's cores / --concurrency on a local CPU run)",
-    ),
-    cli.Flag("overwrite", "redo every shard, replacing what --out holds"),
-    cli.Flag(
-        "label_key",
-        "label member (cls) or json:<field>; none for unlabeled shards (default: the training run's, else cls)",
-        type=cli.optional_str,
-    ),
-    cli.Flag("crop_fraction", "center-crop share of the short side (default: 0.875 or the run's)"),
-    cli.Flag(
-        "interpolation", "resize filter (default: bicubic or the training run's)", choices=INTERPOLATIONS
-    ),
-    cli.Flag("max_bad_fraction", "share of corrupt samples that fails the job"),
-    cli.Flag(
-        "storage_options",
-        'fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\' '
-        "(credentials: prefer the environment)",
-    ),
-]
+from pipeline.embed.config import EmbedConfig, parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jobs/embed.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    cli.add_flags(parser, EmbedConfig, FLAGS, defaults=EmbedConfig(data="", weights="", out=""))
-    parser.add_argument(
-        "--cpu", action="store_true", help="run the model on CPU even where the cluster has GPUs"
-    )
-    parser.add_argument(
-        "--gpu",
-        action="store_true",
-        help="one GPU per model actor, bf16, asked of the cluster (an autoscaler brings GPU nodes)",
-    )
-    cli.add_ray_flags(parser)
-    return parser
+    return parser(__doc__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         from pipeline.embed import job, progress
 
-        config = EmbedConfig(**cli.overrides(args, FLAGS))
+        config = EmbedConfig(**cli.overrides(args, EmbedConfig))
         local = cli.ray_address(args) is None
         chosen = job.choose_device(config, gpu=args.gpu, cpu=args.cpu, local=local)
         if args.print_config:

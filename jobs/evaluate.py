@@ -19,33 +19,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from pipeline import cli
-from pipeline.evaluate.config import EvaluateConfig, shot_list
-
-FLAGS = [
-    cli.Flag(
-        "train", "embedding output to fit on (jobs/embed.py's --out, or a .parquet file)", required=True
-    ),
-    cli.Flag("test", "embedding output to score on", required=True),
-    cli.Flag("json", "also write the figures to this JSON file (local, s3://, gs://)"),
-    cli.Flag("k", "neighbours in the k-NN vote (cosine similarity, one vote each)"),
-    cli.Flag("shots", "few-shot sizes, images per class, comma-separated", type=shot_list, metavar="N,N,..."),
-    cli.Flag("seeds", "few-shot draws per size, averaged"),
-    cli.Flag("l2_reg", "few-shot ridge penalty"),
-    cli.Flag("probe_c", "inverse L2 strength of the logistic-regression probe"),
-    cli.Flag("probe_max_iter", "L-BFGS iterations of the probe"),
-    cli.Flag("storage_options", "fsspec options as JSON (credentials: prefer the environment)"),
-]
+from pipeline.evaluate.config import EvaluateConfig, evaluate_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jobs/evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    cli.add_flags(parser, EvaluateConfig, FLAGS, defaults=EvaluateConfig(train="", test=""))
-    parser.add_argument(
-        "--print-config", action="store_true", help="print the resolved configuration as JSON and exit"
-    )
-    return parser
+    return evaluate_parser(__doc__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         from pipeline.evaluate import evaluation
 
-        config = EvaluateConfig(**cli.overrides(args, FLAGS))
+        config = EvaluateConfig(**cli.overrides(args, EvaluateConfig))
         if args.print_config:
             cli.print_config(config)
             return 0

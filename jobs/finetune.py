@@ -21,57 +21,24 @@ jobs/analyze.py take.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
-from jobs.pretrain import FLAGS as PRETRAIN_FLAGS
-from jobs.pretrain import resolve_training, training_parser
 from pipeline import cli
-from pipeline.train.config import TrainConfig
-
-# Pretraining's flags that mean the same here; the model and the objective come from --weights.
-SHARED = {flag.field: flag for flag in PRETRAIN_FLAGS}
-FLAGS = [
-    cli.Flag(
-        "weights", "pretrained weights: export (final/), run dir, checkpoint_* dir or weights file", required=True
-    ),
-    SHARED["data"],
-    cli.Flag("eval_data", "held-out shards evaluated every --eval-every steps and at the end (labeled)"),
-    SHARED["out"],
-    cli.Flag("image_size", "fine-tuning resolution (position embeddings are resampled to it)"),
-    cli.Flag("num_classes", "classes of the new, zero-initialized head"),
-    cli.Flag("eval_every", "steps between evaluations of --eval-data (0: only at the end)"),
-    cli.Flag("optimizer", "sgd (with momentum; the paper's) or adamw", choices=("sgd", "adamw")),
-    cli.Flag("momentum", "SGD momentum"),
-    *(
-        SHARED[name]
-        for name in (
-            "num_workers", "cpus_per_worker", "placement_strategy", "data_cpus_per_worker", "shard_group_size",
-            "shared_out", "max_steps", "stop_at_step", "batch_size", "micro_batch_size", "lr", "min_lr",
-            "weight_decay", "warmup_steps", "lr_schedule", "grad_clip", "max_skipped_steps", "seed", "label_key",
-            "shuffle_buffer", "crop_scale", "crop_ratio", "hflip", "max_bad_fraction", "log_every", "tensorboard",
-            "wandb", "checkpoint_every", "keep_checkpoints", "max_failures", "activation_checkpointing", "compile",
-        )
-    ),
-]  # fmt: skip
+from pipeline.train import presets
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return training_parser("jobs/finetune.py", __doc__, FLAGS, "finetune")
-
-
-def resolve(args: argparse.Namespace) -> TrainConfig:
-    return resolve_training(args, FLAGS, objective="supervised")
+def build_parser():
+    return presets.finetune_parser(__doc__)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        config = resolve(args)
+        config = presets.resolve(args, objective="supervised")
         if args.print_config:
             cli.print_config(config)
             return 0

@@ -21,8 +21,9 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from pipeline import settings
 
 EXIT_BAD_INPUT = 2  # found before cluster work: nothing ran
 EXIT_RUN_FAILED = 1  # the run started, then stopped on an error
@@ -39,27 +40,6 @@ def apply_local_ray_env() -> None:
         os.environ.setdefault(name, value)
 
 
-@dataclass(frozen=True)
-class Flag:
-    """One flag that sets one config field; its parser follows the field's type unless given.
-
-    A bool field is a switch: ``--field`` sets it True, or, with ``negate``, ``--no-field`` sets it False
-    (for a field that is on by default, such as ``hflip``).
-    """
-
-    field: str
-    help: str
-    type: Callable[[str], Any] | None = None
-    choices: Sequence[str] | None = None
-    required: bool = False
-    metavar: str | None = None
-    negate: bool = False
-
-    @property
-    def option(self) -> str:
-        return ("--no-" if self.negate else "--") + self.field.replace("_", "-")
-
-
 def pair(text: str) -> tuple[float, float]:
     """``"0.08,1"`` -> ``(0.08, 1.0)``: the form of range flags (``--crop-scale MIN,MAX``)."""
     parts = text.split(",")
@@ -71,9 +51,14 @@ def pair(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not MIN,MAX (two numbers and a comma)") from e
 
 
+def words(text: str) -> tuple[str, ...]:
+    """``"jpg,png"`` -> ``("jpg", "png")``: the form of list flags."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 class _GivenAsNone:
-    """What `optional_str` returns for ``none``: a flag given as none, which `overrides` turns into
-    None; a plain None is a flag left out, which keeps the base value."""
+    """What a flag of an optional field returns for ``none``: `overrides` turns it into None; a plain
+    None is a flag left out, which keeps the base value."""
 
     def __repr__(self) -> str:
         return "none"
@@ -82,10 +67,15 @@ class _GivenAsNone:
 GIVEN_AS_NONE = _GivenAsNone()
 
 
-def optional_str(text: str) -> str | _GivenAsNone:
+def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """``none`` (any case) -> None in the config, for fields where None means "not there"
-    (``--label-key none``)."""
-    return GIVEN_AS_NONE if text.lower() == "none" else text
+    (``--label-key none``); anything else through ``parse``."""
+
+    def parse_or_none(text: str) -> Any:
+        return GIVEN_AS_NONE if text.lower() == "none" else parse(text)
+
+    parse_or_none.__name__ = getattr(parse, "__name__", "value")
+    return parse_or_none
 
 
 def json_object(text: str) -> dict:
@@ -99,57 +89,120 @@ def json_object(text: str) -> dict:
     return value
 
 
-def _parser_for(annotation: Any) -> Callable[[str], Any] | None:
-    """The text parser for a field's type; None for bool (a switch)."""
+def _parser_for(annotation: Any) -> tuple[Callable[[str], Any] | None, bool]:
+    """(text parser, optional) for a field's type; parser None for bool (a switch)."""
+    optional = False
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional = len(inner) < len(typing.get_args(annotation))
         annotation = inner[0] if len(inner) == 1 else str
     origin = typing.get_origin(annotation) or annotation
     if annotation is bool:
-        return None
+        return None, optional
     if origin is tuple:
-        return pair
+        args = typing.get_args(annotation)
+        return (words if args and args[0] is str else pair), optional
     if origin is dict:
-        return json_object
+        return json_object, optional
     if annotation in (int, float, str):
-        return annotation
-    raise TypeError(f"no command-line form for a field of type {annotation!r}; give the Flag a type")
+        return annotation, optional
+    raise TypeError(f"no command-line form for a field of type {annotation!r}; give the setting parse=")
 
 
-def add_flags(
-    parser: argparse.ArgumentParser, config_type: type, flags: Sequence[Flag], defaults: Any = None
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    return "none" if value is None else str(value)
+
+
+def add_settings(
+    parser: argparse.ArgumentParser,
+    config_type: type,
+    *,
+    defaults: Any = None,
+    exclude: Sequence[str] = (),
+    required: Sequence[str] = (),
 ) -> None:
-    """Add one flag per `Flag`; with ``defaults`` (a config), each help text ends with its default."""
-    hints = typing.get_type_hints(config_type)
-    names = {f.name for f in dataclasses.fields(config_type)}
-    for flag in flags:
-        if flag.field not in names:
-            raise TypeError(f"{config_type.__name__} has no field {flag.field!r} for {flag.option}")
-        text = flag.help
-        if defaults is not None and not flag.required and "default" not in text:
-            text += f" (default: {getattr(defaults, flag.field)})"
-        kind = flag.type or _parser_for(hints[flag.field])
-        if kind is None:
-            action = "store_false" if flag.negate else "store_true"
-            parser.add_argument(flag.option, dest=flag.field, action=action, default=None, help=text)
+    """One flag per setting of ``config_type`` (`pipeline.settings`), its help the field's doc line.
+
+    ``defaults`` (a config) shows each flag's default in its help; ``exclude`` names fields or whole
+    sections that are no flags of this job; ``required`` names fields the job cannot run without. A
+    field without a default is required too. A bool is a pair of switches, ``--x`` / ``--no-x``.
+    """
+    for path, f, option in settings.flags(config_type):
+        if any(part in exclude for part in path):
             continue
+        owner = config_type
+        for part in path[:-1]:
+            owner = settings.hints(owner)[part]
+        parse, optional = _parser_for(settings.hints(owner)[f.name])
+        text = settings.help_of(f)
+        must = f.name in required or (
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        if defaults is not None and not must and "default:" not in text:
+            text += f" (default: {_shown(settings.get(defaults, path))})"
+        dest = f.name
+        if parse is None and f.metadata.get("parse") is None:
+            parser.add_argument(
+                f"--{option}", dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
+            if f.metadata.get("negative"):
+                parser.add_argument(
+                    f"--{f.metadata['negative']}",
+                    dest=dest,
+                    action="store_const",
+                    const=False,
+                    help=f"same as --no-{option}",
+                )
+            continue
+        parse = f.metadata.get("parse") or parse
         parser.add_argument(
-            flag.option,
-            dest=flag.field,
-            type=kind,
+            f"--{option}",
+            dest=dest,
+            type=_or_none(parse) if optional else parse,
             default=None,
-            choices=flag.choices,
-            required=flag.required,
-            metavar=flag.metavar,
+            choices=f.metadata.get("choices"),
+            required=must,
+            metavar=f.metadata.get("metavar")
+            or ("|".join(f.metadata["choices"]) if f.metadata.get("choices") else None),
             help=text,
         )
 
 
-def overrides(args: argparse.Namespace, flags: Sequence[Flag]) -> dict[str, Any]:
-    """The fields the command line set (flags left out are absent, so the base value stays; a flag
-    given as ``none`` sets None)."""
-    given = {f.field: getattr(args, f.field) for f in flags if getattr(args, f.field) is not None}
-    return {name: None if value is GIVEN_AS_NONE else value for name, value in given.items()}
+def overrides(args: argparse.Namespace, config_type: type) -> dict[str, Any]:
+    """The settings the command line gave, by field name (flags left out are absent, so the base
+    value stays; a flag given as ``none`` sets None)."""
+    given = {}
+    for _, f, _ in settings.flags(config_type):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            given[f.name] = None if value is GIVEN_AS_NONE else value
+    return given
+
+
+def job_parser(
+    prog: str,
+    description: str | None,
+    config_type: type,
+    *,
+    defaults: Any = None,
+    ray: bool = True,
+    **options: Any,
+) -> argparse.ArgumentParser:
+    """The command line of a job: a flag per setting of ``config_type`` (`add_settings` takes
+    ``options``), then Ray's flags, or with ``ray=False`` only ``--print-config``."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_settings(parser, config_type, defaults=defaults, **options)
+    if ray:
+        add_ray_flags(parser)
+    else:
+        parser.add_argument(
+            "--print-config", action="store_true", help="print the resolved configuration as JSON and exit"
+        )
+    return parser
 
 
 def add_ray_flags(parser: argparse.ArgumentParser) -> None:
@@ -208,8 +261,7 @@ def connect_ray(args: argparse.Namespace, *, needed_cpus: float) -> bool:
 
 
 def print_config(config: Any) -> None:
-    values = config.to_dict() if hasattr(config, "to_dict") else dataclasses.asdict(config)
-    print(json.dumps(values, indent=2, sort_keys=True))
+    print(json.dumps(settings.to_dict(config), indent=2, sort_keys=True))
 
 
 def run_job(body: Callable[[], int], *, failures: tuple[type[BaseException], ...] = ()) -> int:

@@ -26,16 +26,27 @@ COMPAT_MODULE = "pipeline/compat.py"
 # Room -> the rooms its modules may import from (besides third-party libraries). Arrows only go down.
 ALLOWED = {
     "vit": {"vit"},
+    # Settings: config dataclass fields with their doc line, flags and JSON (pipeline/settings.py).
+    "pipeline.settings": set(),
     "pipeline.storage": set(),
     "pipeline.compat": set(),
     "pipeline.console": set(),
-    "pipeline.cli": {"pipeline.console"},
+    "pipeline.cli": {"pipeline.console", "pipeline.settings"},
     "pipeline.dcp": {"pipeline.storage", "pipeline.compat", "vit"},
     # What --weights resolves to, for every job that takes a trained model (embed, evaluate, fine-tuning).
-    "pipeline.weights": {"pipeline.dcp", "pipeline.data", "pipeline.storage", "pipeline.compat", "vit"},
-    "pipeline.data": {"pipeline.data", "pipeline.storage", "pipeline.compat", "vit"},
+    "pipeline.weights": {
+        "pipeline.dcp",
+        "pipeline.data",
+        "pipeline.settings",
+        "pipeline.storage",
+        "pipeline.compat",
+        "vit",
+    },
+    "pipeline.data": {"pipeline.data", "pipeline.settings", "pipeline.storage", "pipeline.compat", "vit"},
     "pipeline.train": {
         "pipeline.train",
+        "pipeline.settings",
+        "pipeline.cli",  # its job's parser, made from its config
         "pipeline.console",
         "pipeline.data",
         "pipeline.dcp",
@@ -46,6 +57,8 @@ ALLOWED = {
     },
     "pipeline.embed": {
         "pipeline.embed",
+        "pipeline.settings",
+        "pipeline.cli",  # its job's parser, made from its config
         "pipeline.data",
         "pipeline.dcp",
         "pipeline.storage",
@@ -56,6 +69,8 @@ ALLOWED = {
     # Reads what embed writes and loads weights as embed does; never pipeline.train.
     "pipeline.evaluate": {
         "pipeline.evaluate",
+        "pipeline.settings",
+        "pipeline.cli",  # its job's parser, made from its config
         "pipeline.embed",
         "pipeline.data",
         "pipeline.dcp",

@@ -18,21 +18,11 @@ from pipeline import dcp
 from pipeline.data.config import DataConfig
 from pipeline.embed.actor import build_embedding_model
 from pipeline.train import checkpoint
-from pipeline.train.config import TrainConfig
 from pipeline.weights import load_model_source, pack_state_dict, state_dict_sha256, unpack_state_dict
+from tests.configs import tiny_config
 
 TINY = "vit_tiny_test"  # embed_dim 64, depth 2, mlp_dim 128, patch 8, 4 heads, image 32
-TRAIN = TrainConfig(
-    model=TINY,
-    image_size=32,
-    num_classes=4,
-    batch_size=8,
-    micro_batch_size=8,
-    num_workers=1,
-    use_gpu=False,
-    data="unused",
-    out="unused",
-)
+TRAIN = tiny_config(model=TINY)
 
 
 def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

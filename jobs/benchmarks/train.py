@@ -228,12 +228,12 @@ def timm_step(
         num_classes=mcfg.num_classes,
         global_pool="token",
     ).to(device)
-    if config.activation_checkpointing:
+    if config.speed.activation_checkpointing:
         model.set_grad_checkpointing(True)
-    forward = torch.compile(model) if config.compile else model
+    forward = torch.compile(model) if config.speed.compile else model
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
+        model.parameters(), lr=config.optim.lr, betas=config.optim.betas, weight_decay=config.optim.weight_decay,
         fused=fused, foreach=not fused,
     )  # fmt: skip
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -244,7 +244,7 @@ def timm_step(
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = forward(images)
         F.cross_entropy(logits.float(), labels).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip, foreach=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -13,65 +13,95 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline import settings
 from pipeline.data.rows import Retry, RowSpec
+from pipeline.settings import setting
 
 # Resampling filters by name (`pipeline.data.decode.RESAMPLE` maps them to PIL's).
 INTERPOLATIONS = ("nearest", "box", "bilinear", "bicubic", "lanczos")
-_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """Everything that decides which pixels a sample becomes; saved with every checkpoint."""
 
-    image_size: int = 224
-    patch_size: int = 16
-    # Train: random-resized-crop (area share, aspect w/h) + horizontal flip.
-    scale: tuple[float, float] = (0.08, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    hflip: bool = True
-    # Masked autoencoding (`pipeline.data.masking`): share of patches hidden from the encoder, drawn per
-    # sample in training datasets; None: no mask. Evaluation and embedding always see every patch.
-    mask_ratio: float | None = None
-    # Eval: short side to image_size / crop_fraction (224 -> 256), then the center square.
-    crop_fraction: float = 0.875
-    train_interpolation: str = "bilinear"
-    eval_interpolation: str = "bicubic"
-    jpeg_draft: bool = True  # DCT-domain downscale of JPEGs while the crop stays >= image_size
-    reducing_gap: float | None = None  # PIL resize pre-reduction; None = exact filter over all pixels
-    # Members: the image is the first of image_keys present; label from a member ("cls"), a .json
-    # field ("json:label"), or None for unlabeled data.
-    image_keys: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
-    label_key: str | None = "cls"
-    require_labels: bool = True
-    num_classes: int | None = None  # labels outside [0, num_classes) are bad samples; None: no check
-    seed: int = 0
-    shuffle_buffer: int = 1024  # samples in the consumer-side shuffle buffer; 0 disables it
-    # Bad samples: the job fails once bad > max_bad_fraction * max(seen, bad_grace_samples).
-    max_bad_fraction: float = 0.01
-    bad_grace_samples: int = 1000
-    max_image_pixels: int = 89_478_485  # decompression-bomb limit (PIL's default), checked from the header
-    storage_options: dict | None = None  # fsspec options: {"client_kwargs": {"endpoint_url": ...}, ...}
-    block_rows: int = 256  # samples per read block
+    image_size: int = setting(224, "input resolution in pixels (a multiple of the patch size)")
+    # None until the model is known (`TrainConfig.data_for`); every dataset is built with one.
+    patch_size: int | None = setting(16, "pixels per patch side: the model's", flag=None)
+    scale: tuple[float, float] = setting(
+        (0.08, 1.0),
+        "random-resized-crop area share MIN,MAX, e.g. 0.08,1",
+        flag="crop-scale",
+        metavar="MIN,MAX",
+    )
+    ratio: tuple[float, float] = setting(
+        (3 / 4, 4 / 3), "random-resized-crop aspect (w/h) MIN,MAX, e.g. 0.75,1.33", flag="crop-ratio",
+        metavar="MIN,MAX",
+    )  # fmt: skip
+    hflip: bool = setting(True, "random horizontal flips in training")
+    mask_ratio: float | None = setting(
+        None, "MAE: share of patches hidden, drawn per sample in training (None: no mask)", flag=None
+    )
+    crop_fraction: float = setting(
+        0.875, "evaluation: short side to image_size / crop_fraction (224 -> 256), then the center square"
+    )
+    train_interpolation: str = setting("bilinear", "resize filter of training crops", choices=INTERPOLATIONS)
+    eval_interpolation: str = setting("bicubic", "resize filter of evaluation crops", choices=INTERPOLATIONS)
+    jpeg_draft: bool = setting(True, "DCT-domain downscale of JPEGs while the crop stays >= image_size")
+    reducing_gap: float | None = setting(
+        None, "PIL resize pre-reduction (none: the exact filter over all pixels)"
+    )
+    image_keys: tuple[str, ...] = setting(
+        ("jpg", "jpeg", "png", "webp"),
+        "member extensions holding the image, first present wins",
+        metavar="EXT,...",
+    )
+    label_key: str | None = setting(
+        "cls",
+        "where labels are: a member extension (cls), json:<field>, or none (unlabeled, --objective mae)",
+    )
+    require_labels: bool = setting(True, "a sample without a label is a bad sample", flag=None)
+    num_classes: int | None = setting(
+        None, "labels outside [0, num_classes) are bad samples (None: no check)", flag=None
+    )
+    seed: int = setting(0, "seed of shard order, crops and shuffling", flag=None)
+    shuffle_buffer: int = setting(1024, "samples in each worker's local shuffle buffer (0: none)")
+    max_bad_fraction: float = setting(0.01, "share of corrupt samples that fails the job")
+    bad_grace_samples: int = setting(
+        1000, "bad samples are held to --max-bad-fraction of at least this many samples seen"
+    )
+    max_image_pixels: int = setting(
+        89_478_485, "decompression-bomb limit (PIL's default), checked from the header"
+    )
+    storage_options: dict | None = setting(
+        None,
+        'fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\' '
+        "(credentials: prefer the environment)",
+        secret=True,
+    )
+    block_rows: int = setting(256, "samples per read block")
     # Ray's target block size for this dataset: a decode batch is up to this much encoded data (often a
     # whole shard), an output block about this much patch data (~430 rows at 224 px, patch 14). Fewer,
     # larger blocks cost the consumer less per image (BENCHMARKS.md, "Data pipeline"); peak memory per
     # read task is about 4 blocks.
-    block_bytes: int = 64 << 20
-    read_concurrency: int | None = None  # read tasks at once (None: as many as CPUs allow)
+    block_bytes: int = setting(64 << 20, "Ray Data's target block size in bytes")
+    read_concurrency: int | None = setting(None, "read tasks at once (none: as many as CPUs allow)")
     # A shard whose storage fails is tried read_attempts times in all, waiting read_backoff_s, then
     # twice that, ... between tries (at most 3.5 s with the defaults), before it counts as lost.
-    read_attempts: int = 4
-    read_backoff_s: float = 0.5
+    read_attempts: int = setting(4, "tries of a shard whose storage fails")
+    read_backoff_s: float = setting(0.5, "seconds before the second try of a shard, doubled each try after")
 
     def __post_init__(self) -> None:
         for name in ("scale", "ratio", "image_keys"):  # from_dict / JSON give lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "image_keys", tuple(k.lower().lstrip(".") for k in self.image_keys))
         problems = [
-            (self.image_size <= 0 or self.patch_size <= 0, "image_size and patch_size must be positive"),
             (
-                self.image_size % self.patch_size != 0,
+                self.image_size <= 0 or (self.patch_size or 1) <= 0,
+                "image_size and patch_size must be positive",
+            ),
+            (
+                self.image_size % (self.patch_size or 1) != 0,
                 f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}; "
                 "pick sizes that divide",
             ),
@@ -89,10 +119,6 @@ class DataConfig:
                 self.train_interpolation not in INTERPOLATIONS
                 or self.eval_interpolation not in INTERPOLATIONS,
                 f"interpolation must be one of {', '.join(INTERPOLATIONS)}",
-            ),
-            (
-                self.require_labels and self.label_key is None,
-                "require_labels needs a label_key (e.g. 'cls' or 'json:label'); or set require_labels=False",
             ),
             (not 0 <= self.max_bad_fraction <= 1, "max_bad_fraction must be in [0, 1]"),
             (
@@ -127,21 +153,15 @@ class DataConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values; secrets in ``storage_options`` are replaced by ``"***"``."""
-        out = dataclasses.asdict(self)
-        out["storage_options"] = _redact(self.storage_options)
-        return out
+        return settings.to_dict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], **overrides: Any) -> DataConfig:
         """Inverse of `to_dict` (pass real ``storage_options`` as an override; saved ones are redacted)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"DataConfig has no field(s) {', '.join(unknown)}; remove them or update vitray")
-        merged = {**values, **overrides}
-        if merged.get("storage_options") and "***" in repr(merged["storage_options"]):
-            merged["storage_options"] = None
-        return cls(**merged)
+        return settings.from_dict(cls, values, **overrides)
+
+    def replace(self, **changes: Any) -> DataConfig:
+        return dataclasses.replace(self, **changes)
 
 
 def sample_seed(seed: int, epoch: int, url: str, key: str) -> int:
@@ -160,13 +180,3 @@ def shard_order(shards: list[str], seed: int, epoch: int) -> list[str]:
 def shuffle_seed(seed: int, epoch: int, rank: int) -> int:
     """Seed of the consumer-side shuffle buffer for one (seed, epoch, rank)."""
     return sample_seed(seed, epoch, f"rank-{rank}", "local-shuffle") % (2**31)
-
-
-def _redact(value: Any, field: str = "") -> Any:
-    if isinstance(value, dict):
-        return {k: _redact(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_redact(v, field) for v in value]
-    if value is not None and any(word in field.lower() for word in _SECRET_WORDS):
-        return "***"
-    return value

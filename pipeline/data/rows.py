@@ -103,8 +103,8 @@ class RowSpec:
     def label(self, sample: Sample) -> tuple[int, str]:
         """``(label, error)``: -1 when absent; an error only when labels are required."""
         member = self.label_member
-        if member is None:
-            return -1, ""
+        if member is None:  # a job that requires labels refuses a missing label key before it reads
+            return -1, "missing label: no label key given" if self.require_labels else ""
         raw = sample.members.get(member)
         if raw is None:
             if self.require_labels:

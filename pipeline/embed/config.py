@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from pipeline import cli
+from pipeline.data.config import INTERPOLATIONS
+from pipeline.settings import setting
+from pipeline.weights import FORMATS
 
 EMBEDDINGS = ("cls", "pre_logits")
 CPU_BATCH_SIZE, GPU_BATCH_SIZE = 64, 256  # default images per forward
@@ -16,25 +22,50 @@ DEFAULT_LABEL_KEY = "cls"
 class EmbedConfig:
     """One embedding run; the command line of ``jobs/embed.py`` maps onto it field by field."""
 
-    data: str  # shard URL(s), as for training
-    weights: str  # export dir, run dir, checkpoint dir, HF dir or weights file
-    out: str  # output directory: local path, s3://, gs://
-    weights_format: str = "auto"  # auto | vitray | timm | torchvision | hf
-    model: str | None = None  # vit.VARIANTS name; checked against the weights' shapes
-    embedding: str = (
-        "cls"  # "cls": [CLS] after the final LN; "pre_logits": the pretraining head's hidden layer
+    data: str = setting(
+        help="shard URL(s): path, directory, glob, brace range, s3://, gs://; comma-separated"
     )
-    image_size: int | None = None  # None: the model's own
-    batch_size: int | None = None  # images per forward; None: `forward_batch_size`'s default
-    concurrency: int = 1  # actors, each holding one model (one GPU each with use_gpu)
-    use_gpu: bool = False
-    cpus_per_actor: float = 1.0  # logical CPUs per actor; on CPU also its torch threads
-    overwrite: bool = False
-    label_key: str | None = "auto"  # "auto": the training run's; None: unlabeled shards
-    crop_fraction: float | None = None  # None: the training run's, else DataConfig's default
-    interpolation: str | None = None  # eval resampling; None: the training run's, else bicubic
-    max_bad_fraction: float = 0.01
-    storage_options: dict | None = None  # fsspec options for reading shards and writing --out
+    weights: str = setting(help="run dir, final/ export, checkpoint_* dir, HF dir or weights file")
+    out: str = setting(help="output directory (local path, s3:// or gs://)")
+    weights_format: str = setting(
+        "auto", "what --weights holds (auto: told from the files and their keys)", choices=FORMATS
+    )
+    model: str | None = setting(
+        None, "variant name (e.g. vit_b16): checked against the weights; needed where shapes can't tell heads"
+    )
+    embedding: str = setting(
+        "cls",
+        "cls: [CLS] token after the final LayerNorm; pre_logits: the pretraining head's hidden layer",
+        choices=EMBEDDINGS,
+    )
+    image_size: int | None = setting(None, "input resolution (none: the model's; others resample pos_embed)")
+    batch_size: int | None = setting(None, "images per forward pass (none: 64 on CPU, 256 per GPU)")
+    concurrency: int = setting(1, "model actors, one GPU each on GPU")
+    # Chosen by --gpu / --cpu or from the cluster (`pipeline.embed.job.choose_device`).
+    use_gpu: bool = setting(False, "one GPU per model actor, bf16", flag=None)
+    cpus_per_actor: float = setting(
+        1.0,
+        "CPUs per model actor, its torch threads on CPU (1 with GPUs or a cluster; "
+        "this machine's cores / --concurrency on a local CPU run when not given)",
+    )
+    overwrite: bool = setting(False, "redo every shard, replacing what --out holds")
+    label_key: str | None = setting(
+        "auto",
+        "label member (cls) or json:<field>; none for unlabeled shards (auto: the training run's, else cls)",
+    )
+    crop_fraction: float | None = setting(
+        None, "center-crop share of the short side (none: the training run's, else 0.875)"
+    )
+    interpolation: str | None = setting(
+        None, "resize filter (none: the training run's, else bicubic)", choices=INTERPOLATIONS
+    )
+    max_bad_fraction: float = setting(0.01, "share of corrupt samples that fails the job")
+    storage_options: dict | None = setting(
+        None,
+        'fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\' '
+        "(credentials: prefer the environment)",
+        secret=True,
+    )
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""
@@ -57,3 +88,19 @@ class EmbedConfig:
 
     def replace(self, **changes: Any) -> EmbedConfig:
         return dataclasses.replace(self, **changes)
+
+
+def parser(description: str | None = None) -> argparse.ArgumentParser:
+    """`jobs/embed.py`'s command line: the settings, --cpu / --gpu, Ray's flags."""
+    parser = cli.job_parser(
+        "jobs/embed.py", description, EmbedConfig, defaults=EmbedConfig(data="", weights="", out="")
+    )
+    parser.add_argument(
+        "--cpu", action="store_true", help="run the model on CPU even where the cluster has GPUs"
+    )
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="one GPU per model actor, bf16, asked of the cluster (an autoscaler brings GPU nodes)",
+    )
+    return parser

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline import cli, settings
+from pipeline.settings import setting
 from pipeline.weights import FORMATS
 
 FEW_SHOTS = (1, 5, 10, 25)  # images per class, as in the paper's few-shot table
@@ -25,16 +26,20 @@ def shot_list(text: str) -> tuple[int, ...]:
 class EvaluateConfig:
     """One evaluation of embedding outputs; ``jobs/evaluate.py`` maps its flags onto it field by field."""
 
-    train: str  # embedding output (a directory jobs/embed.py wrote, or one .parquet file) to fit on
-    test: str  # embedding output to score on
-    json: str | None = None  # also write the figures here as JSON
-    k: int = 20  # neighbours of the k-NN vote
-    shots: tuple[int, ...] = FEW_SHOTS
-    seeds: int = 5  # few-shot draws per shot count, averaged
-    l2_reg: float = 1.0  # few-shot ridge penalty (features centered, intercept not penalized)
-    probe_c: float = 1.0  # inverse L2 strength of the logistic-regression probe (scikit-learn's C)
-    probe_max_iter: int = 1000
-    storage_options: dict | None = None
+    train: str = setting(help="embedding output to fit on (jobs/embed.py's --out, or a .parquet file)")
+    test: str = setting(help="embedding output to score on")
+    json: str | None = setting(None, "also write the figures to this JSON file (local, s3://, gs://)")
+    k: int = setting(20, "neighbours in the k-NN vote (cosine similarity, one vote each)")
+    shots: tuple[int, ...] = setting(
+        FEW_SHOTS, "few-shot sizes, images per class, comma-separated", parse=shot_list, metavar="N,N,..."
+    )
+    seeds: int = setting(5, "few-shot draws per size, averaged")
+    l2_reg: float = setting(1.0, "few-shot ridge penalty (features centered, intercept not penalized)")
+    probe_c: float = setting(1.0, "inverse L2 strength of the logistic-regression probe (scikit-learn's C)")
+    probe_max_iter: int = setting(1000, "L-BFGS iterations of the probe")
+    storage_options: dict | None = setting(
+        None, "fsspec options as JSON (credentials: prefer the environment)", secret=True
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shots", tuple(self.shots))
@@ -52,23 +57,33 @@ class EvaluateConfig:
             raise ValueError("--l2-reg must be >= 0 and --probe-c > 0")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return settings.to_dict(self)
 
 
 @dataclass(frozen=True)
 class AnalyzeConfig:
     """One analysis of a model (the paper's Fig. 7); ``jobs/analyze.py`` maps its flags onto it."""
 
-    weights: str  # run dir, final/ export, checkpoint_* dir, HF dir or weights file
-    data: str  # shards whose images the attention distances are measured on
-    out: str  # directory for the PNGs and analysis.json (local, s3://, gs://)
-    images: int = 32  # images averaged over for the attention distances
-    batch_size: int = 8  # images per forward (attention maps are (B, H, T, T) per layer)
-    cpu: bool = False  # stay on CPU where a GPU is
-    weights_format: str = "auto"
-    model: str | None = None
-    crop_fraction: float | None = None  # None: the training run's, else DataConfig's default
-    storage_options: dict | None = None
+    weights: str = setting(help="run dir, final/ export, checkpoint_* dir, HF dir or weights file")
+    data: str = setting(
+        help="shards to take the images from (path, directory, glob, brace range, s3://, ...)"
+    )
+    out: str = setting(help="directory for the PNGs and analysis.json (local, s3:// or gs://)")
+    images: int = setting(32, "images the attention distances are averaged over")
+    batch_size: int = setting(8, "images per forward pass (attention maps are (B, H, T, T) per layer)")
+    cpu: bool = setting(False, "stay on CPU where a GPU is")
+    weights_format: str = setting(
+        "auto", "what --weights holds (auto: told from the files and their keys)", choices=FORMATS
+    )
+    model: str | None = setting(
+        None, "variant name, checked against the weights; needed where shapes can't tell heads"
+    )
+    crop_fraction: float | None = setting(
+        None, "center-crop share of the short side (none: the training run's, else 0.875)"
+    )
+    storage_options: dict | None = setting(
+        None, "fsspec options as JSON (credentials: prefer the environment)", secret=True
+    )
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""
@@ -81,4 +96,22 @@ class AnalyzeConfig:
             raise ValueError(f"--weights-format must be one of {', '.join(FORMATS)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return settings.to_dict(self)
+
+
+def evaluate_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """`jobs/evaluate.py`'s command line (one process, no Ray)."""
+    return cli.job_parser(
+        "jobs/evaluate.py", description, EvaluateConfig, defaults=EvaluateConfig(train="", test=""), ray=False
+    )
+
+
+def analyze_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """`jobs/analyze.py`'s command line (one process, no Ray)."""
+    return cli.job_parser(
+        "jobs/analyze.py",
+        description,
+        AnalyzeConfig,
+        defaults=AnalyzeConfig(weights="", data="", out=""),
+        ray=False,
+    )

@@ -1,142 +1,200 @@
-"""What a pretraining run is: one frozen dataclass, resolved from a preset plus overrides.
+"""What a training run is: a frozen `TrainConfig` of sections, resolved from a preset plus overrides.
 
-The command line (`jobs/pretrain.py`) is a preset plus a few flags; every flag is a field here.
-The resolved config is saved beside every checkpoint and in the final export, so a run can always
-say what it was.
+Sections: ``arch`` (which model, its head), ``task`` (the objective), ``data`` (`pipeline.data.DataConfig`:
+which pixels a sample becomes), ``optim``, ``speed``, ``cluster``, ``run``. Every field is a
+`pipeline.settings.setting` with its one doc line: the flags of `jobs/pretrain.py` and
+`jobs/finetune.py`, their help and the names validation messages give are made from it, so adding a
+knob is adding a field. Code that needs one section takes that section, not the whole config.
+
+The training sections live here, beside each other, rather than in the modules that read them
+(`optim.py`, `model.py`, `objective.py` import torch): printing or checking a config never loads
+torch. The data section is `DataConfig` itself, owned by `pipeline.data`; the fields it takes from other
+sections (patch size, seed, labels, mask) are set by `TrainConfig` and are no flags.
+
+The resolved config is saved beside every checkpoint and in the final export (``version`` 2; the flat
+configs of older runs, version 1, still load).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from pipeline import settings
 from pipeline.data.config import DataConfig
+from pipeline.settings import setting
 
-OBJECTIVES = ("supervised", "mae")
+OBJECTIVES = ("supervised", "mae")  # pipeline.train.objective has one class for each
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("cosine", "linear")
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _at_least(section: Any, names: tuple[str, ...], minimum: int = 1) -> None:
+    for name in names:
+        if getattr(section, name) < minimum:
+            raise ValueError(
+                f"{settings.flag(TrainConfig, name)} must be at least {minimum}, got {getattr(section, name)}"
+            )
+
+
+def _one_of(section: Any, name: str, allowed: tuple[str, ...]) -> None:
+    if getattr(section, name) not in allowed:
+        raise ValueError(
+            f"{settings.flag(TrainConfig, name)} must be one of {', '.join(allowed)}, "
+            f"got {getattr(section, name)!r}"
+        )
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    # --- what to train (a vit.VARIANTS name; overrides replace ViTConfig fields) -------------
-    model: str = "vit_b16"
-    image_size: int = 224
-    num_classes: int = 1000
-    model_overrides: dict[str, Any] = field(default_factory=dict)
+class ArchConfig:
+    """Which network is trained, and from what."""
 
-    # --- objective (pipeline.train.objective) --------------------------------------------------
-    objective: str = "supervised"  # "supervised": labels, classifier head; "mae": masked autoencoding
-    # MAE (He et al. 2022): share of patches hidden from the encoder, targets, the decoder's size.
-    mask_ratio: float = 0.75
-    norm_pix_loss: bool = True  # reconstruct each patch's standardized pixels (the paper's better targets)
-    decoder_dim: int = 512
-    decoder_depth: int = 8
-    decoder_num_heads: int = 16
-
-    # --- fine-tuning (jobs/finetune.py) ----------------------------------------------------------
-    weights: str | None = None  # fine-tuning starts from these: an export, a run dir or a checkpoint
-    eval_data: str = ""  # held-out shards, evaluated with the eval crop
-    eval_every: int = 0  # steps between evaluations of eval_data (0: only at the end)
-
-    # --- data ----------------------------------------------------------------------------------
-    data: str = ""  # shard URL(s): path, dir, glob, brace range, s3://, gs://, comma-separated
-    label_key: str | None = "cls"  # member extension holding the label, "json:<field>", None: no labels
-    shuffle_buffer: int = 2000  # local sample shuffle buffer per worker
-    # Augmentation: random-resized-crop area share and aspect range (w/h), horizontal flips.
-    crop_scale: tuple[float, float] = (0.08, 1.0)
-    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    hflip: bool = True
-    max_bad_fraction: float = 0.01  # share of corrupt samples that fails the run
-
-    # --- optimization (defaults: the ViT paper's pretraining recipe) --------------------------
-    optimizer: str = "adamw"  # "adamw", or "sgd" with momentum (the paper's fine-tuning)
-    momentum: float = 0.9  # SGD only
-    batch_size: int = 4096  # global: images per optimizer step, across all workers
-    micro_batch_size: int = 64  # images per worker per forward/backward; the rest is accumulation
-    lr: float = 1e-3  # peak learning rate, after warmup
-    min_lr: float = 0.0
-    weight_decay: float = 0.1  # not applied to biases, norms, position and CLS embeddings
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 10_000
-    max_steps: int = 100_000  # length of the schedule
-    lr_schedule: str = "cosine"  # "cosine" or "linear" decay after warmup
-    grad_clip: float = 1.0  # global-norm clipping
-    max_skipped_steps: int = 5  # steps in a row skipped for a non-finite loss/gradient that fail the run
-    seed: int = 0
-
-    # --- systems -------------------------------------------------------------------------------
-    activation_checkpointing: bool = False
-    compile: bool = False
-    # Speed switches; each computes what its default does (tests/train/test_speed_paths.py).
-    compile_scope: str = "blocks"  # with compile: "blocks" (one graph per block) or "model" (whole forward)
-    ac_mode: str = "full"  # with activation_checkpointing: "full", "alternate" (every other block), "ops"
-    optimizer_impl: str = "auto"  # AdamW: auto (fused on CUDA, else foreach), fused, foreach, for-loop
-    fp8: bool = False  # float8 training of the blocks' Linear layers (torchao; compute capability 8.9+)
-    prefetch_steps: int = 2  # steps of input built ahead on a background thread (0: built by the step)
-
-    # --- cluster shape -------------------------------------------------------------------------
-    num_workers: int = 2
-    use_gpu: bool = True
-    cpus_per_worker: float = 1.0  # the rest of the cluster's CPUs decode data
-    placement_strategy: str = "PACK"  # of the workers over nodes: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
-    # Decode CPUs per worker; None: decided each epoch from the cluster.
-    data_cpus_per_worker: float | None = None
-    # Ranks sharing one FSDP shard group (HSDP); None: the workers of a node.
-    shard_group_size: int | None = None
-    shared_out: bool = False  # a local --out is one filesystem mounted at the same path on every node
-
-    # --- run -----------------------------------------------------------------------------------
-    out: str = ""  # run directory: local path, s3:// or gs://
-    log_every: int = 10
-    checkpoint_every: int = 1000
-    keep_checkpoints: int = 3
-    max_failures: int = 3  # worker-group restarts from the latest checkpoint
-    stop_at_step: int | None = None  # end this run early (the schedule still follows max_steps)
-    tensorboard: bool = False  # also write TensorBoard event files under <out>/tensorboard/ (rank 0)
-    wandb: str | None = None  # also log to this Weights & Biases project (rank 0)
-
-    # ------------------------------------------------------------------------------------------
-    @property
-    def world_batch_per_micro_step(self) -> int:
-        return self.micro_batch_size * self.num_workers
-
-    @property
-    def last_step(self) -> int:
-        return self.max_steps if self.stop_at_step is None else min(self.stop_at_step, self.max_steps)
+    model: str = setting("vit_b16", "model variant, e.g. vit_b16, vit_h14 (see vit.VARIANTS)")
+    num_classes: int = setting(1000, "number of label classes of the head")
+    model_overrides: dict[str, Any] = setting(
+        help="ViTConfig fields that replace the variant's, as JSON", factory=dict, flag=None
+    )
+    weights: str | None = setting(
+        None, "pretrained weights: export (final/), run dir, checkpoint_* dir or weights file"
+    )
 
     def validate(self) -> None:
-        """Raise a one-line ValueError for a config that cannot run (before any cluster work)."""
-        if not self.data:
+        if self.num_classes < 1:
+            raise ValueError(f"--num-classes must be at least 1, got {self.num_classes}")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The objective: supervised classification, or MAE (He et al. 2022)."""
+
+    objective: str = setting(
+        "supervised",
+        "supervised (labels, classifier) or mae (masked autoencoding, no labels)",
+        choices=OBJECTIVES,
+    )
+    mask_ratio: float = setting(0.75, "MAE: share of each image's patches hidden from the encoder")
+    norm_pix_loss: bool = setting(True, "MAE: reconstruct each patch's standardized pixels, not raw ones")
+    decoder_dim: int = setting(512, "MAE: width of the decoder's tokens")
+    decoder_depth: int = setting(8, "MAE: decoder blocks")
+    decoder_num_heads: int = setting(16, "MAE: decoder attention heads (must divide the decoder's width)")
+
+    def validate(self) -> None:
+        _one_of(self, "objective", OBJECTIVES)
+        if self.objective == "supervised":
+            return
+        if not 0 < self.mask_ratio < 1:
             raise ValueError(
-                "no training data: pass --data with a shard URL (path, glob, brace range, s3://...)"
+                f"--mask-ratio must be strictly between 0 and 1 (MAE's is 0.75), got {self.mask_ratio}"
             )
-        if not self.out:
+        _at_least(self, ("decoder_dim", "decoder_depth", "decoder_num_heads"))
+        if self.decoder_dim % 4 or self.decoder_dim % self.decoder_num_heads:
             raise ValueError(
-                "no output location: pass --out with a run directory (local path, s3:// or gs://)"
+                f"--decoder-dim {self.decoder_dim} must be a multiple of 4 and of --decoder-num-heads "
+                f"{self.decoder_num_heads}, e.g. 512 with 16 heads"
             )
-        for name in (
-            "batch_size",
-            "micro_batch_size",
-            "max_steps",
-            "num_workers",
-            "log_every",
-            "checkpoint_every",
-            "max_skipped_steps",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.batch_size % self.world_batch_per_micro_step:
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimization; the defaults are the ViT paper's pretraining recipe."""
+
+    optimizer: str = setting(
+        "adamw", "adamw, or sgd with momentum (the paper's fine-tuning)", choices=OPTIMIZERS
+    )
+    momentum: float = setting(0.9, "SGD momentum")
+    batch_size: int = setting(4096, "global batch: images per optimizer step across all workers")
+    micro_batch_size: int = setting(
+        64, "images per worker per forward/backward (accumulation covers the rest)"
+    )
+    lr: float = setting(1e-3, "peak learning rate, after warmup")
+    min_lr: float = setting(0.0, "learning rate at the end of the decay")
+    weight_decay: float = setting(0.1, "weight decay (not on biases, norms, pos/CLS embeddings)")
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas B1,B2", metavar="B1,B2")
+    warmup_steps: int = setting(10_000, "linear warmup steps")
+    max_steps: int = setting(100_000, "optimizer steps of the schedule")
+    lr_schedule: str = setting("cosine", "decay after warmup: cosine or linear", choices=LR_SCHEDULES)
+    grad_clip: float = setting(1.0, "global gradient-norm clipping threshold")
+    max_skipped_steps: int = setting(
+        5, "steps in a row skipped for a non-finite loss or gradient that fail the run"
+    )
+
+    def validate(self) -> None:
+        _at_least(self, ("batch_size", "micro_batch_size", "max_steps", "max_skipped_steps"))
+        _one_of(self, "optimizer", OPTIMIZERS)
+        _one_of(self, "lr_schedule", LR_SCHEDULES)
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.warmup_steps >= self.max_steps and self.max_steps > 1:
             raise ValueError(
-                f"--batch-size {self.batch_size} is not a multiple of --micro-batch-size x --num-workers "
-                f"= {self.world_batch_per_micro_step}; pick a batch size divisible by it"
+                f"--warmup-steps {self.warmup_steps} leaves no decay within --max-steps {self.max_steps}; "
+                "use fewer warmup steps"
             )
-        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValueError(
-                f"--placement-strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {self.placement_strategy!r}"
-            )
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    """Speed switches; each computes what its default does (tests/train/test_speed_paths.py)."""
+
+    activation_checkpointing: bool = setting(False, "recompute blocks in backward")
+    ac_mode: str = setting(
+        "full", "with --activation-checkpointing: full, alternate (every other block) or ops",
+        choices=("full", "alternate", "ops"),
+    )  # fmt: skip
+    compile: bool = setting(False, "torch.compile the model (see --compile-scope)")
+    compile_scope: str = setting(
+        "blocks", "with --compile: blocks (one graph per block) or model (the whole forward)",
+        choices=("blocks", "model"),
+    )  # fmt: skip
+    optimizer_impl: str = setting(
+        "auto", "AdamW kernels: auto (fused on CUDA, else foreach), fused, foreach, for-loop",
+        choices=("auto", "fused", "foreach", "for-loop"),
+    )  # fmt: skip
+    fp8: bool = setting(
+        False, "float8 training of the blocks' Linear layers (torchao; H100 or newer; with --compile)"
+    )
+    prefetch_steps: int = setting(
+        2, "steps of input built ahead on a background thread (0: built by the step)"
+    )
+
+    def validate(self) -> None:
+        _one_of(self, "ac_mode", ("full", "alternate", "ops"))
+        _one_of(self, "compile_scope", ("blocks", "model"))
+        _one_of(self, "optimizer_impl", ("auto", "fused", "foreach", "for-loop"))
+        _at_least(self, ("prefetch_steps",), minimum=0)
+        if self.fp8 and importlib.util.find_spec("torchao") is None:
+            raise ValueError("--fp8 needs the torchao package: pip install 'vitray[fp8]'")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The shape of the run on the cluster."""
+
+    num_workers: int = setting(2, "training workers (one GPU each unless --cpu)")
+    use_gpu: bool = setting(True, "train on GPU workers (NCCL); --cpu: CPU workers (gloo)", negative="cpu")
+    cpus_per_worker: float = setting(1.0, "CPUs reserved per training worker; the rest decode data")
+    placement_strategy: str = setting(
+        "PACK", "workers over nodes: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD", choices=PLACEMENTS
+    )
+    data_cpus_per_worker: float | None = setting(
+        None,
+        "decode CPUs of each worker's data pipeline (none: the cluster's spare CPUs, re-read each epoch)",
+    )
+    shard_group_size: int | None = setting(
+        None, "workers per FSDP shard group; groups replicate each other (HSDP) (none: the workers of a node)"
+    )
+    shared_out: bool = setting(
+        False, "a local --out is one filesystem mounted at the same path on every node"
+    )
+
+    def validate(self) -> None:
+        _at_least(self, ("num_workers",))
+        _one_of(self, "placement_strategy", PLACEMENTS)
         if self.data_cpus_per_worker is not None and self.data_cpus_per_worker <= 0:
             raise ValueError(f"--data-cpus-per-worker must be positive, got {self.data_cpus_per_worker}")
         if self.shard_group_size is not None and (
@@ -146,113 +204,142 @@ class TrainConfig:
                 f"--shard-group-size {self.shard_group_size} does not divide --num-workers {self.num_workers}; "
                 "use a divisor of it (usually the GPUs of one node), or leave it out"
             )
-        if self.prefetch_steps < 0:
-            raise ValueError(f"prefetch_steps must be 0 or more, got {self.prefetch_steps}")
-        if self.lr_schedule not in ("cosine", "linear"):
-            raise ValueError(f"--lr-schedule must be 'cosine' or 'linear', got {self.lr_schedule!r}")
-        if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
-            raise ValueError(f"--crop-scale {self.crop_scale} must satisfy 0 < MIN <= MAX <= 1, e.g. 0.08,1")
-        if not 0 < self.crop_ratio[0] <= self.crop_ratio[1]:
-            raise ValueError(f"--crop-ratio {self.crop_ratio} must satisfy 0 < MIN <= MAX, e.g. 0.75,1.33")
-        if not 0.0 <= self.max_bad_fraction <= 1.0:
-            raise ValueError(f"--max-bad-fraction must be in [0, 1], got {self.max_bad_fraction}")
-        if self.warmup_steps >= self.max_steps and self.max_steps > 1:
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What the run reads and writes, and when."""
+
+    shards: str = setting(
+        "", "shard URL(s): path, directory, glob, brace range, s3://, gs://; comma-separated", flag="data"
+    )
+    eval_shards: str = setting(
+        "", "held-out shards evaluated every --eval-every steps and at the end (labeled)", flag="eval-data"
+    )
+    out: str = setting("", "run directory (local path, s3:// or gs://); rerun with the same --out to resume")
+    seed: int = setting(0, "seed of initialization, shard order, crops and shuffling")
+    eval_every: int = setting(0, "steps between evaluations of --eval-data (0: only at the end)")
+    log_every: int = setting(10, "steps between log lines / metrics.jsonl rows")
+    checkpoint_every: int = setting(1000, "steps between checkpoints")
+    keep_checkpoints: int = setting(3, "checkpoints kept (oldest deleted first)")
+    max_failures: int = setting(3, "worker-group restarts from the latest checkpoint after a failure")
+    stop_at_step: int | None = setting(
+        None, "end this run at that step (schedule unchanged); rerun to continue"
+    )
+    tensorboard: bool = setting(False, "also write TensorBoard event files under <out>/tensorboard/")
+    wandb: str | None = setting(
+        None, "also log to this Weights & Biases project (WANDB_MODE=offline: no network)", metavar="PROJECT"
+    )
+
+    def validate(self) -> None:
+        if not self.shards:
             raise ValueError(
-                f"--warmup-steps {self.warmup_steps} leaves no decay within --max-steps {self.max_steps}; "
-                "use fewer warmup steps"
+                "no training data: pass --data with a shard URL (path, glob, brace range, s3://...)"
             )
-        if not math.isfinite(self.lr) or self.lr <= 0:
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
-        self._validate_objective()
-        self._validate_speed()
+        if not self.out:
+            raise ValueError(
+                "no output location: pass --out with a run directory (local path, s3:// or gs://)"
+            )
+        _at_least(self, ("log_every", "checkpoint_every"))
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be 0 (only at the end) or more, got {self.eval_every}")
         if self.wandb and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb needs the wandb package: pip install 'vitray[wandb]'")
 
-    def _validate_speed(self) -> None:
-        choices = {
-            "compile_scope": ("blocks", "model"),
-            "ac_mode": ("full", "alternate", "ops"),
-            "optimizer_impl": ("auto", "fused", "foreach", "for-loop"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
-                )
-        if self.fp8 and not self.use_gpu:
-            raise ValueError("--fp8 needs GPUs (compute capability 8.9+, e.g. H100); drop --fp8 or --cpu")
-        if self.fp8 and importlib.util.find_spec("torchao") is None:
-            raise ValueError("--fp8 needs the torchao package: pip install 'vitray[fp8]'")
 
-    def _validate_objective(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"--optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.eval_every < 0:
-            raise ValueError(f"--eval-every must be 0 (only at the end) or more, got {self.eval_every}")
-        if self.objective == "supervised":
-            if self.label_key is None:
-                raise ValueError(
-                    "--label-key none leaves supervised training without labels; pass a label key "
-                    "(cls, json:<field>) or --objective mae"
-                )
-            return
-        if self.weights or self.eval_data:
+# DataConfig fields that TrainConfig sets from its other sections: no flags of a training job.
+DERIVED_DATA_FIELDS = ("patch_size", "mask_ratio", "require_labels", "num_classes", "seed")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: pretraining or fine-tuning."""
+
+    CONFIG_VERSION: ClassVar[int] = 2
+
+    arch: ArchConfig = setting(help="which network", factory=ArchConfig)
+    task: TaskConfig = setting(help="the objective", factory=TaskConfig)
+    data: DataConfig = setting(
+        help="which pixels a sample becomes", factory=lambda: DataConfig(shuffle_buffer=2000)
+    )
+    optim: OptimConfig = setting(help="optimization", factory=OptimConfig)
+    speed: SpeedConfig = setting(help="speed switches", factory=SpeedConfig)
+    cluster: ClusterConfig = setting(help="the run's shape on the cluster", factory=ClusterConfig)
+    run: RunConfig = setting(help="inputs, outputs, cadence", factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        # The data section's fields owned by other sections follow them.
+        supervised = self.task.objective == "supervised"
+        derived = {
+            "patch_size": None,  # the model's: `data_for`
+            # An MAE mask out of range is left to `validate`, which names the flag.
+            "mask_ratio": None if supervised or not 0 < self.task.mask_ratio < 1 else self.task.mask_ratio,
+            "require_labels": supervised,  # without a label key: refused by `validate`
+            "num_classes": self.arch.num_classes if supervised else None,
+            "seed": self.run.seed,
+        }
+        if any(getattr(self.data, k) != v for k, v in derived.items()):
+            object.__setattr__(self, "data", dataclasses.replace(self.data, **derived))
+
+    def data_for(self, patch_size: int) -> DataConfig:
+        """The data section with the model's patch size: what the data pipeline runs with."""
+        return dataclasses.replace(self.data, patch_size=patch_size)
+
+    @property
+    def world_batch_per_micro_step(self) -> int:
+        return self.optim.micro_batch_size * self.cluster.num_workers
+
+    @property
+    def last_step(self) -> int:
+        stop = self.run.stop_at_step
+        return self.optim.max_steps if stop is None else min(stop, self.optim.max_steps)
+
+    def validate(self) -> None:
+        """Raise a one-line ValueError for a config that cannot run (before any cluster work)."""
+        self.run.validate()
+        for section in (self.arch, self.task, self.optim, self.speed, self.cluster):
+            section.validate()
+        if self.optim.batch_size % self.world_batch_per_micro_step:
+            raise ValueError(
+                f"--batch-size {self.optim.batch_size} is not a multiple of --micro-batch-size x --num-workers "
+                f"= {self.world_batch_per_micro_step}; pick a batch size divisible by it"
+            )
+        if self.speed.fp8 and not self.cluster.use_gpu:
+            raise ValueError("--fp8 needs GPUs (compute capability 8.9+, e.g. H100); drop --fp8 or --cpu")
+        if self.task.objective == "supervised" and self.data.label_key is None:
+            raise ValueError(
+                "--label-key none leaves supervised training without labels; pass a label key "
+                "(cls, json:<field>) or --objective mae"
+            )
+        if self.task.objective != "supervised" and (self.arch.weights or self.run.eval_shards):
             raise ValueError("fine-tuning and --eval-data are supervised; drop --objective mae")
-        if not 0 < self.mask_ratio < 1:
-            raise ValueError(
-                f"--mask-ratio must be strictly between 0 and 1 (MAE's is 0.75), got {self.mask_ratio}"
-            )
-        for name in ("decoder_dim", "decoder_depth", "decoder_num_heads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.decoder_dim % 4 or self.decoder_dim % self.decoder_num_heads:
-            raise ValueError(
-                f"--decoder-dim {self.decoder_dim} must be a multiple of 4 and of --decoder-num-heads "
-                f"{self.decoder_num_heads}, e.g. 512 with 16 heads"
-            )
 
     def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
+        """This config with settings replaced by field name, whatever section holds them."""
+        return settings.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return settings.to_dict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(known))
+        return settings.from_dict(cls, values)
+
+    @classmethod
+    def migrate(cls, values: dict[str, Any], version: int) -> dict[str, Any]:
+        """A version 1 config (one flat object, as runs before sections saved it) as version 2."""
+        renamed = {"data": "shards", "eval_data": "eval_shards", "crop_scale": "scale", "crop_ratio": "ratio"}
+        paths = settings.paths(cls)
+        nested: dict[str, dict[str, Any]] = {}
+        unknown = []
+        for key, value in values.items():
+            path = paths.get(renamed.get(key, key))
+            if path is None:
+                unknown.append(key)
+                continue
+            nested.setdefault(path[0], {})[path[-1]] = value
         if unknown:
-            raise ValueError(f"unknown training config fields {unknown}; known: {sorted(known)}")
-        # JSON has no tuples: restore them where the field expects one.
-        fixed = {
-            k: tuple(v) if isinstance(v, list) and "tuple" in str(known[k].type) else v
-            for k, v in values.items()
-        }
-        return cls(**fixed)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-
-def data_config(config: TrainConfig, patch_size: int) -> DataConfig:
-    """The training input transform: random-resized crops of the run's size; supervised runs need
-    labels in range, MAE runs none (labels are read where present) and get the mask drawn."""
-    supervised = config.objective == "supervised"
-    return DataConfig(
-        image_size=config.image_size,
-        patch_size=patch_size,
-        scale=config.crop_scale,
-        ratio=config.crop_ratio,
-        hflip=config.hflip,
-        mask_ratio=None if supervised else config.mask_ratio,
-        label_key=config.label_key,
-        require_labels=supervised,
-        num_classes=config.num_classes if supervised else None,
-        seed=config.seed,
-        shuffle_buffer=config.shuffle_buffer,
-        max_bad_fraction=config.max_bad_fraction,
-    )
+            raise ValueError(
+                f"TrainConfig version {version} has unknown field(s) {', '.join(sorted(unknown))}"
+            )
+        return nested

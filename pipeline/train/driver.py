@@ -17,7 +17,7 @@ from typing import Any
 from pipeline import console, storage
 from pipeline.data.dataset import check_shards
 from pipeline.data.shards import expand_shards
-from pipeline.train.config import TrainConfig, data_config
+from pipeline.train.config import TrainConfig
 from pipeline.train.resources import local_out_problem, worker_resources
 
 # torch comes in with pipeline.train.model and .metrics; they are imported where used, so that
@@ -50,12 +50,12 @@ def prepare(config: TrainConfig) -> list[str]:
 
     config.validate()
     patch_size = model_config(config).patch_size
-    shards = expand_shards(config.data)
-    check_shards(shards, data_config(config, patch_size))
+    shards = expand_shards(config.run.shards)
+    check_shards(shards, config.data_for(patch_size))
     check_resumable(config)
-    if len(shards) < config.num_workers:
+    if len(shards) < config.cluster.num_workers:
         raise ValueError(
-            f"{len(shards)} shard(s) for {config.num_workers} workers: every worker needs at least one; "
+            f"{len(shards)} shard(s) for {config.cluster.num_workers} workers: every worker needs at least one; "
             "write more, smaller shards (jobs/make_shards.py --samples-per-shard) or use fewer --num-workers"
         )
     return shards
@@ -69,27 +69,30 @@ def check_resumable(config: TrainConfig) -> None:
     from pipeline.train.model import model_config
     from pipeline.train.objective import objective_for
 
-    if not storage.is_local(config.out):
+    if not storage.is_local(config.run.out):
         return
-    latest = dcp.latest_complete(storage.local_path(config.out))
+    latest = dcp.latest_complete(storage.local_path(config.run.out))
     if latest is not None:
         checkpoint.check_compatible(latest, model_config(config), objective_for(config).checkpoint_meta())
 
 
 def prepare_eval(config: TrainConfig) -> list[str]:
     """The expanded ``eval_data`` shards (none without it), first one checked like the training data."""
-    if not config.eval_data:
+    if not config.run.eval_shards:
         return []
     from pipeline.train.model import model_config
 
-    shards = expand_shards(config.eval_data)
-    check_shards(shards, data_config(config, model_config(config).patch_size))
+    shards = expand_shards(config.run.eval_shards)
+    check_shards(shards, config.data_for(model_config(config).patch_size))
     return shards
 
 
 def local_cpus_needed(config: TrainConfig) -> float:
     """Logical CPUs a local Ray needs: the training workers' plus two decode slots per worker."""
-    return math.ceil(config.num_workers * config.cpus_per_worker) + 2 * config.num_workers
+    return (
+        math.ceil(config.cluster.num_workers * config.cluster.cpus_per_worker)
+        + 2 * config.cluster.num_workers
+    )
 
 
 def check_cluster(config: TrainConfig, *, local_ray: bool) -> None:
@@ -103,9 +106,9 @@ def check_cluster(config: TrainConfig, *, local_ray: bool) -> None:
 
     if local_ray:
         gpus = ray.cluster_resources().get("GPU", 0)
-        if config.use_gpu and gpus < config.num_workers:
+        if config.cluster.use_gpu and gpus < config.cluster.num_workers:
             raise ValueError(
-                f"the local Ray has {gpus:.0f} GPUs for {config.num_workers} GPU workers; pass --cpu, fewer "
+                f"the local Ray has {gpus:.0f} GPUs for {config.cluster.num_workers} GPU workers; pass --cpu, fewer "
                 "--num-workers, or submit to a GPU cluster"
             )
         return
@@ -126,7 +129,7 @@ def fit(config: TrainConfig, shards: list[str], eval_shards: list[str] | None = 
 
     from pipeline.train.loop import train_loop_per_worker
 
-    storage_path, name = split_run_uri(config.out)
+    storage_path, name = split_run_uri(config.run.out)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -135,25 +138,28 @@ def fit(config: TrainConfig, shards: list[str], eval_shards: list[str] | None = 
             "eval_shards": list(eval_shards or []),
             # None: each worker decides every epoch (pipeline.train.resources); the cluster the
             # driver sees now may not have its GPU and decode nodes yet.
-            "data_cpus_per_worker": config.data_cpus_per_worker,
+            "data_cpus_per_worker": config.cluster.data_cpus_per_worker,
         },
         scaling_config=ScalingConfig(
-            num_workers=config.num_workers,
-            use_gpu=config.use_gpu,
+            num_workers=config.cluster.num_workers,
+            use_gpu=config.cluster.use_gpu,
             resources_per_worker=worker_resources(config),
-            placement_strategy=config.placement_strategy,
+            placement_strategy=config.cluster.placement_strategy,
         ),
         run_config=RunConfig(
             name=name,
             storage_path=storage_path,
-            failure_config=FailureConfig(max_failures=config.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=config.keep_checkpoints),
+            failure_config=FailureConfig(max_failures=config.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=config.run.keep_checkpoints),
             # Ray Train's own INFO lines would bury the training log (back with --verbose).
             logging_config=LoggingConfig(log_level=console.train_log_level()),
         ),
     )
-    if config.data_cpus_per_worker is not None:
-        print(f"{config.data_cpus_per_worker:g} decode CPUs per worker (--data-cpus-per-worker)", flush=True)
+    if config.cluster.data_cpus_per_worker is not None:
+        print(
+            f"{config.cluster.data_cpus_per_worker:g} decode CPUs per worker (--data-cpus-per-worker)",
+            flush=True,
+        )
     summary = trainer.fit().return_value or {}
     if summary.get("error"):
         raise TrainingError(summary["error"])
@@ -186,5 +192,5 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     return (
         f"\n{finished}\n"
         f"samples read: {bad['total']}, skipped as bad: {bad['bad']} ({reasons})\n"
-        f"run directory: {config.out} (checkpoints, metrics.jsonl, final/)"
+        f"run directory: {config.run.out} (checkpoints, metrics.jsonl, final/)"
     )

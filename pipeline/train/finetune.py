@@ -34,16 +34,16 @@ NEW_FIELDS = ("image_size", "num_classes", "head", "representation_size")
 
 def resolve_pretrained(config: TrainConfig) -> TrainConfig:
     """The run's model made the weights' own: variant, shapes, pooling and normalization from
-    ``config.weights``, with the new image size, class count and a fine-tuning head.
+    ``config.arch.weights``, with the new image size, class count and a fine-tuning head.
 
     Reads the weights once on the driver, so wrong weights stop the job in one line before any
     cluster work (`pipeline.weights.load_model_source`'s errors).
     """
     from pipeline.weights import load_model_source
 
-    if not config.weights:
+    if not config.arch.weights:
         raise ValueError("fine-tuning needs --weights: a pretraining export, run directory or checkpoint")
-    source = load_model_source(config.weights).config
+    source = load_model_source(config.arch.weights).config
     base = source.name if source.name in vit.VARIANTS else "vit_b16"  # any: every field is overridden
     reference = vit.VARIANTS[base].to_dict()
     kept = {k: v for k, v in source.to_dict().items() if k not in NEW_FIELDS and reference.get(k) != v}
@@ -55,7 +55,7 @@ def pretrained_state(config: TrainConfig, model_config: vit.ViTConfig) -> dict[s
     ``pos_embed`` ``(1+N, D)`` resampled bicubically to ``model_config``'s grid with [CLS] kept."""
     from pipeline.weights import load_model_source
 
-    state = load_model_source(config.weights).state_dict
+    state = load_model_source(config.arch.weights).state_dict
     state = {k: v for k, v in state.items() if not k.startswith("head.")}
     pos = state["pos_embed"]
     if pos.dim() == 3:  # (1, T, D) in some converted weights
@@ -79,9 +79,7 @@ def eval_data_config(config: TrainConfig, patch_size: int) -> DataConfig:
     """The evaluation transform (resize + center crop, `build_dataset(train=False)`), labels required.
     Bad samples are counted and skipped, never fatal: one rank failing alone would leave the others
     waiting in a forward."""
-    from pipeline.train.config import data_config
-
-    return dataclasses.replace(data_config(config, patch_size), max_bad_fraction=1.0)
+    return dataclasses.replace(config.data_for(patch_size), max_bad_fraction=1.0)
 
 
 def eval_batches(

@@ -47,7 +47,7 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import Batch, micro_batches
 from pipeline.train import checkpoint, finetune, sinks
-from pipeline.train.config import TrainConfig, data_config
+from pipeline.train.config import TrainConfig
 from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
 from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import objective_for
@@ -95,8 +95,8 @@ class Trainer:
         self.eval_shards: list[str] = loop_config.get("eval_shards", [])
         self.model_config = model_config(config)
         self.objective = objective_for(config)  # loss, batch columns, FLOPs, what final/ holds
-        self.data_config = data_config(config, self.model_config.patch_size)
-        self.accum = config.batch_size // (config.micro_batch_size * self.world)
+        self.data_config = config.data_for(self.model_config.patch_size)
+        self.accum = config.optim.batch_size // (config.optim.micro_batch_size * self.world)
         self.model = build_model(config, self.device)
         self.step_fn = TrainStep(self.model, config, self.device, self.objective)
         self.state = self.resume()
@@ -109,10 +109,10 @@ class Trainer:
         self.epoch_bad_samples = self.state.bad_samples_of(
             self.rank, self.world, self.data_config, at_epoch_start=True
         )
-        self.stream = stream_fingerprint(self.shards, config.seed, self.data_config.shuffle_buffer)
+        self.stream = stream_fingerprint(self.shards, config.run.seed, self.data_config.shuffle_buffer)
         self.taken = self.resumed_position()
         self.skipped = SkippedSteps(self.device)
-        self.log = sinks.attach(MetricsLog(config.out, self.state.step), config) if self.rank == 0 else None
+        self.log = None if self.rank else sinks.attach(MetricsLog(config.run.out, self.state.step), config)
         self.saved_config = {
             "train": config.to_dict(),
             "model_config": self.model_config.to_dict(),
@@ -132,10 +132,10 @@ class Trainer:
         self.resumed_from: dict[str, Any] | None = None  # in the summary: where this attempt began
         with self.session.resume_from() as resumed:
             if resumed is None:
-                if self.config.weights:  # fine-tuning starts from these; a resume from its checkpoint
+                if self.config.arch.weights:  # fine-tuning starts from these; a resume from its checkpoint
                     state = finetune.pretrained_state(self.config, self.model_config)
                     finetune.load_pretrained(self.model, state)
-                return TrainState(seed=self.config.seed)
+                return TrainState(seed=self.config.run.seed)
             directory, source = resumed
             checkpoint.check_compatible(directory, self.model_config, self.objective.checkpoint_meta())
             state = TrainState.from_dict(checkpoint.load(directory, self.model, self.step_fn.optimizer))
@@ -149,7 +149,7 @@ class Trainer:
         if self.state.step >= self.config.last_step:
             taken, note = 0, "the schedule is done, nothing is re-read"
         else:
-            taken, note = self.state.taken_at(self.world, self.config.micro_batch_size, self.stream)
+            taken, note = self.state.taken_at(self.world, self.config.optim.micro_batch_size, self.stream)
         if self.rank == 0:
             where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step}"
             log_line(f"{where} (epoch {self.state.epoch})" + (f": {note}" if note else ""))
@@ -163,7 +163,7 @@ class Trainer:
             c = self.config
             log_line(
                 f"{self.model_config.name}: {self.world} workers on {len(set(nodes))} node(s), "
-                f"{c.micro_batch_size} images x {self.accum} accumulation each = batch {c.batch_size}; "
+                f"{c.optim.micro_batch_size} images x {self.accum} accumulation each = batch {c.optim.batch_size}; "
                 f"{len(self.shards)} shards; {peak_note}; "
                 f"{type(self.step_fn.optimizer).__name__} ({optimizer_kernels(self.step_fn.optimizer)})"
             )
@@ -199,7 +199,7 @@ class Trainer:
         if steps == 0 and self.taken == 0:
             raise StopRun(
                 f"epoch {state.epoch} gave no full step: {len(self.shards)} shards hold fewer than "
-                f"{self.config.batch_size} readable samples per step across {self.world} workers; "
+                f"{self.config.optim.batch_size} readable samples per step across {self.world} workers; "
                 "use more data or a smaller --batch-size"
             )
         state.epoch += 1
@@ -208,7 +208,7 @@ class Trainer:
 
     def epoch_input(self) -> Prefetcher:
         """This rank's steps of input for the current epoch, after the micro-batches it has taken."""
-        order = shard_order(self.shards, self.config.seed, self.state.epoch)
+        order = shard_order(self.shards, self.config.run.seed, self.state.epoch)
         # The stream counts from the epoch's start: re-reading what it had taken brings the counts to
         # the checkpoint's, each sample counted once.
         counts = BadSamples.from_dict(self.epoch_bad_samples.to_dict())
@@ -217,7 +217,7 @@ class Trainer:
             self.data_config,
             epoch=self.state.epoch,
             rank=self.rank,
-            size=self.config.micro_batch_size,
+            size=self.config.optim.micro_batch_size,
             bad_samples=counts,
             data_cpus=self.data_cpus
             or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch),
@@ -228,7 +228,7 @@ class Trainer:
             columns=self.objective.columns,
             bad_samples=counts,
             pin=self.device.type == "cuda",
-            depth=self.config.prefetch_steps,
+            depth=self.config.speed.prefetch_steps,
         )
 
     def next_step_input(self, data: Prefetcher) -> tuple[StepInput, StepAgreement]:
@@ -251,11 +251,11 @@ class Trainer:
         self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
         self.skipped.add(stats.skipped)
         step, config = self.state.step, self.config
-        save = step % config.checkpoint_every == 0 or step == config.last_step
+        save = step % config.run.checkpoint_every == 0 or step == config.last_step
         evaluate = bool(self.eval_shards) and (
-            step == config.last_step or (config.eval_every > 0 and step % config.eval_every == 0)
+            step == config.last_step or (config.run.eval_every > 0 and step % config.run.eval_every == 0)
         )
-        if save or evaluate or step % config.log_every == 0:
+        if save or evaluate or step % config.run.log_every == 0:
             self.report(stats, save=save, eval_accuracy=self.evaluate() if evaluate else None)
 
     def evaluate(self) -> float:
@@ -264,7 +264,7 @@ class Trainer:
         eval_config = finetune.eval_data_config(self.config, self.model_config.patch_size)
         cpus = self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch)
         shards = self.eval_shards[self.rank :: self.world]
-        batches = finetune.eval_batches(shards, eval_config, self.config.micro_batch_size, cpus)
+        batches = finetune.eval_batches(shards, eval_config, self.config.optim.micro_batch_size, cpus)
         idle = self.objective.idle_batch(self.device)[0]
         try:
             accuracy, seen = finetune.evaluate(self.model, batches, idle, self.device, self.group)
@@ -287,7 +287,7 @@ class Trainer:
         if not new:
             return
         self.state.skipped_steps += new
-        step, limit = self.state.step, self.config.max_skipped_steps
+        step, limit = self.state.step, self.config.optim.max_skipped_steps
         if self.rank == 0:
             log_line(
                 f"{new} step(s) up to step {step} skipped for a non-finite loss or gradient norm; "
@@ -342,7 +342,7 @@ class Trainer:
             )
         self.state.epoch_position = {
             "world": self.world,
-            "micro_batch_size": self.config.micro_batch_size,
+            "micro_batch_size": self.config.optim.micro_batch_size,
             "stream": self.stream,
             "micro_batches": self.taken,
         }
@@ -377,8 +377,8 @@ class Trainer:
             "preprocessing": self.data_config.to_dict(),
             "training": {
                 "step": self.state.step,
-                "max_steps": config.max_steps,
-                "finished": self.state.step >= config.max_steps,
+                "max_steps": config.optim.max_steps,
+                "finished": self.state.step >= config.optim.max_steps,
                 "loss": metrics.get("loss"),
                 "accuracy": metrics.get("accuracy"),
                 "eval_accuracy": metrics.get("eval_accuracy"),
@@ -388,8 +388,8 @@ class Trainer:
         with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
             exported = self.objective.export_state
             if checkpoint.export_final(tmp, self.model, self.model_config, extra, exported) is not None:
-                storage.upload_dir(tmp, storage.join(config.out, "final"), commit_last="config.json")
-                log_line(f"exported {storage.join(config.out, 'final')}")
+                storage.upload_dir(tmp, storage.join(config.run.out, "final"), commit_last="config.json")
+                log_line(f"exported {storage.join(config.run.out, 'final')}")
 
 
 def skip(stream: Iterator[Batch], count: int) -> Iterator[Batch]:

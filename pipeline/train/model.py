@@ -49,38 +49,38 @@ MAE_ENCODER = {"num_classes": 0, "head": "finetune", "pool": "gap"}
 def model_config(config: TrainConfig) -> vit.ViTConfig:
     """The ViTConfig a training config resolves to (validates name and sizes): the whole model, or
     for MAE its encoder, which is what the run exports."""
-    if config.objective == "mae":
-        base = {"image_size": config.image_size, **MAE_ENCODER}
+    if config.task.objective == "mae":
+        base = {"image_size": config.data.image_size, **MAE_ENCODER}
     else:
-        base = {"image_size": config.image_size, "num_classes": config.num_classes}
-    return vit.get_config(config.model, **{**base, **config.model_overrides})
+        base = {"image_size": config.data.image_size, "num_classes": config.arch.num_classes}
+    return vit.get_config(config.arch.model, **{**base, **config.arch.model_overrides})
 
 
 def mae_config(config: TrainConfig) -> vit.MAEConfig:
     """The decoder and loss of an MAE run (`vit.MAEConfig`)."""
     return vit.MAEConfig(
-        decoder_dim=config.decoder_dim,
-        decoder_depth=config.decoder_depth,
-        decoder_num_heads=config.decoder_num_heads,
-        norm_pix_loss=config.norm_pix_loss,
+        decoder_dim=config.task.decoder_dim,
+        decoder_depth=config.task.decoder_depth,
+        decoder_num_heads=config.task.decoder_num_heads,
+        norm_pix_loss=config.task.norm_pix_loss,
     )
 
 
 def create_module(config: TrainConfig) -> nn.Module:
     """The module a run trains, on the current default device: a ViT, or for MAE a
     `vit.MaskedAutoencoder` whose ``encoder`` is that ViT."""
-    if config.objective == "mae":
+    if config.task.objective == "mae":
         return vit.MaskedAutoencoder(model_config(config), mae_config(config))
     return vit.VisionTransformer(model_config(config))
 
 
 def shard_group_size(config: TrainConfig) -> int:
-    """Ranks per FSDP shard group (collective): `config.shard_group_size`, else the ranks of one host
+    """Ranks per FSDP shard group (collective): `config.cluster.shard_group_size`, else the ranks of one host
     when every host holds the same number of consecutive ranks (Ray Train and torchrun number the
     workers of a node consecutively), else every rank (plain FSDP over one dimension)."""
     world = dist.get_world_size()
-    if config.shard_group_size is not None:
-        return config.shard_group_size
+    if config.cluster.shard_group_size is not None:
+        return config.cluster.shard_group_size
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     group = hosts.count(hosts[0])
@@ -100,7 +100,7 @@ def build_model(config: TrainConfig, device: torch.device, mesh: DeviceMesh | No
         mesh = hsdp_mesh(device.type, dist.get_world_size(), shard_group_size(config))
     with torch.device("meta"):
         model = create_module(config)
-    if config.fp8:
+    if config.speed.fp8:
         from pipeline.train import fp8
 
         # Emulated on CPU: only tests get there, as the config refuses --fp8 with --cpu.
@@ -111,10 +111,10 @@ def build_model(config: TrainConfig, device: torch.device, mesh: DeviceMesh | No
     parallelize(
         model,
         mesh,
-        activation_checkpointing=config.activation_checkpointing,
-        compile=config.compile,
-        ac_mode=config.ac_mode,
-        compile_scope=config.compile_scope,
+        activation_checkpointing=config.speed.activation_checkpointing,
+        compile=config.speed.compile,
+        ac_mode=config.speed.ac_mode,
+        compile_scope=config.speed.compile_scope,
         param_dtype=torch.bfloat16 if device.type == "cuda" else None,
         reduce_dtype=torch.float32,
     )
@@ -124,7 +124,7 @@ def build_model(config: TrainConfig, device: torch.device, mesh: DeviceMesh | No
     # identical halves of every weight (symmetric neurons), so there each shard seeds differently:
     # by its place in the shard dimension, which replicas of it (HSDP) share.
     shard = mesh.get_local_rank(mesh.ndim - 1)
-    torch.manual_seed(config.seed if device.type == "cuda" else config.seed + shard)
+    torch.manual_seed(config.run.seed if device.type == "cuda" else config.run.seed + shard)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         model.init_weights()

@@ -81,7 +81,7 @@ class MAEObjective(Objective):
     def __init__(self, config: TrainConfig):
         super().__init__(config)
         self.mae_config = mae_config(config)
-        self.num_visible = _num_visible(self.model_config.num_patches, config.mask_ratio)
+        self.num_visible = _num_visible(self.model_config.num_patches, config.task.mask_ratio)
 
     def losses(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, None]:
         visible, masked, ids_shuffle = batch  # uint8 (B, n, K), uint8 (B, N-n, K), int16/32 (B, N)
@@ -100,7 +100,7 @@ class MAEObjective(Objective):
     def checkpoint_meta(self) -> dict[str, Any]:
         return {
             "objective": self.name,
-            "mask_ratio": self.config.mask_ratio,
+            "mask_ratio": self.config.task.mask_ratio,
             "mae": self.mae_config.to_dict(),
         }
 
@@ -121,5 +121,5 @@ OBJECTIVES: dict[str, type[Objective]] = {"supervised": Objective, "mae": MAEObj
 
 
 def objective_for(config: TrainConfig) -> Objective:
-    """The objective `config.objective` names."""
-    return OBJECTIVES[config.objective](config)
+    """The objective `config.task.objective` names."""
+    return OBJECTIVES[config.task.objective](config)

@@ -33,21 +33,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """``config.optimizer``: AdamW (pretraining), or SGD with momentum (fine-tuning, Sec. 4.1 of the
+    """``config.optim.optimizer``: AdamW (pretraining), or SGD with momentum (fine-tuning, Sec. 4.1 of the
     ViT paper: momentum 0.9, no weight decay unless ``weight_decay`` asks for it)."""
-    if config.optimizer == "sgd":
+    if config.optim.optimizer == "sgd":
         return torch.optim.SGD(
-            param_groups(model, config.weight_decay), lr=config.lr, momentum=config.momentum, foreach=True
+            param_groups(model, config.optim.weight_decay),
+            lr=config.optim.lr,
+            momentum=config.optim.momentum,
+            foreach=True,
         )
-    impl = adamw_impl(config.optimizer_impl, _device_of(model))
+    impl = adamw_impl(config.speed.optimizer_impl, _device_of(model))
     optimizer = torch.optim.AdamW(
-        param_groups(model, config.weight_decay),
-        lr=config.lr,
-        betas=config.betas,
+        param_groups(model, config.optim.weight_decay),
+        lr=config.optim.lr,
+        betas=config.optim.betas,
         foreach=impl == "foreach",
         fused=impl == "fused",
     )
-    if config.fp8:
+    if config.speed.fp8:
         from pipeline.train.fp8 import precompute_scales_after_step
 
         precompute_scales_after_step(optimizer, model)
@@ -79,11 +82,11 @@ def _device_of(model: nn.Module) -> torch.device:
 
 def lr_factor(step: int, config: TrainConfig) -> float:
     """Multiplier of the peak lr at `step`: linear warmup, then cosine or linear decay to min_lr."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
+    if step < config.optim.warmup_steps:
+        return (step + 1) / config.optim.warmup_steps
+    progress = (step - config.optim.warmup_steps) / max(1, config.optim.max_steps - config.optim.warmup_steps)
     progress = min(progress, 1.0)
-    floor = config.min_lr / config.lr
-    if config.lr_schedule == "cosine":
+    floor = config.optim.min_lr / config.optim.lr
+    if config.optim.lr_schedule == "cosine":
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return floor + (1.0 - floor) * (1.0 - progress)

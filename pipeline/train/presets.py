@@ -1,13 +1,17 @@
-"""Named training presets: each a whole configuration, with its command and expected result.
+"""Named training presets, each a whole configuration with its command and expected result, and the
+command line of the training jobs: a preset plus flags made from the config's fields.
 
-Flags of `jobs/pretrain.py` (and `jobs/finetune.py`) override any field. Add a preset by writing a
-function here and naming it in PRESETS.
+Presets derive from one another (`small` is `tiny` with changes) through `TrainConfig.replace`, which
+takes field names across sections, as the flags do. Add a preset by writing a function here and naming
+it in PRESETS; measured results live in BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+from collections.abc import Callable, Sequence
 
+from pipeline import cli
 from pipeline.train.config import TrainConfig
 
 
@@ -20,7 +24,7 @@ def tiny() -> TrainConfig:
     Expected: training accuracy above 90% on the synthetic classes by the last steps; the tests
     and `make demo` use this preset.
     """
-    return TrainConfig(
+    return TrainConfig().replace(
         model="vit_tiny_test",
         image_size=32,
         num_classes=10,
@@ -45,8 +49,8 @@ def tiny() -> TrainConfig:
 
 
 def small() -> TrainConfig:
-    """Real 32-64 px images (Fashion-MNIST, CIFAR-10 ...) on 2 CPU workers: ViT with
-    4-pixel patches (`vit_mini4`, 8x8 = 64 tokens at 32 px) and milder crops than ImageNet's 8-100% of
+    """Real 32-64 px images (Fashion-MNIST, CIFAR-10 ...) on 2 CPU workers: `tiny` with 4-pixel patches
+    (`vit_mini4`, 8x8 = 64 tokens at 32 px), larger batches and milder crops than ImageNet's 8-100% of
     the area, since a crop of a small image has few pixels left to show.
 
         # shards /tmp/fmnist/train-*.tar and test-*.tar (jobs/benchmarks/fashion_mnist.py packs them)
@@ -55,34 +59,21 @@ def small() -> TrainConfig:
         python jobs/embed.py --weights /tmp/small --data '/tmp/fmnist/test-*.tar' --out /tmp/small-emb-test
         python jobs/evaluate.py --train /tmp/small-emb-train --test /tmp/small-emb-test
 
-    Measured on Fashion-MNIST (BENCHMARKS.md, "Learning"): 400 steps (51,200 images, under one epoch)
-    ran at 145-160 images/s on 2 CPU workers in its quieter windows (about 6 minutes alone) and ended
-    at 66.6% training accuracy (under augmentation); a linear probe on the embeddings scores 75.0% on
-    the 10,000 test images, below a linear probe on the raw pixels (81.1%). With `--max-steps 1600`
-    (3.4 epochs, about 22 minutes on the 2 CPU workers) the probe scores 82.3%, above the raw pixels,
-    and `jobs/finetune.py` from that run at 48 px (1,200 steps, the paper's SGD recipe) reaches 82.5%.
+    Expected (BENCHMARKS.md, "Learning"): about 6 minutes on 2 CPU workers; a linear probe on the
+    embeddings scores about 75% on Fashion-MNIST's test images, and with `--max-steps 1600` over 82%.
     """
-    return TrainConfig(
+    return tiny().replace(
         model="vit_mini4",
-        image_size=32,
-        num_classes=10,
-        crop_scale=(0.6, 1.0),
+        scale=(0.6, 1.0),
         batch_size=128,
         micro_batch_size=64,
-        lr=2e-3,
-        weight_decay=0.05,
         warmup_steps=30,
         max_steps=400,
         shuffle_buffer=1024,
-        num_workers=2,
-        use_gpu=False,
         log_every=25,
         checkpoint_every=150,
-        keep_checkpoints=2,
-        max_failures=1,
         decoder_dim=64,
         decoder_depth=2,
-        decoder_num_heads=4,
     )
 
 
@@ -99,7 +90,7 @@ def finetune() -> TrainConfig:
     Expected: eval_accuracy in metrics.jsonl at every --eval-every and at the end; not yet measured on
     GPUs (BENCHMARKS.md, "Learning", has the CPU figures on small images).
     """
-    return TrainConfig(
+    return TrainConfig().replace(
         image_size=384,
         optimizer="sgd",
         momentum=0.9,
@@ -130,7 +121,7 @@ def vit_b16_224() -> TrainConfig:
 
     Expected: about 1,900 images/s per H100 at 50% MFU (3 x 35.2 GFLOPs an image); not yet measured.
     """
-    return TrainConfig(
+    return TrainConfig().replace(
         model="vit_b16",
         image_size=224,
         num_classes=21843,
@@ -178,3 +169,50 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "vit_b16_224": vit_b16_224,
     "vit_h14_224": vit_h14_224,
 }
+
+
+def training_parser(
+    prog: str,
+    description: str,
+    default_preset: str,
+    *,
+    exclude: Sequence[str] = (),
+    required: Sequence[str] = (),
+) -> argparse.ArgumentParser:
+    """The command line of a training job: ``--preset``, a flag per `TrainConfig` setting (less
+    ``exclude``), and Ray's flags."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--preset",
+        default=default_preset,
+        choices=sorted(PRESETS),
+        help=f"base configuration (default: {default_preset})",
+    )
+    cli.add_settings(
+        parser, TrainConfig, defaults=PRESETS[default_preset](), exclude=exclude, required=required
+    )
+    cli.add_ray_flags(parser)
+    return parser
+
+
+def resolve(args: argparse.Namespace, **fixed: object) -> TrainConfig:
+    """The preset, with the fields ``fixed`` sets and then the flags given."""
+    return PRESETS[args.preset]().replace(**fixed, **cli.overrides(args, TrainConfig))
+
+
+# Fine-tuning takes the model and the objective from --weights.
+NOT_FINETUNE_FLAGS = ("model", "task")
+
+
+def pretrain_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """`jobs/pretrain.py`'s command line."""
+    return training_parser("jobs/pretrain.py", description, "tiny")
+
+
+def finetune_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """`jobs/finetune.py`'s command line: the `finetune` preset, ``--weights`` required."""
+    return training_parser(
+        "jobs/finetune.py", description, "finetune", exclude=NOT_FINETUNE_FLAGS, required=("weights",)
+    )

@@ -30,12 +30,12 @@ def decode_cpus(config: TrainConfig, world: int, cluster_cpus: float) -> tuple[f
     """(CPUs for each worker's data pipeline, where the figure comes from): the explicit
     `data_cpus_per_worker`, else the cluster's CPUs beyond the training workers' shared out evenly
     (at least 1, so that a worker's pipeline can always make progress)."""
-    if config.data_cpus_per_worker is not None:
-        return float(config.data_cpus_per_worker), "--data-cpus-per-worker"
-    spare = cluster_cpus - world * config.cpus_per_worker
+    if config.cluster.data_cpus_per_worker is not None:
+        return float(config.cluster.data_cpus_per_worker), "--data-cpus-per-worker"
+    spare = cluster_cpus - world * config.cluster.cpus_per_worker
     budget = max(1.0, float(math.floor(spare / world)))
     return budget, (
-        f"{cluster_cpus:g} CPUs in the cluster now, {world} workers x {config.cpus_per_worker:g} for training"
+        f"{cluster_cpus:g} CPUs in the cluster now, {world} workers x {config.cluster.cpus_per_worker:g} for training"
     )
 
 
@@ -47,7 +47,7 @@ def data_cpus_per_worker(config: TrainConfig, world: int, rank: int, epoch: int)
     """
     import ray
 
-    cpus = 0.0 if config.data_cpus_per_worker is not None else ray.cluster_resources().get("CPU", 0.0)
+    cpus = 0.0 if config.cluster.data_cpus_per_worker is not None else ray.cluster_resources().get("CPU", 0.0)
     budget, source = decode_cpus(config, world, cpus)
     if rank == 0 and _logged_budget.get("value") != budget:  # a line when it changes, not every epoch
         from pipeline.train.metrics import log_line
@@ -72,22 +72,22 @@ def local_out_problem(
     node now, or workers that do not fit on the one node there (an autoscaling cluster whose head
     schedules nothing), means ranks on other disks.
     """
-    if not storage.is_local(config.out) or config.shared_out:
+    if not storage.is_local(config.run.out) or config.cluster.shared_out:
         return None
     fix = (
         "use an object store (s3://..., gs://...) or a filesystem every node mounts at the same path, "
         "declared with --shared-out"
     )
     if len(nodes) > 1:
-        return f"--out {config.out} is a local path, but the cluster has {len(nodes)} nodes; {fix}"
+        return f"--out {config.run.out} is a local path, but the cluster has {len(nodes)} nodes; {fix}"
     capacity = nodes[0]["resources"] if nodes else {}
     fits = min(
         (capacity.get(name, 0.0) // amount for name, amount in worker_resources.items() if amount > 0),
-        default=float(config.num_workers),
+        default=float(config.cluster.num_workers),
     )
-    if fits < config.num_workers:
+    if fits < config.cluster.num_workers:
         return (
-            f"--out {config.out} is a local path, but the {config.num_workers} workers will run on nodes "
+            f"--out {config.run.out} is a local path, but the {config.cluster.num_workers} workers will run on nodes "
             f"this cluster adds (its one node holds {fits:g} of them); {fix}"
         )
     return None
@@ -95,7 +95,7 @@ def local_out_problem(
 
 def worker_resources(config: TrainConfig) -> dict[str, float]:
     """What one training worker asks of Ray (the ScalingConfig's resources_per_worker)."""
-    return {"CPU": config.cpus_per_worker, **({"GPU": 1.0} if config.use_gpu else {})}
+    return {"CPU": config.cluster.cpus_per_worker, **({"GPU": 1.0} if config.cluster.use_gpu else {})}
 
 
 def largest_micro_batch(fits: Callable[[int], bool], start: int, limit: int, multiple: int = 8) -> int | None:

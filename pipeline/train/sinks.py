@@ -2,7 +2,7 @@
 TensorBoard event files under ``<out>/tensorboard/`` (``--tensorboard``) and a Weights & Biases run
 (``--wandb PROJECT``).
 
-    log = attach(MetricsLog(config.out, resume_step), config)   # rank 0 only
+    log = attach(MetricsLog(config.run.out, resume_step), config)   # rank 0 only
     log.append(row, flush)   # -> metrics.jsonl, then every sink; flush at checkpoints
 
 Every numeric field of a `metrics.jsonl` row becomes a scalar ``train/<field>`` at that row's step
@@ -87,13 +87,13 @@ class WandbSink:
     def __init__(self, config: TrainConfig):
         import wandb
 
-        local = storage.is_local(config.out)
-        self.dir = storage.local_path(config.out) if local else tempfile.mkdtemp(prefix="vitray-wandb-")
+        local = storage.is_local(config.run.out)
+        self.dir = storage.local_path(config.run.out) if local else tempfile.mkdtemp(prefix="vitray-wandb-")
         os.makedirs(self.dir, exist_ok=True)
         self.run = wandb.init(
-            project=config.wandb,
-            id=run_id(config.out),
-            name=config.out.rstrip("/").rsplit("/", 1)[-1],
+            project=config.run.wandb,
+            id=run_id(config.run.out),
+            name=config.run.out.rstrip("/").rsplit("/", 1)[-1],
             dir=self.dir,
             config=config.to_dict(),
             resume="allow",
@@ -153,8 +153,8 @@ def attach(log: Any, config: TrainConfig) -> Any:
     """``log`` (rank 0's `MetricsLog`) with the sinks ``config`` asks for; ``log`` itself when none."""
     resume_step = log.rows[-1]["step"] if log.rows else 0
     sinks: list[Sink] = []
-    if config.tensorboard:
-        sinks.append(TensorBoardSink(config.out, resume_step))
-    if config.wandb:
+    if config.run.tensorboard:
+        sinks.append(TensorBoardSink(config.run.out, resume_step))
+    if config.run.wandb:
         sinks.append(WandbSink(config))
     return SinkedLog(log, sinks, config.last_step) if sinks else log

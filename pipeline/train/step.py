@@ -103,10 +103,10 @@ class TrainStep:
             if hits is not None:
                 correct += hits
             count += losses.shape[0]
-        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), self.config.grad_clip, foreach=True)
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), self.config.optim.grad_clip, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        lr = self.config.lr * lr_factor(step, self.config)
+        lr = self.config.optim.lr * lr_factor(step, self.config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # A non-finite loss on any rank makes that rank's gradients, hence the global norm, non-finite,

@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples, LabelsMissingError
+from pipeline.data.tar import Sample
 from pipeline.data.config import DataConfig, shard_order
 from pipeline.data.dataset import build_dataset, check_shards, iter_batches
 from pipeline.data.decode import transform_image
@@ -45,13 +46,21 @@ def images_by_key(urls: list[str]) -> dict[str, bytes]:
 def test_config_rejects_bad_values_in_one_line():
     for kwargs, words in [
         ({"image_size": 30, "patch_size": 8}, "not divisible by patch_size"),
-        ({"label_key": None}, "require_labels needs a label_key"),
         ({"scale": (0.5, 0.1)}, "scale"),
         ({"train_interpolation": "fancy"}, "interpolation"),
     ]:
         with pytest.raises(ValueError, match=words) as info:
             DataConfig(**kwargs)
         assert "\n" not in str(info.value)
+
+
+def test_labels_required_without_a_label_key_make_every_sample_bad_never_silently_unlabeled():
+    spec = DataConfig(label_key=None, require_labels=True).row_spec
+    assert spec.label(Sample("k", {"jpg": b""})) == (-1, "missing label: no label key given")
+    assert DataConfig(label_key=None, require_labels=False).row_spec.label(Sample("k", {"jpg": b""})) == (
+        -1,
+        "",
+    )
 
 
 def test_config_round_trips_and_redacts_secrets():
@@ -102,10 +111,10 @@ def test_check_shards_fails_fast_on_unlabeled_or_imageless_shards(tmp_path, synt
 
 
 def test_check_shards_fails_fast_when_the_first_labels_pass_the_class_count(tmp_path, synthetic_shards):
-    from pipeline.train.config import TrainConfig, data_config
+    from pipeline.train.config import TrainConfig
 
-    train = TrainConfig(num_classes=3, data="unused", out="unused")
-    assert data_config(train, 16).num_classes == 3  # the training run's head size reaches the data stage
+    train = TrainConfig().replace(num_classes=3, shards="unused", out="unused")
+    assert train.data_for(16).num_classes == 3  # the training run's head size reaches the data stage
     first = synthetic_shards.urls[0]
     labels = {synthetic_shards.labels[k] for k in images_by_key([first])}
     check_shards([first], DataConfig(**{**CONFIG.to_dict(), "num_classes": max(labels) + 1}))

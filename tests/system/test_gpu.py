@@ -17,7 +17,7 @@ from pipeline.weights import pack_state_dict
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = TrainConfig(
+CONFIG = TrainConfig().replace(
     model="vit_tiny_test",
     image_size=32,
     num_classes=4,
@@ -28,7 +28,7 @@ CONFIG = TrainConfig(
     warmup_steps=1,
     max_steps=100,
     use_gpu=True,
-    data="unused",
+    shards="unused",
     out="unused",
 )
 

@@ -38,11 +38,11 @@ def shards(tmp_path_factory):
 
 
 def config(shards, out: Path, **changes) -> TrainConfig:
-    base = TrainConfig(
+    base = TrainConfig().replace(
         model="vit_tiny_test",
         image_size=32,
         num_classes=4,
-        data=",".join(shards.urls),
+        shards=",".join(shards.urls),
         out=str(out),
         batch_size=16,
         micro_batch_size=8,
@@ -241,7 +241,7 @@ def test_vit_h14_builds_shards_steps_and_checkpoints_on_two_cpu_workers(ray_sess
         )
         g = torch.Generator().manual_seed(dist.get_rank())
         patches = torch.randint(0, 256, (1, mcfg.num_patches, mcfg.patch_dim), dtype=torch.uint8, generator=g)
-        labels = torch.randint(0, config.num_classes, (1,), generator=g)
+        labels = torch.randint(0, config.arch.num_classes, (1,), generator=g)
         step = TrainStep(model, config, torch.device("cpu"))
         before = {n: p.to_local().flatten()[:256].clone() for n, p in model.named_parameters()}
         stats = step(0, [(patches, labels)], global_count=2)
@@ -257,7 +257,7 @@ def test_vit_h14_builds_shards_steps_and_checkpoints_on_two_cpu_workers(ray_sess
                 "grad_norm": stats.grad_norm.item(), "unmoved": unmoved, "seconds": seconds,
                 "kernels": optimizer_kernels(step.optimizer), "skipped": int(stats.skipped)}  # fmt: skip
 
-    config = TrainConfig(model="vit_h14", image_size=28, num_classes=1000, batch_size=2, micro_batch_size=1,
+    config = TrainConfig().replace(model="vit_h14", image_size=28, num_classes=1000, batch_size=2, micro_batch_size=1,
                          num_workers=2, warmup_steps=1, max_steps=10, optimizer_impl="fused")  # fmt: skip
     directory = tmp_path / "h14_checkpoint"
     trainer = TorchTrainer(

@@ -74,8 +74,8 @@ def worker(root: str) -> None:
     summaries = {}
     for name, (shards, budget) in RUNS.items():
         out = Path(root) / name
-        config = TrainConfig(
-            model="vit_tiny_test", image_size=32, num_classes=4, data="unused", out=str(out),
+        config = TrainConfig().replace(
+            model="vit_tiny_test", image_size=32, num_classes=4, shards="unused", out=str(out),
             batch_size=8, micro_batch_size=4, num_workers=world, use_gpu=False, warmup_steps=1,
             max_steps=6, log_every=3, checkpoint_every=6, max_bad_fraction=budget,
         )  # fmt: skip
@@ -130,7 +130,7 @@ def test_counts_of_a_run_within_its_budget_reach_the_log_metrics_and_summary(run
     bad = summary["bad_samples"]
     assert (bad["total"], bad["bad"], bad["by_reason"]) == (64, 4, {"undecodable image": 4})
     assert {e["key"] for e in bad["examples"]} == {"mem://mixed/0", "mem://mixed/1"}
-    printed = format_summary(summary, TrainConfig(data="unused", out=str(root / "within")))
+    printed = format_summary(summary, TrainConfig().replace(shards="unused", out=str(root / "within")))
     assert "samples read: 64, skipped as bad: 4 (4 undecodable image)" in printed
 
 

@@ -16,6 +16,7 @@ from torch import nn
 import vit
 from pipeline.train import fp8
 from pipeline.train.config import TrainConfig
+from tests.configs import tiny_config
 from tests.distributed import spawn
 from vit.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp
 
@@ -127,7 +128,7 @@ def test_fsdp2_with_float8_all_gather_computes_the_single_process_float8_model()
 
 
 def test_fp8_is_refused_in_one_line_where_it_cannot_run(monkeypatch):
-    config = TrainConfig(data="d", out="o", fp8=True)
+    config = TrainConfig().replace(shards="d", out="o", fp8=True)
     config.validate()  # GPUs and torchao: fine
     with pytest.raises(ValueError, match=r"^--fp8 needs GPUs .*drop --fp8 or --cpu$"):
         config.replace(use_gpu=False).validate()
@@ -153,10 +154,7 @@ def test_a_training_step_with_fp8_runs_float8_linears_and_precomputes_scales(mon
     _, _, device = init_distributed()  # a world of one
     try:
         # On CPU build_model emulates float8: the config refuses --fp8 with --cpu, tests get here.
-        config = TrainConfig(
-            model="vit_tiny_test", image_size=32, num_classes=4, batch_size=4, micro_batch_size=4,
-            num_workers=1, warmup_steps=1, max_steps=10, use_gpu=False, fp8=True,
-        )  # fmt: skip
+        config = tiny_config(batch_size=4, micro_batch_size=4, warmup_steps=1, max_steps=10, fp8=True)
         model = build_model(config, device)
         assert sum(type(m).__name__ == "Float8Linear" for m in model.modules()) == 8
         step = TrainStep(model, config, device)

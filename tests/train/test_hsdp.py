@@ -13,25 +13,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import Replicate, Shard
 
 import vit
-from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, model_config
 from pipeline.train.step import TrainStep
+from tests.configs import tiny_config
 from tests.distributed import spawn
 
 WORLD, STEPS, MICRO = 4, 4, 4
-CONFIG = TrainConfig(
-    model="vit_tiny_test",
-    image_size=32,
-    num_classes=4,
-    batch_size=WORLD * MICRO * 2,
-    micro_batch_size=MICRO,
-    num_workers=WORLD,
-    lr=3e-3,
-    warmup_steps=1,
-    max_steps=100,
-    use_gpu=False,
-    data="unused",
-    out="unused",
+CONFIG = tiny_config(
+    batch_size=WORLD * MICRO * 2, micro_batch_size=MICRO, num_workers=WORLD, lr=3e-3, warmup_steps=1
 )
 
 
@@ -39,7 +28,7 @@ def micro_batch(rank: int, step: int, index: int) -> tuple[torch.Tensor, torch.T
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + index)
     mcfg = model_config(CONFIG)
     patches = torch.randint(0, 256, (MICRO, mcfg.num_patches, mcfg.patch_dim), dtype=torch.uint8, generator=g)
-    return patches, torch.randint(0, CONFIG.num_classes, (MICRO,), generator=g)
+    return patches, torch.randint(0, CONFIG.arch.num_classes, (MICRO,), generator=g)
 
 
 def full(model) -> dict[str, torch.Tensor]:

@@ -35,11 +35,11 @@ TIMINGS = ("images_per_s", "images_per_s_per_worker", "data_wait_share", "memory
 
 
 def config(out: Path, **changes) -> TrainConfig:
-    base = TrainConfig(
+    base = TrainConfig().replace(
         model="vit_tiny_test",
         image_size=32,
         num_classes=4,
-        data="unused",
+        shards="unused",
         out=str(out),
         batch_size=8,
         micro_batch_size=4,
@@ -130,7 +130,7 @@ def patch_nan_loss(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
 
 
 def run(cfg: TrainConfig, device: torch.device) -> tuple[dict, LocalSession]:
-    session = LocalSession(device, Path(cfg.out))
+    session = LocalSession(device, Path(cfg.run.out))
     loop_config = {"train": cfg.to_dict(), "shards": SHARDS, "data_cpus_per_worker": 1.0}
     return loop.Trainer(loop_config, session).train(), session
 
@@ -140,7 +140,7 @@ def untimed(rows: list[dict]) -> list[dict]:
 
 
 def weights(cfg: TrainConfig, step: int) -> dict[str, torch.Tensor]:
-    return dcp.load_model_state(str(Path(cfg.out) / dcp.checkpoint_name(step)), model_config(cfg))
+    return dcp.load_model_state(str(Path(cfg.run.out) / dcp.checkpoint_name(step)), model_config(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +327,7 @@ def test_an_mae_run_stopped_mid_epoch_and_resumed_ends_equal_to_a_straight_run(w
     # The rows after the resume are the straight run's: reconstruction losses and gradient norms.
     assert untimed(resumed_session.reports) == untimed(session.reports[3:])
     assert all(r["loss"] > 0 and r["accuracy"] is None for r in session.reports)
-    a, b = (load_file(Path(c.out) / "final" / "weights.safetensors") for c in (straight, stopped))
+    a, b = (load_file(Path(c.run.out) / "final" / "weights.safetensors") for c in (straight, stopped))
     assert a.keys() == b.keys() and not any(name.startswith("decoder") for name in a)  # the encoder alone
     for name in a:
         assert torch.equal(a[name], b[name]), name

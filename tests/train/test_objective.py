@@ -14,26 +14,14 @@ import vit
 from pipeline.data.config import DataConfig
 from pipeline.data.masking import mask_batch
 from pipeline.train import checkpoint, finetune
-from pipeline.train.config import TrainConfig, data_config
+from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, init_distributed, model_config
 from pipeline.train.objective import MAEObjective, Objective, objective_for
 from pipeline.train.step import TrainStep
 from pipeline.weights import load_model_source
+from tests.configs import tiny_config
 
-SUPERVISED = TrainConfig(
-    model="vit_tiny_test",
-    image_size=32,
-    num_classes=4,
-    batch_size=8,
-    micro_batch_size=8,
-    num_workers=1,
-    lr=1e-3,
-    warmup_steps=2,
-    max_steps=100,
-    use_gpu=False,
-    data="unused",
-    out="unused",
-)
+SUPERVISED = tiny_config()
 MAE = SUPERVISED.replace(
     objective="mae", label_key=None, decoder_dim=32, decoder_depth=1, decoder_num_heads=4
 )
@@ -62,7 +50,7 @@ def mae_batch(n: int, seed: int) -> tuple[torch.Tensor, ...]:
         "label": np.full(n, -1, np.int64),
         "error": np.array([""] * n, dtype=object),
     }
-    masked = mask_batch(rows, config=data_config(MAE, patch_size=8), epoch=0)
+    masked = mask_batch(rows, config=MAE.data_for(8), epoch=0)
     return tuple(torch.from_numpy(masked[c]) for c in MAEObjective.columns)
 
 
@@ -119,8 +107,8 @@ def test_a_rank_without_samples_joins_with_zero_gradients(world, config):
 def test_mae_model_config_is_an_encoder_without_classifier_pooled_by_average():
     mcfg = model_config(MAE)
     assert (mcfg.num_classes, mcfg.head, mcfg.pool) == (0, "finetune", "gap")
-    assert data_config(MAE, 8).mask_ratio == 0.75 and not data_config(MAE, 8).require_labels
-    assert data_config(SUPERVISED, 8).mask_ratio is None
+    assert MAE.data_for(8).mask_ratio == 0.75 and not MAE.data_for(8).require_labels
+    assert SUPERVISED.data_for(8).mask_ratio is None
     objective = objective_for(MAE)
     assert objective.flops_per_image() < Objective(SUPERVISED).flops_per_image() * 3
     assert objective.checkpoint_meta()["mae"]["decoder_dim"] == 32
@@ -134,7 +122,7 @@ def test_mae_model_config_is_an_encoder_without_classifier_pooled_by_average():
         ({"objective": "mae", "decoder_dim": 30}, "--decoder-dim 30 must be a multiple of 4"),
         ({"objective": "mae", "eval_data": "x"}, "fine-tuning and --eval-data are supervised"),
         ({"objective": "clip"}, "--objective must be one of supervised, mae"),
-        ({"optimizer": "lamb"}, "--optimizer must be 'adamw' or 'sgd'"),
+        ({"optimizer": "lamb"}, "--optimizer must be one of adamw, sgd, got 'lamb'"),
     ],
 )
 def test_objective_settings_are_checked_in_one_line(changes, message):

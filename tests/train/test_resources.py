@@ -10,8 +10,8 @@ import ray
 from pipeline.train import driver, resources
 from pipeline.train.config import TrainConfig
 
-GPU_RUN = TrainConfig(
-    data="unused", out="s3://bucket/runs/h14", num_workers=16, cpus_per_worker=4.0, use_gpu=True
+GPU_RUN = TrainConfig().replace(
+    shards="unused", out="s3://bucket/runs/h14", num_workers=16, cpus_per_worker=4.0, use_gpu=True
 )
 
 
@@ -60,7 +60,7 @@ def test_autoscaling_cluster_the_budget_is_not_frozen_at_submission(monkeypatch,
     assert capsys.readouterr().out == ""  # unchanged: no line every epoch
 
 
-LOCAL_RUN = TrainConfig(data="unused", out="/data/runs/exp1", num_workers=2, use_gpu=False)
+LOCAL_RUN = TrainConfig().replace(shards="unused", out="/data/runs/exp1", num_workers=2, use_gpu=False)
 NODE = {"resources": {"CPU": 8.0}}
 
 

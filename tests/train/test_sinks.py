@@ -60,8 +60,8 @@ def test_scalars_take_every_number_but_the_step():
 
 
 def test_tensorboard_event_files_hold_every_logged_scalar(tmp_path):
-    config = TrainConfig(data="x", out=str(tmp_path / "run"), max_steps=40, tensorboard=True)
-    log = attach(MetricsLog(config.out), config)
+    config = TrainConfig().replace(shards="x", out=str(tmp_path / "run"), max_steps=40, tensorboard=True)
+    log = attach(MetricsLog(config.run.out), config)
     assert isinstance(log, SinkedLog)
     for step in (10, 20, 30, 40):
         log.append(row(step), flush=step % 20 == 0)
@@ -76,7 +76,7 @@ def test_tensorboard_event_files_hold_every_logged_scalar(tmp_path):
 
 def test_no_sink_asked_for_leaves_the_log_as_it_is(tmp_path):
     log = MetricsLog(str(tmp_path / "run"))
-    assert attach(log, TrainConfig(data="x", out=str(tmp_path / "run"))) is log
+    assert attach(log, TrainConfig().replace(shards="x", out=str(tmp_path / "run"))) is log
 
 
 def test_wandb_offline_run_records_the_scalars(tmp_path, monkeypatch, capsys):
@@ -85,8 +85,8 @@ def test_wandb_offline_run_records_the_scalars(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")  # no network, no account
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))  # the sink's own dir must win
     out = tmp_path / "run"
-    config = TrainConfig(data="x", out=str(out), max_steps=20, wandb="vitray-test")
-    log = attach(MetricsLog(config.out), config)
+    config = TrainConfig().replace(shards="x", out=str(out), max_steps=20, wandb="vitray-test")
+    log = attach(MetricsLog(config.run.out), config)
     for step in (10, 20):  # the last step closes the run
         log.append(row(step), flush=False)
 
@@ -107,4 +107,4 @@ def test_wandb_without_the_package_is_a_one_line_error(monkeypatch):
         importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
     )
     with pytest.raises(ValueError, match=r"--wandb needs the wandb package: pip install"):
-        TrainConfig(data="x", out="y", wandb="p").validate()
+        TrainConfig().replace(shards="x", out="y", wandb="p").validate()

@@ -16,27 +16,17 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import vit
-from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, init_distributed
 from pipeline.train.optim import adamw_impl, optimizer_kernels
 from pipeline.train.step import TrainStep
+from tests.configs import tiny_config
 from tests.distributed import spawn
 from vit.parallelize import AC_MODES, apply_activation_checkpointing, apply_compile, apply_fsdp
 
-CONFIG = TrainConfig(
-    model="vit_tiny_test",
-    image_size=32,
-    num_classes=4,
-    batch_size=8,
-    micro_batch_size=8,
-    num_workers=1,
+CONFIG = tiny_config(
     lr=1e-2,
     warmup_steps=1,
-    max_steps=100,
     grad_clip=1e9,
-    use_gpu=False,
-    data="unused",
-    out="unused",
     # Without a key bias: its gradient is zero in exact arithmetic (softmax ignores a constant added
     # to every key), so Adam would turn each kernel's rounding noise into a full step of noise.
     model_overrides={"qkv_bias": False},

@@ -17,22 +17,10 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, init_distributed, model_config
 from pipeline.train.optim import lr_factor, param_groups
 from pipeline.train.step import TrainStep
+from tests.configs import tiny_config
 from tests.distributed import spawn
 
-CONFIG = TrainConfig(
-    model="vit_tiny_test",
-    image_size=32,
-    num_classes=4,
-    batch_size=8,
-    micro_batch_size=8,
-    num_workers=1,
-    lr=1e-3,
-    warmup_steps=2,
-    max_steps=100,
-    use_gpu=False,
-    data="unused",
-    out="unused",
-)
+CONFIG = tiny_config()
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +35,7 @@ def batch(n: int, seed: int, config: TrainConfig = CONFIG) -> tuple[torch.Tensor
     g = torch.Generator().manual_seed(seed)
     mcfg = model_config(config)
     patches = torch.randint(0, 256, (n, mcfg.num_patches, mcfg.patch_dim), dtype=torch.uint8, generator=g)
-    return patches, torch.randint(0, config.num_classes, (n,), generator=g)
+    return patches, torch.randint(0, config.arch.num_classes, (n,), generator=g)
 
 
 def params(model) -> dict[str, torch.Tensor]:
@@ -194,7 +182,7 @@ def test_loss_falls_on_a_fixed_batch(world):
         hits = int((model(patches.to(world)).argmax(-1).cpu() == labels).sum())
     stats = step(30, [(patches, labels)], 8)
     assert stats.count == 8 and stats.correct.item() == hits and hits >= 6  # the batch is mostly learned
-    assert stats.lr == pytest.approx(CONFIG.lr * lr_factor(30, CONFIG))
+    assert stats.lr == pytest.approx(CONFIG.optim.lr * lr_factor(30, CONFIG))
     assert torch.isfinite(stats.grad_norm)
 
 
@@ -289,15 +277,3 @@ def test_rebatch_cuts_exact_sizes_and_drops_the_tail():
     assert [len(x["label"]) for x in out] == [4, 4, 4]
     assert np.concatenate([x["label"] for x in out]).tolist() == list(range(12))
     assert out[2]["url"].tolist() == ["u8", "u9", "u10", "u11"]
-
-
-def test_config_validation_and_round_trip():
-    cfg = CONFIG.replace(crop_scale=(0.2, 1.0))
-    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
-    assert TrainConfig.from_dict(json.loads(cfg.to_json())) == cfg
-    with pytest.raises(ValueError, match="not a multiple of --micro-batch-size"):
-        CONFIG.replace(batch_size=12, micro_batch_size=8).validate()
-    with pytest.raises(ValueError, match="no training data"):
-        CONFIG.replace(data="").validate()
-    with pytest.raises(ValueError, match="unknown training config fields"):
-        TrainConfig.from_dict({"modle": "vit_b16"})

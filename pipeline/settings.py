@@ -1,0 +1,268 @@
+"""Config dataclasses as settings: one field, one doc line, one flag, one JSON form.
+
+A job's configuration is a frozen dataclass, or a dataclass of sections that are frozen dataclasses
+owned by the modules that read them (`pipeline.train.config.TrainConfig`). Each field is declared with
+`setting(default, "doc line")`; everything else derives from that one declaration:
+
+- the command-line flag and its help (`pipeline.cli.add_settings`): ``--field-name``, or the name given
+  as ``flag=``; a field declared with ``flag=None`` is no flag (derived from other sections, or kept for
+  the program's own use);
+- the flag a validation message names (`flag`), so a message and ``--help`` cannot disagree;
+- replacing fields by their leaf names across sections (`replace`), which presets and the command line
+  share: leaf names are unique within a config, checked when it is first walked;
+- JSON both ways (`to_dict` / `from_dict`): strict about unknown keys, tuples restored from the
+  field's type, secrets (``secret=True``) written as ``"***"``, and a version number for configs saved by
+  older runs (a class's ``CONFIG_VERSION`` and ``migrate(values, version)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+_HELP = "help"
+_FLAG = "flag"
+_REDACTED = "***"
+_UNSET = object()
+
+
+def setting(
+    default: Any = _UNSET,
+    help: str = "",
+    *,
+    flag: str | object | None = _UNSET,
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    secret: bool = False,
+    negative: str | None = None,
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A dataclass field with its doc line and command-line form.
+
+    ``flag``: the option's name without dashes (default: the field name with dashes), or None for a
+    field that is no flag. ``parse``: the text parser when the type's own does not fit. ``negative``: a
+    second switch that sets a bool field False (``--cpu`` for ``use_gpu``). ``secret``: redacted in JSON.
+    """
+    if not help:
+        raise TypeError("a setting needs its doc line")
+    metadata = {
+        _HELP: help,
+        "choices": tuple(choices) if choices else None,
+        "metavar": metavar,
+        "parse": parse,
+        "secret": secret,
+        "negative": negative,
+    }
+    if flag is not _UNSET:
+        metadata[_FLAG] = flag
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    if default is _UNSET:
+        return dataclasses.field(metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and dataclasses.is_dataclass(annotation)
+
+
+@functools.cache
+def hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def leaves(cls: type) -> tuple[tuple[tuple[str, ...], dataclasses.Field], ...]:
+    """Every non-section field of ``cls`` and its sections, as (path, field), sections first-to-last."""
+    found: list[tuple[tuple[str, ...], dataclasses.Field]] = []
+    for f in dataclasses.fields(cls):
+        kind = hints(cls)[f.name]
+        if is_section(kind):
+            found += [((f.name, *path), leaf) for path, leaf in leaves(kind)]
+        else:
+            found.append(((f.name,), f))
+    return tuple(found)
+
+
+@functools.cache
+def paths(cls: type) -> dict[str, tuple[str, ...]]:
+    """Leaf name -> path of the field that name sets. Where two sections have a field of one name, the
+    one that is a flag owns it (the other is derived from it: ``TrainConfig`` sets the data section's
+    ``seed`` from ``run.seed``); two flags of one name are a TypeError."""
+    owner: dict[str, tuple[str, ...]] = {}
+    for path, f in leaves(cls):
+        name = path[-1]
+        if name not in owner:
+            owner[name] = path
+            continue
+        earlier = dict(leaves(cls))[owner[name]]
+        if flag_name(f) and flag_name(earlier):
+            raise TypeError(f"{cls.__name__}: two flags set a field named {name!r}")
+        if flag_name(f):
+            owner[name] = path
+    options = [flag_name(f) for _, f in leaves(cls) if flag_name(f)]
+    repeated = sorted({o for o in options if options.count(o) > 1})
+    if repeated:
+        raise TypeError(f"{cls.__name__}: option(s) {repeated} made by two fields")
+    return owner
+
+
+def flag_name(field: dataclasses.Field) -> str | None:
+    """The option of a field, without dashes (None: the field is no flag)."""
+    name = field.metadata.get(_FLAG, field.name)
+    return None if name is None else str(name).replace("_", "-")
+
+
+def flag(cls: type, name: str) -> str:
+    """``--option`` of the field ``name`` of ``cls`` (a leaf name of any section): for messages."""
+    path = paths(cls).get(name)
+    if path is None:
+        raise KeyError(f"{cls.__name__} has no field {name!r}")
+    option = flag_name(dict(leaves(cls))[path])
+    return f"--{option}" if option else name
+
+
+def help_of(field: dataclasses.Field) -> str:
+    return field.metadata.get(_HELP, "")
+
+
+def flags(cls: type) -> Iterator[tuple[tuple[str, ...], dataclasses.Field, str]]:
+    """(path, field, option) for every field of ``cls`` that is a flag."""
+    for path, f in leaves(cls):
+        option = flag_name(f)
+        if option:
+            yield path, f, option
+
+
+def get(config: Any, path: Sequence[str]) -> Any:
+    for part in path:
+        config = getattr(config, part)
+    return config
+
+
+def replace(config: Any, **changes: Any) -> Any:
+    """``config`` with fields replaced by name, whatever section holds them: a field's own name, or its
+    flag's (``crop_scale`` for ``--crop-scale``, ``data`` for ``--data``); a section may also be replaced
+    whole by its own name and a section object. Unknown names are a one-line ValueError."""
+    cls = type(config)
+    owners = paths(cls)
+    direct = {f.name for f in dataclasses.fields(cls)}
+    by_section: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    aliases = {flag_name(f).replace("-", "_"): path for path, f in leaves(cls) if flag_name(f)}
+    for name, value in changes.items():
+        if name in direct and (dataclasses.is_dataclass(value) or not settings_section(cls, name)):
+            top[name] = value
+        elif name in owners or name in aliases:
+            path = owners.get(name) or aliases[name]
+            by_section.setdefault(path[0], {})[".".join(path[1:])] = value
+        else:
+            raise ValueError(f"{cls.__name__} has no setting {name!r}")
+    for section, inner in by_section.items():
+        base = top.get(section, getattr(config, section))
+        nested: dict[str, Any] = {}
+        deeper: dict[str, dict[str, Any]] = {}
+        for dotted, value in inner.items():
+            head, _, rest = dotted.partition(".")
+            if rest:
+                deeper.setdefault(head, {})[rest.rsplit(".", 1)[-1]] = value
+            else:
+                nested[head] = value
+        for head, values in deeper.items():
+            nested[head] = replace(nested.get(head, getattr(base, head)), **values)
+        top[section] = dataclasses.replace(base, **nested)
+    return dataclasses.replace(config, **top)
+
+
+def settings_section(cls: type, name: str) -> bool:
+    return is_section(hints(cls)[name])
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain JSON-able values, sections as nested objects; secrets written as ``"***"``; the class's
+    ``CONFIG_VERSION`` (where it has one) as ``"version"``."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(value)
+        elif f.metadata.get("secret"):
+            out[f.name] = _redact(value)
+        else:
+            out[f.name] = _plain(value)
+    version = getattr(type(config), "CONFIG_VERSION", None)
+    if version is not None:
+        out["version"] = version
+    return out
+
+
+def from_dict(cls: type, values: dict[str, Any], **overrides: Any) -> Any:
+    """Inverse of `to_dict`. Unknown keys are a one-line ValueError; a saved secret (``"***"``) becomes
+    None unless ``overrides`` gives the real value; an older ``version`` goes through ``cls.migrate``."""
+    values = dict(values)
+    current = getattr(cls, "CONFIG_VERSION", None)
+    if current is not None:
+        version = values.pop("version", 1)
+        if version != current:
+            if not isinstance(version, int) or version > current:
+                raise ValueError(
+                    f"{cls.__name__} version {version!r} is newer than this vitray reads ({current}); "
+                    "update vitray"
+                )
+            values = cls.migrate(values, version)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {', '.join(unknown)}; remove them or update vitray")
+    kinds = hints(cls)
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        kind, f = kinds[name], known[name]
+        if is_section(kind) and isinstance(value, dict):
+            value = from_dict(kind, value)
+        elif f.metadata.get("secret") and _REDACTED in repr(value):
+            value = None
+        else:
+            value = _typed(value, kind)
+        kwargs[name] = value
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def _typed(value: Any, kind: Any) -> Any:
+    """JSON has no tuples: a list where the field's type is a tuple becomes one."""
+    if isinstance(value, list) and _is_tuple(kind):
+        return tuple(value)
+    return value
+
+
+def _is_tuple(kind: Any) -> bool:
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        return any(_is_tuple(k) for k in typing.get_args(kind))
+    return (typing.get_origin(kind) or kind) is tuple
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
+
+
+def _redact(value: Any, name: str = "") -> Any:
+    if isinstance(value, dict):
+        return {k: _redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redact(v, name) for v in value]
+    if value is not None and any(word in name.lower() for word in _SECRET_WORDS):
+        return _REDACTED
+    return value

@@ -1,0 +1,156 @@
+"""Settings: each config field is one declaration (`pipeline.settings.setting`), from which the flags,
+their help, the names validation messages give and the JSON form all come."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline import settings
+from pipeline.data.config import DataConfig
+from pipeline.embed.config import EmbedConfig
+from pipeline.embed.config import parser as embed_parser
+from pipeline.evaluate.config import AnalyzeConfig, EvaluateConfig, analyze_parser, evaluate_parser
+from pipeline.train import presets
+from pipeline.train.config import DERIVED_DATA_FIELDS, TrainConfig
+from tests.configs import tiny_config
+
+# Fields that are no flags, by config: each derived from another setting or chosen by the job.
+NOT_FLAGS = {
+    TrainConfig: {"arch.model_overrides", *(f"data.{name}" for name in DERIVED_DATA_FIELDS)},
+    EmbedConfig: {"use_gpu"},  # --gpu / --cpu, or what the cluster has
+    EvaluateConfig: set(),
+    AnalyzeConfig: set(),
+}
+PARSERS = {
+    TrainConfig: presets.pretrain_parser,
+    EmbedConfig: embed_parser,
+    EvaluateConfig: evaluate_parser,
+    AnalyzeConfig: analyze_parser,
+}
+# The flags of a job that set no field of its config.
+JOB_FLAGS = {"help", "preset", "address", "num_cpus", "print_config", "verbose", "cpu", "gpu"}
+
+
+@pytest.mark.parametrize("kind", list(PARSERS), ids=lambda k: k.__name__)
+def test_fields_and_flags_match_one_to_one(kind):
+    fields = {".".join(path) for path, _ in settings.leaves(kind)}
+    flagged = {".".join(path) for path, _, _ in settings.flags(kind)}
+    assert fields - flagged == NOT_FLAGS[kind]
+    parser = PARSERS[kind]()
+    dests = {a.dest for a in parser._actions} - (JOB_FLAGS - {path[-1] for path, _ in settings.leaves(kind)})
+    assert dests == {path.rsplit(".", 1)[-1] for path in flagged}
+    for action in parser._actions:  # every flag has its help, taken from the field's doc line
+        assert action.help, action.option_strings
+
+
+def test_every_setting_has_a_doc_line_and_a_unique_flag():
+    for kind in PARSERS:
+        for path, f in settings.leaves(kind):
+            assert settings.help_of(f), (kind.__name__, path)
+        options = [o for _, _, o in settings.flags(kind)]
+        assert len(options) == len(set(options)), kind.__name__
+
+
+def test_finetune_takes_no_model_or_objective_flag_and_needs_weights():
+    parser = presets.finetune_parser()
+    options = {o for a in parser._actions for o in a.option_strings}
+    assert "--model" not in options and "--objective" not in options and "--mask-ratio" not in options
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data", "d", "--out", "o"])  # --weights missing
+
+
+def test_a_bool_setting_is_a_pair_of_switches_and_none_clears_an_optional_one():
+    parse = presets.pretrain_parser().parse_args
+    resolve = presets.resolve
+    assert resolve(parse(["--no-hflip"])).data.hflip is False
+    assert resolve(parse(["--hflip"])).data.hflip is True
+    assert resolve(parse(["--cpu"])).cluster.use_gpu is False
+    assert resolve(parse(["--label-key", "none"])).data.label_key is None
+    assert resolve(parse(["--stop-at-step", "7"])).run.stop_at_step == 7
+    assert resolve(parse(["--storage-options", '{"anon": true}'])).data.storage_options == {"anon": True}
+
+
+def test_validation_messages_name_the_flag_the_field_makes():
+    assert settings.flag(TrainConfig, "scale") == "--crop-scale"
+    assert settings.flag(TrainConfig, "shards") == "--data"
+    with pytest.raises(ValueError, match=r"^--micro-batch-size must be at least 1, got 0$"):
+        tiny_config(micro_batch_size=0).validate()
+    with pytest.raises(ValueError, match=r"^--placement-strategy must be one of PACK, SPREAD"):
+        tiny_config(placement_strategy="ANYWHERE").validate()
+    with pytest.raises(ValueError, match="no training data: pass --data"):
+        tiny_config(data="").validate()
+
+
+def test_replace_takes_field_or_flag_names_across_sections():
+    config = tiny_config(lr=0.5, crop_scale=(0.5, 1.0), data="x", eval_data="y", seed=3, objective="mae")
+    assert (config.optim.lr, config.data.scale, config.run.shards, config.run.eval_shards) == (
+        0.5, (0.5, 1.0), "x", "y"
+    )  # fmt: skip
+    # the data section follows the sections that own its derived fields
+    assert (config.data.seed, config.data.mask_ratio, config.data.require_labels) == (3, 0.75, False)
+    with pytest.raises(ValueError, match="has no setting 'lrr'"):
+        tiny_config(lrr=1)
+
+
+def test_presets_derive_from_one_another():
+    tiny, small = presets.tiny(), presets.small()
+    changed = {
+        ".".join(path)
+        for path, _ in settings.leaves(TrainConfig)
+        if settings.get(tiny, path) != settings.get(small, path)
+    }
+    assert changed == {
+        "arch.model", "data.scale", "optim.batch_size", "optim.micro_batch_size", "optim.warmup_steps",
+        "optim.max_steps", "data.shuffle_buffer", "run.log_every", "run.checkpoint_every",
+        "task.decoder_dim", "task.decoder_depth",
+    }  # fmt: skip
+    assert presets.vit_h14_224() == presets.vit_b16_224().replace(
+        model="vit_h14", micro_batch_size=64, lr=3e-4, weight_decay=0.1, log_every=20, checkpoint_every=1000
+    )
+
+
+def test_json_round_trips_tuples_sections_and_redacts_secrets():
+    config = tiny_config(
+        crop_scale=(0.2, 1.0), storage_options={"key": "AKIA", "client_kwargs": {"region_name": "x"}}
+    )
+    saved = json.loads(json.dumps(config.to_dict()))
+    assert saved["version"] == TrainConfig.CONFIG_VERSION
+    assert saved["data"]["storage_options"] == {"key": "***", "client_kwargs": {"region_name": "x"}}
+    again = TrainConfig.from_dict(saved)
+    assert again.data.scale == (0.2, 1.0) and isinstance(again.data.scale, tuple)
+    assert again.data.storage_options is None  # a redacted secret is never taken for the real one
+    assert again == config.replace(storage_options=None)
+
+
+def test_unknown_keys_and_newer_versions_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^TrainConfig version 1 has unknown field\(s\) modle$"):
+        TrainConfig.from_dict({"modle": "vit_b16"})
+    saved = tiny_config().to_dict()
+    saved["optim"]["lrr"] = 1
+    with pytest.raises(
+        ValueError, match=r"^OptimConfig has no field\(s\) lrr; remove them or update vitray$"
+    ):
+        TrainConfig.from_dict(saved)
+    with pytest.raises(ValueError, match=r"version 3 is newer than this vitray reads \(2\)"):
+        TrainConfig.from_dict({**tiny_config().to_dict(), "version": 3})
+    with pytest.raises(ValueError, match=r"^DataConfig has no field\(s\) scal"):
+        DataConfig.from_dict({"scal": [0.1, 1]})
+
+
+def test_a_flat_config_saved_by_an_older_run_loads_as_the_same_run():
+    # The --print-config of `jobs/pretrain.py --preset tiny --data ... --out ...` before sections (version 1).
+    rows = json.loads((Path(__file__).parent / "system" / "cli_before.json").read_text())
+    row = next(r for r in rows if r["job"] == "pretrain" and r["argv"][:2] == ["--preset", "tiny"])
+    flat = row["config"]
+    assert "version" not in flat and "crop_scale" in flat
+    assert TrainConfig.from_dict(flat) == presets.tiny().replace(data=flat["data"], out=flat["out"])
+
+
+def test_a_config_without_version_is_not_a_dataclass_detail():
+    # Configs without CONFIG_VERSION carry none in JSON.
+    assert "version" not in settings.to_dict(DataConfig())
+    assert dataclasses.is_dataclass(settings.from_dict(DataConfig, settings.to_dict(DataConfig())))
