@@ -13,13 +13,12 @@ import pytest
 from PIL import Image
 
 from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples, LabelsMissingError
-from pipeline.data.tar import Sample
 from pipeline.data.config import DataConfig, shard_order
 from pipeline.data.dataset import build_dataset, check_shards, iter_batches
 from pipeline.data.decode import transform_image
 from pipeline.data.shards import ShardError
 from pipeline.data.synthetic import write_synthetic_shards
-from pipeline.data.tar import iter_samples
+from pipeline.data.tar import Sample, iter_samples
 from pipeline.data.writing import tar_bytes
 from vit.patchify import unpatchify
 
