@@ -10,27 +10,14 @@ import torch.distributed as dist
 
 import vit
 from pipeline.embed.actor import Embedder, build_embedding_model, embed_rows
-from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, init_distributed, model_config
 from pipeline.train.step import TrainStep, peak_tflops
 from pipeline.weights import pack_state_dict
+from tests.configs import tiny_config
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = TrainConfig().replace(
-    model="vit_tiny_test",
-    image_size=32,
-    num_classes=4,
-    batch_size=16,
-    micro_batch_size=8,
-    num_workers=1,
-    lr=3e-3,
-    warmup_steps=1,
-    max_steps=100,
-    use_gpu=True,
-    shards="unused",
-    out="unused",
-)
+CONFIG = tiny_config(batch_size=16, micro_batch_size=8, lr=3e-3, warmup_steps=1, use_gpu=True)
 
 
 def patch_batch(config: vit.ViTConfig, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ from pipeline import dcp
 from pipeline.train import checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import fit, read_metrics
+from tests.configs import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -38,26 +39,11 @@ def shards(tmp_path_factory):
 
 
 def config(shards, out: Path, **changes) -> TrainConfig:
-    base = TrainConfig().replace(
-        model="vit_tiny_test",
-        image_size=32,
-        num_classes=4,
-        shards=",".join(shards.urls),
-        out=str(out),
-        batch_size=16,
-        micro_batch_size=8,
-        num_workers=2,
-        use_gpu=False,
-        lr=1e-3,
-        warmup_steps=2,
-        max_steps=8,
-        log_every=2,
-        checkpoint_every=4,
-        keep_checkpoints=5,
-        shuffle_buffer=16,
-        max_failures=0,
-    )
-    return base.replace(**changes)
+    """The tiny config on 2 workers over ``shards``, 8 steps, writing under ``out``."""
+    return tiny_config(
+        data=",".join(shards.urls), out=str(out), batch_size=16, num_workers=2, max_steps=8, log_every=2,
+        checkpoint_every=4, keep_checkpoints=5, shuffle_buffer=16, max_failures=0,
+    ).replace(**changes)  # fmt: skip
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -165,6 +151,7 @@ def test_two_worker_checkpoint_loads_in_one_process(killed_run, shards):
 import torch
 from pipeline.train import checkpoint
 from pipeline.train.config import TrainConfig
+from tests.configs import tiny_config
 from pipeline.train.model import build_model, init_distributed
 from pipeline.train.step import TrainStep
 _, world, device = init_distributed()

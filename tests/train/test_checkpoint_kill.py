@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from pipeline import dcp
@@ -85,13 +84,6 @@ def train_and_kill(out: str) -> None:
 def model_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
     cfg = config(run)
     return dcp.load_model_state(str(run / dcp.checkpoint_name(step)), model_config(cfg))
-
-
-@pytest.fixture(scope="module")
-def world():
-    _, _, device = init_distributed()
-    yield device
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from pipeline import dcp
@@ -25,9 +24,10 @@ from pipeline.data.dataset import rebatch
 from pipeline.data.masking import mask_batch
 from pipeline.train import loop
 from pipeline.train.config import TrainConfig
-from pipeline.train.model import init_distributed, model_config
+from pipeline.train.model import model_config
 from pipeline.train.state import TrainState
 from pipeline.train.step import TrainStep
+from tests.configs import tiny_config
 
 SHARDS = [f"mem://shard-{i}" for i in range(4)]
 SAMPLES_PER_SHARD = 9
@@ -35,31 +35,10 @@ TIMINGS = ("images_per_s", "images_per_s_per_worker", "data_wait_share", "memory
 
 
 def config(out: Path, **changes) -> TrainConfig:
-    base = TrainConfig().replace(
-        model="vit_tiny_test",
-        image_size=32,
-        num_classes=4,
-        shards="unused",
-        out=str(out),
-        batch_size=8,
-        micro_batch_size=4,
-        num_workers=1,
-        use_gpu=False,
-        lr=1e-3,
-        warmup_steps=2,
-        max_steps=8,
-        log_every=2,
-        checkpoint_every=4,
-    )
-    return base.replace(**changes)
-
-
-@pytest.fixture(scope="module")
-def world():
-    rank, size, device = init_distributed()
-    assert (rank, size) == (0, 1)
-    yield device
-    dist.destroy_process_group()
+    """The tiny config, 8 steps of 2 micro-batches, writing under ``out``."""
+    return tiny_config(
+        out=str(out), micro_batch_size=4, max_steps=8, log_every=2, checkpoint_every=4
+    ).replace(**changes)
 
 
 def fake_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, data_cpus):

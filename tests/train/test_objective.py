@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import vit
@@ -15,7 +14,7 @@ from pipeline.data.config import DataConfig
 from pipeline.data.masking import mask_batch
 from pipeline.train import checkpoint, finetune
 from pipeline.train.config import TrainConfig
-from pipeline.train.model import build_model, init_distributed, model_config
+from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import MAEObjective, Objective, objective_for
 from pipeline.train.step import TrainStep
 from pipeline.weights import load_model_source
@@ -25,14 +24,6 @@ SUPERVISED = tiny_config()
 MAE = SUPERVISED.replace(
     objective="mae", label_key=None, decoder_dim=32, decoder_depth=1, decoder_num_heads=4
 )
-
-
-@pytest.fixture(scope="module")
-def world():
-    rank, size, device = init_distributed()
-    assert (rank, size) == (0, 1)
-    yield device
-    dist.destroy_process_group()
 
 
 def patches(n: int, seed: int, config: TrainConfig = SUPERVISED) -> np.ndarray:

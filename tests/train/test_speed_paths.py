@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import vit
-from pipeline.train.model import build_model, init_distributed
+from pipeline.train.model import build_model
 from pipeline.train.optim import adamw_impl, optimizer_kernels
 from pipeline.train.step import TrainStep
 from tests.configs import tiny_config
@@ -31,14 +30,6 @@ CONFIG = tiny_config(
     # to every key), so Adam would turn each kernel's rounding noise into a full step of noise.
     model_overrides={"qkv_bias": False},
 )
-
-
-@pytest.fixture(scope="module")
-def world():
-    rank, size, device = init_distributed()
-    assert (rank, size) == (0, 1)
-    yield device
-    dist.destroy_process_group()
 
 
 def reference(depth: int = 4) -> vit.VisionTransformer:

@@ -7,27 +7,18 @@ import itertools
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
 from pipeline.train import checkpoint
 from pipeline.train.config import TrainConfig
-from pipeline.train.model import build_model, init_distributed, model_config
+from pipeline.train.model import build_model, model_config
 from pipeline.train.optim import lr_factor, param_groups
 from pipeline.train.step import TrainStep
 from tests.configs import tiny_config
 from tests.distributed import spawn
 
 CONFIG = tiny_config()
-
-
-@pytest.fixture(scope="module")
-def world():
-    rank, size, device = init_distributed()
-    assert (rank, size) == (0, 1)
-    yield device
-    dist.destroy_process_group()
 
 
 def batch(n: int, seed: int, config: TrainConfig = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:

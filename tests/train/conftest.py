@@ -1,0 +1,18 @@
+"""The training tests' one-process world: a process group of one rank (gloo on CPU), for the tests of
+a module that need one."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from pipeline.train.model import init_distributed
+
+
+@pytest.fixture(scope="module")
+def world():
+    """This process as rank 0 of a world of 1; its device. Torn down after the module's tests."""
+    rank, size, device = init_distributed()
+    assert (rank, size) == (0, 1)
+    yield device
+    dist.destroy_process_group()
