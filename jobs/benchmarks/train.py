@@ -105,7 +105,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def train_config(args: argparse.Namespace, name: str, world: int) -> TrainConfig:
-    return TrainConfig(
+    return TrainConfig().replace(
         model=args.model,
         image_size=args.image_size,
         num_classes=args.num_classes,

@@ -206,9 +206,13 @@ def resolve(args: argparse.Namespace, **fixed: object) -> TrainConfig:
 NOT_FINETUNE_FLAGS = ("model", "task")
 
 
+# Pretraining starts from initialized weights; `jobs/finetune.py` starts from --weights.
+NOT_PRETRAIN_FLAGS = ("weights",)
+
+
 def pretrain_parser(description: str | None = None) -> argparse.ArgumentParser:
     """`jobs/pretrain.py`'s command line."""
-    return training_parser("jobs/pretrain.py", description, "tiny")
+    return training_parser("jobs/pretrain.py", description, "tiny", exclude=NOT_PRETRAIN_FLAGS)
 
 
 def finetune_parser(description: str | None = None) -> argparse.ArgumentParser:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipeline.train.config import TrainConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 FINETUNE = ROOT / "jobs" / "finetune.py"
 
@@ -20,15 +22,16 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_the_default_is_the_papers_finetuning_recipe_and_flags_override_it():
     result = run("--weights", "w", "--data", "d", "--out", "o", "--image-size", "48", "--print-config")
     assert result.returncode == 0, result.stderr
-    config = json.loads(result.stdout)
-    assert (config["optimizer"], config["momentum"], config["weight_decay"], config["grad_clip"]) == (
+    config = TrainConfig.from_dict(json.loads(result.stdout))
+    optim = config.optim
+    assert (optim.optimizer, optim.momentum, optim.weight_decay, optim.grad_clip) == (
         "sgd",
         0.9,
         0.0,
         1.0,
     )
-    assert (config["lr_schedule"], config["weights"], config["image_size"]) == ("cosine", "w", 48)
-    assert config["objective"] == "supervised"
+    assert (optim.lr_schedule, config.arch.weights, config.data.image_size) == ("cosine", "w", 48)
+    assert config.task.objective == "supervised"
 
 
 def test_weights_that_are_not_there_fail_in_one_line(tmp_path):

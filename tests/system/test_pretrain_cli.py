@@ -11,21 +11,35 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train.config import TrainConfig, data_config
+from pipeline.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN = ROOT / "jobs" / "pretrain.py"
 
 # The command line is an interface: adding or removing a flag is a decision, made here on purpose.
 FLAGS = {
-    "--preset", "--data", "--out", "--model", "--image-size", "--num-classes", "--num-workers",
-    "--cpus-per-worker", "--placement-strategy", "--data-cpus-per-worker", "--shard-group-size", "--shared-out", "--max-steps", "--stop-at-step", "--batch-size", "--micro-batch-size", "--lr",
-    "--min-lr", "--weight-decay", "--warmup-steps", "--lr-schedule", "--grad-clip", "--max-skipped-steps", "--seed", "--label-key",
-    "--shuffle-buffer", "--crop-scale", "--crop-ratio", "--no-hflip", "--max-bad-fraction", "--log-every", "--tensorboard", "--wandb", "--checkpoint-every", "--keep-checkpoints",
-    "--max-failures", "--cpu", "--activation-checkpointing", "--compile", "--address", "--num-cpus",
-    "--ac-mode", "--compile-scope", "--optimizer-impl", "--fp8",
-    "--print-config", "--verbose", "--help",
-    "--objective", "--mask-ratio", "--no-norm-pix-loss", "--decoder-dim", "--decoder-depth", "--decoder-num-heads",
+    "--preset", "--print-config", "--verbose", "--help", "--address", "--num-cpus",
+    # arch, task
+    "--model", "--num-classes", "--objective", "--mask-ratio", "--norm-pix-loss", "--no-norm-pix-loss",
+    "--decoder-dim", "--decoder-depth", "--decoder-num-heads",
+    # data
+    "--image-size", "--crop-scale", "--crop-ratio", "--hflip", "--no-hflip", "--crop-fraction",
+    "--train-interpolation", "--eval-interpolation", "--jpeg-draft", "--no-jpeg-draft", "--reducing-gap",
+    "--image-keys", "--label-key", "--shuffle-buffer", "--max-bad-fraction", "--bad-grace-samples",
+    "--max-image-pixels", "--storage-options", "--block-rows", "--block-bytes", "--read-concurrency",
+    "--read-attempts", "--read-backoff-s",
+    # optim
+    "--optimizer", "--momentum", "--batch-size", "--micro-batch-size", "--lr", "--min-lr", "--weight-decay",
+    "--betas", "--warmup-steps", "--max-steps", "--lr-schedule", "--grad-clip", "--max-skipped-steps",
+    # speed
+    "--activation-checkpointing", "--no-activation-checkpointing", "--ac-mode", "--compile", "--no-compile",
+    "--compile-scope", "--optimizer-impl", "--fp8", "--no-fp8", "--prefetch-steps",
+    # cluster
+    "--num-workers", "--use-gpu", "--no-use-gpu", "--cpu", "--cpus-per-worker", "--placement-strategy",
+    "--data-cpus-per-worker", "--shard-group-size", "--shared-out", "--no-shared-out",
+    # run
+    "--data", "--eval-data", "--out", "--seed", "--eval-every", "--log-every", "--checkpoint-every",
+    "--keep-checkpoints", "--max-failures", "--stop-at-step", "--tensorboard", "--no-tensorboard", "--wandb",
 }  # fmt: skip
 
 
@@ -48,14 +62,14 @@ def test_flags_override_the_preset():
         "--objective", "mae", "--label-key", "none", "--print-config",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    config = json.loads(result.stdout)
-    assert (config["model"], config["lr"], config["use_gpu"], config["batch_size"]) == (
+    config = TrainConfig.from_dict(json.loads(result.stdout))
+    assert (config.arch.model, config.optim.lr, config.cluster.use_gpu, config.optim.batch_size) == (
         "vit_h14",
         0.5,
         False,
         4096,
     )
-    assert config["label_key"] is None  # `none` sets None, where a flag left out keeps the preset's
+    assert config.data.label_key is None  # `none` sets None, where a flag left out keeps the preset's
 
 
 def test_augmentation_flags_reach_the_data_stage():
@@ -65,12 +79,12 @@ def test_augmentation_flags_reach_the_data_stage():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     config = TrainConfig.from_dict(json.loads(result.stdout))
-    data = data_config(config, patch_size=8)
+    data = config.data_for(8)
     assert (data.scale, data.ratio, data.hflip) == ((0.25, 0.9), (0.5, 2.0), False)
     # Left out, they keep the preset's values: the paper's crop and flips.
-    default = data_config(
-        TrainConfig.from_dict(json.loads(run("--data", "x", "--out", "y", "--print-config").stdout)), 8
-    )
+    default = TrainConfig.from_dict(
+        json.loads(run("--data", "x", "--out", "y", "--print-config").stdout)
+    ).data
     assert (default.scale, default.ratio, default.hflip) == ((0.08, 1.0), (0.75, 4 / 3), True)
 
 
