@@ -49,6 +49,7 @@ FLAGS = [
         "crop_fraction", "center-crop share of the short side (default: the training run's, else 0.875)"
     ),
     cli.Flag("storage_options", "fsspec options as JSON (credentials: prefer the environment)"),
+    cli.Flag("overwrite", "write into an --out that holds files the analysis did not write"),
 ]
 
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             cli.print_config(config)
             return 0
-        print(analyze(config).format())
+        print(analyze(config, begin=cli.start_work).format())
         return 0
 
     return cli.run_job(body)

@@ -34,6 +34,7 @@ FLAGS = [
     cli.Flag("probe_c", "inverse L2 strength of the logistic-regression probe"),
     cli.Flag("probe_max_iter", "L-BFGS iterations of the probe"),
     cli.Flag("storage_options", "fsspec options as JSON (credentials: prefer the environment)"),
+    cli.Flag("overwrite", "replace a --json file that is no evaluation report"),
 ]
 
 
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         train, test = evaluation.load(config)
         print(f"train: {train.describe()}\ntest:  {test.describe()}\n", flush=True)
+        cli.start_work()
         report = evaluation.evaluate(config, train, test)
         print(report.format())
         if config.json:

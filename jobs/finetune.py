@@ -78,10 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.train import driver, finetune
 
         config = finetune.resolve_pretrained(config)  # the weights' model, a new head: one line if wrong
-        shards = driver.prepare(config)
+        shards = driver.prepare(config, overwrite=args.overwrite)
         eval_shards = driver.prepare_eval(config)
         local = cli.connect_ray(args, needed_cpus=driver.local_cpus_needed(config))
         driver.check_cluster(config, local_ray=local)
+        cli.start_work()
         summary = driver.fit(config, shards, eval_shards)
         print(driver.format_summary(summary, config))
         return 0

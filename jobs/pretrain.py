@@ -111,6 +111,11 @@ def training_parser(
     parser.add_argument(
         "--cpu", action="store_true", help="train on CPU workers (gloo) even where GPUs exist"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an --out that holds files no training run wrote (they may be replaced)",
+    )
     cli.add_ray_flags(parser)
     return parser
 
@@ -139,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from pipeline.train import driver
 
-        shards = driver.prepare(config)
+        shards = driver.prepare(config, overwrite=args.overwrite)
         local = cli.connect_ray(args, needed_cpus=driver.local_cpus_needed(config))
         driver.check_cluster(config, local_ray=local)
+        cli.start_work()
         summary = driver.fit(config, shards)
         print(driver.format_summary(summary, config))
         return 0

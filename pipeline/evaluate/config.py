@@ -35,6 +35,7 @@ class EvaluateConfig:
     probe_c: float = 1.0  # inverse L2 strength of the logistic-regression probe (scikit-learn's C)
     probe_max_iter: int = 1000
     storage_options: dict | None = None
+    overwrite: bool = False  # replace a --json file that is no evaluation report
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shots", tuple(self.shots))
@@ -69,6 +70,7 @@ class AnalyzeConfig:
     model: str | None = None
     crop_fraction: float | None = None  # None: the training run's, else DataConfig's default
     storage_options: dict | None = None
+    overwrite: bool = False  # write into an --out that holds files the analysis did not write
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""

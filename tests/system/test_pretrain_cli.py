@@ -22,7 +22,7 @@ FLAGS = {
     "--cpus-per-worker", "--placement-strategy", "--data-cpus-per-worker", "--shard-group-size", "--shared-out", "--max-steps", "--stop-at-step", "--batch-size", "--micro-batch-size", "--lr",
     "--min-lr", "--weight-decay", "--warmup-steps", "--lr-schedule", "--grad-clip", "--max-skipped-steps", "--seed", "--label-key",
     "--shuffle-buffer", "--crop-scale", "--crop-ratio", "--no-hflip", "--max-bad-fraction", "--log-every", "--tensorboard", "--wandb", "--checkpoint-every", "--keep-checkpoints",
-    "--max-failures", "--cpu", "--activation-checkpointing", "--compile", "--address", "--num-cpus",
+    "--max-failures", "--cpu", "--overwrite", "--activation-checkpointing", "--compile", "--address", "--num-cpus",
     "--ac-mode", "--compile-scope", "--optimizer-impl", "--fp8",
     "--print-config", "--verbose", "--help",
     "--objective", "--mask-ratio", "--no-norm-pix-loss", "--decoder-dim", "--decoder-depth", "--decoder-num-heads",
