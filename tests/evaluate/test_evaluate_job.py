@@ -92,7 +92,7 @@ def test_reads_back_exactly_what_was_written(tmp_path):
         # scikit-learn's own message for this is several lines long
         ("nan", "--train %TRAIN: 2 of 30 rows hold NaN or inf (first: key 0-3)"),
         ("json_not_ours", "exists and is no evaluation report; pass --overwrite"),
-        ("json_root", "--json / is a directory"),
+        ("json_dir", "is a directory; name a file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, change, message):
@@ -116,8 +116,8 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, change, message
     if change == "json_not_ours":
         (tmp_path / "notes.json").write_text('{"mine": 1}')
         args += ["--json", str(tmp_path / "notes.json")]
-    if change == "json_root":
-        args += ["--json", "/"]
+    if change == "json_dir":
+        args += ["--json", str(tmp_path)]
     assert evaluate_job.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message.replace("%TRAIN", str(train)) in err and "\n" not in err

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import vit
-from pipeline import cli
+from pipeline import cli, storage
 from pipeline.train import driver
 from pipeline.train.presets import PRESETS
 
@@ -31,6 +31,14 @@ def one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err, err
     return err
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> str:
+    model = vit.create_model("vit_tiny_test", num_classes=4)
+    path = tmp_path_factory.mktemp("export")
+    vit.save_pretrained(path, model.state_dict(), model.config)
+    return str(path)
 
 
 def unused_port() -> int:
@@ -130,14 +138,14 @@ def test_interrupts_exits_and_failed_returns_each_end_in_one_line(capsys):
 # --- storage that cannot be reached -----------------------------------------------------------------
 
 
-def test_an_unreachable_store_for_out_is_one_line_before_any_work(synthetic_shards, tmp_path, capsys):
+def test_an_unreachable_store_for_out_is_one_line_before_any_work(synthetic_shards, export, capsys):
     options = {
         "key": "testing",
         "secret": "testing",
         "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{unused_port()}", "region_name": "us-east-1"},
         "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
     }
-    args = ["--data", synthetic_shards.dir, "--weights", str(tmp_path), "--out", "s3://vitray-test/emb"]
+    args = ["--data", synthetic_shards.dir, "--weights", export, "--out", "s3://vitray-test/emb"]
     assert job("embed").main([*args, "--storage-options", json.dumps(options)]) == cli.EXIT_BAD_INPUT
     line = one_error_line(capsys)
     assert "Could not connect to the endpoint URL" in line and "endpoint and credentials" in line
@@ -182,8 +190,9 @@ def test_training_refuses_a_root_and_a_directory_it_did_not_write(synthetic_shar
     assert pretrain.main(["--data", synthetic_shards.dir, "--out", str(mine)]) == cli.EXIT_BAD_INPUT
     assert "(final/, metrics.jsonl); pass --overwrite" in one_error_line(capsys)
     assert (mine / "metrics.jsonl").read_text() == "the user's\n"
-    assert pretrain.main(["--data", synthetic_shards.dir, "--out", "/"]) == cli.EXIT_BAD_INPUT
-    assert "run name" in one_error_line(capsys)  # not the current directory, as "/" once was
+    # "/" once ran, its checkpoints in the current directory, metrics.jsonl and final/ in the root
+    with pytest.raises(ValueError, match="needs a parent directory and a run name"):
+        driver.check_out(PRESETS["tiny"]().replace(out="/"))
     # What a run leaves is its own: the marker it writes before its first step, or a checkpoint.
     config = PRESETS["tiny"]().replace(data=synthetic_shards.dir, out=str(tmp_path / "run"))
     driver.check_out(config)  # nothing there yet
@@ -197,22 +206,31 @@ def test_training_refuses_a_root_and_a_directory_it_did_not_write(synthetic_shar
     driver.check_out(config.replace(out=str(mine)), overwrite=True)
 
 
-def test_the_other_jobs_refuse_a_root_and_a_directory_they_did_not_write(synthetic_shards, tmp_path, capsys):
-    model = vit.create_model("vit_tiny_test", num_classes=4)
-    vit.save_pretrained(tmp_path / "export", model.state_dict(), model.config)
+def test_a_filesystem_root_is_no_output_directory(tmp_path):
+    # Checked here rather than through the jobs: a regression would have them write into the root.
+    for root in ("/", "file:///", "/.", "s3://"):
+        assert storage.is_root(root), root
+        with pytest.raises(ValueError, match="root of a filesystem"):
+            storage.check_output_dir(root, job="a job", owns=lambda entries: True, overwrite=True)
+    for directory in (str(tmp_path), "s3://bucket", "s3://bucket/emb", "relative/dir"):
+        assert not storage.is_root(directory), directory
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        storage.check_output_dir(str(tmp_path / "a-file"), job="a job", owns=lambda entries: True)
+
+
+def test_the_other_jobs_refuse_a_directory_they_did_not_write(synthetic_shards, export, tmp_path, capsys):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("the user's")
-    common = ["--data", synthetic_shards.dir, "--weights", str(tmp_path / "export")]
-    for out in (str(mine), "/"):
-        for name, args in (("embed", common), ("analyze", common)):
-            assert job(name).main([*args, "--out", out]) == cli.EXIT_BAD_INPUT, name
-            line = one_error_line(capsys)
-            assert ("notes.txt" in line and "pass --overwrite" in line) or "root of a filesystem" in line
-        with pytest.raises(SystemExit) as exit:
-            job("make_shards").main(["--synthetic", "8", "--out", out])
-        assert exit.value.code == cli.EXIT_BAD_INPUT
-        one_error_line(capsys)
+    common = ["--data", synthetic_shards.dir, "--weights", export, "--out", str(mine)]
+    for name in ("embed", "analyze"):
+        assert job(name).main(common) == cli.EXIT_BAD_INPUT, name
+        assert "did not write (notes.txt); pass --overwrite" in one_error_line(capsys)
+    with pytest.raises(SystemExit) as exit:
+        job("make_shards").main(["--synthetic", "8", "--out", str(mine)])
+    assert exit.value.code == cli.EXIT_BAD_INPUT
+    assert "did not write (notes.txt); pass --overwrite" in one_error_line(capsys)
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
     # The shard writer shares a directory with other shards, and writes beside anything on request.
     shards = job("make_shards")
