@@ -7,6 +7,7 @@ import errno
 import importlib.util
 import json
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,12 @@ def job(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(autouse=True)
+def tracebacks_in_tmp_path(tmp_path, monkeypatch):
+    """The traceback files of unforeseen errors go to the test's own directory."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def one_error_line(capsys) -> str:
