@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             cli.print_config(config)
             return 0
-        print(analyze(config).format())
+        print(analyze(config, begin=cli.start_work).format())
         return 0
 
     return cli.run_job(body)

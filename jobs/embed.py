@@ -59,9 +59,12 @@ def main(argv: list[str] | None = None) -> int:
             if not connected:
                 cli.connect_ray(args, needed_cpus=job.local_cpus_needed(plan.config))
             job.describe_actors(plan.config)
+        cli.start_work()
         summary = job.run(plan, on_commit=progress.EmbedProgress(len(plan.work.pending)).on_commit)
-        print("\n" + summary.format())
-        return cli.EXIT_RUN_FAILED if summary.failed else 0
+        print("\n" + summary.format(), flush=True)
+        if summary.failed:
+            raise cli.RunFailed(summary.failure())
+        return 0
 
     from pipeline.data.bad_samples import BadSampleBudgetError, LabelsMissingError
 

@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         train, test = evaluation.load(config)
         print(f"train: {train.describe()}\ntest:  {test.describe()}\n", flush=True)
+        cli.start_work()
         report = evaluation.evaluate(config, train, test)
         print(report.format())
         if config.json:

@@ -19,8 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout, too
 
+from pipeline import cli
+from pipeline.data.shards import SHARD_SUFFIXES
 from pipeline.data.synthetic import CLASSES, write_synthetic_shards
 from pipeline.data.writing import ShardSet, brace_url, class_folders, folder_samples, write_shards
+from pipeline.storage import check_output_dir, is_temporary
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -84,7 +87,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--gzip", action="store_true", help="write gzip-compressed .tar.gz shards")
     parser.add_argument(
-        "--overwrite", action="store_true", help="delete existing <prefix>-*.tar* shards in --out first"
+        "--overwrite",
+        action="store_true",
+        help="delete existing <prefix>-*.tar* shards in --out first; write into an --out holding other files",
     )
     args = parser.parse_args(argv)
     if args.samples_per_shard <= 0:
@@ -99,13 +104,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> ShardSet:
+    """Write the shards; bad input is one line and exit code 2, a failed write one line and 1."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    written: list[ShardSet] = []
+
+    def body() -> int:
+        written.append(make_shards(args))
+        return 0
+
+    code = cli.run_job(body)
+    if code:
+        sys.exit(code)
+    return written[0]
+
+
+def owns(entries: dict[str, bool]) -> bool:
+    """Whether a directory holds only what this job writes: shards (of any prefix) and temporaries."""
+    return all(
+        not is_dir and (name.lower().endswith(SHARD_SUFFIXES) or is_temporary(name))
+        for name, is_dir in entries.items()
+    )
+
+
+def make_shards(args: argparse.Namespace) -> ShardSet:
     out = Path(args.out).resolve()
+    check_output_dir(str(out), job="make_shards.py", owns=owns, overwrite=args.overwrite)
     existing = sorted(out.glob(f"{args.prefix}-*.tar*")) if out.is_dir() else []
     if existing and not args.overwrite:
-        sys.exit(
-            f"error: {out} already holds {len(existing)} {args.prefix}-* shards; pass --overwrite or another --out"
+        raise ValueError(
+            f"{out} already holds {len(existing)} {args.prefix}-* shards; pass --overwrite or another --out"
         )
+    classes = [p.name for p in class_folders(args.from_folder)] if args.synthetic is None else []
+    cli.start_work()
     for path in existing:
         path.unlink() if path.is_file() else shutil.rmtree(path)
     start = time.perf_counter()
@@ -123,25 +153,17 @@ def main(argv: list[str] | None = None) -> ShardSet:
             prefix=args.prefix,
         )
     else:
-        try:
-            classes = [p.name for p in class_folders(args.from_folder)]
-            shard_set = ShardSet(dir=str(out), num_classes=len(classes), class_names=classes)
-            samples = folder_samples(
-                args.from_folder,
-                seed=args.seed,
-                max_size=args.max_size,
-                fmt=args.format,
-                quality=args.quality,
-            )
-            shard_set.urls = write_shards(
-                _tracked(samples, shard_set),
-                out,
-                prefix=args.prefix,
-                samples_per_shard=args.samples_per_shard,
-                gzip=args.gzip,
-            )
-        except ValueError as e:
-            sys.exit(f"error: {e}")
+        shard_set = ShardSet(dir=str(out), num_classes=len(classes), class_names=classes)
+        samples = folder_samples(
+            args.from_folder, seed=args.seed, max_size=args.max_size, fmt=args.format, quality=args.quality
+        )
+        shard_set.urls = write_shards(
+            _tracked(samples, shard_set),
+            out,
+            prefix=args.prefix,
+            samples_per_shard=args.samples_per_shard,
+            gzip=args.gzip,
+        )
     elapsed = time.perf_counter() - start
     print(
         f"wrote {len(shard_set.urls)} shards ({len(shard_set.keys)} samples, {shard_set.num_classes} classes) "

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_shards = driver.prepare_eval(config)
         local = cli.connect_ray(args, needed_cpus=driver.local_cpus_needed(config))
         driver.check_cluster(config, local_ray=local)
+        cli.start_work()
         summary = driver.fit(config, shards, eval_shards)
         print(driver.format_summary(summary, config))
         return 0

@@ -1,11 +1,16 @@
 """The command-line dialect every job shares: config fields as flags, one way to reach Ray, one-line errors.
 
-A job's command line is a config dataclass (a preset, or the dataclass's defaults) plus a few flags,
-each `Flag` naming the field it sets; a flag left out keeps the base value. Every job joins Ray the
+A job's command line is a config dataclass (a preset, or the dataclass's defaults) plus flags made from
+its settings (`pipeline.settings`: one flag per field, its help the field's doc line); a flag left out
+keeps the base value. Every job joins Ray the
 same way (`connect_ray`: ``--address``, else ``RAY_ADDRESS``, else a local Ray with enough logical
 CPUs) and ends the same way (`run_job`): bad input found before any cluster work is one
 ``error: ...`` line and exit code 2; a run that started and then stopped on an error is one line and
-exit code 1.
+exit code 1. Which of the two an error is depends on when it came: a job calls `start_work` where
+its checks end and its work begins (the first write to ``--out``, the first task on the cluster), so
+a full disk or a lost store after that is a failed run, not bad input. Whatever ends a job (an
+exception with an empty message, one raised inside a Ray task or actor, Ctrl-C, a SIGTERM turned
+into ``SystemExit`` by Ray) ends it with one ``error:`` line that gives a reason.
 
 Nothing here imports Ray, torch or a job's own package at import time.
 """
@@ -13,11 +18,15 @@ Nothing here imports Ray, torch or a job's own package at import time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import re
 import sys
+import tempfile
+import traceback
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -264,17 +273,121 @@ def print_config(config: Any) -> None:
     print(json.dumps(settings.to_dict(config), indent=2, sort_keys=True))
 
 
-def run_job(body: Callable[[], int], *, failures: tuple[type[BaseException], ...] = ()) -> int:
-    """Run a job's body and turn its errors into one line on stderr and an exit code.
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
-    ``ValueError`` / ``OSError`` (raised by the checks before cluster work) -> `EXIT_BAD_INPUT`;
-    one of ``failures`` (the run's own errors, raised after it started) -> `EXIT_RUN_FAILED`.
-    """
+# Set by `start_work`, reset by `run_job`: whether an error now is a failed run rather than bad input.
+_work_started = False
+
+
+class RunFailed(RuntimeError):
+    """A run that ended without an exception but did not do all it should (its line says what)."""
+
+
+def start_work() -> None:
+    """Mark the end of a job's checks: from here on an error is a failed run (exit 1), not bad input."""
+    global _work_started
+    _work_started = True
+
+
+# Errors of the object-store clients that fsspec passes through unchanged (an endpoint that refuses
+# connections, missing credentials, a denied request): matched by the module of their class, so that
+# no client library is imported here.
+STORAGE_ERROR_MODULES = ("botocore.", "aiobotocore.", "google.auth.", "google.api_core.", "azure.core.")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def is_storage_error(error: BaseException) -> bool:
+    return any(cls.__module__.startswith(STORAGE_ERROR_MODULES) for cls in type(error).__mro__)
+
+
+def _remote_origin(error: BaseException) -> BaseException | str:
+    """The error a Ray wrapper carries: a Ray Train worker's, a task's cause, or, where the cause did not
+    survive the trip (Ray Data's ``UserCodeException`` drops it), the first exception line of the remote
+    traceback text."""
+    failures = getattr(error, "worker_failures", None)
+    if isinstance(failures, dict) and failures:
+        return _remote_origin(failures[min(failures)])
+    controller = getattr(error, "controller_failure", None)
+    if isinstance(controller, BaseException):
+        return _remote_origin(controller)
+    cause = getattr(error, "cause", None)
+    if type(error).__module__.startswith("ray.") and isinstance(cause, BaseException):
+        if type(cause).__name__ != "UserCodeException":
+            return _remote_origin(cause)
+        skip = ("Traceback", "The above exception", "During handling")
+        for line in _ANSI.sub("", str(error)).splitlines():
+            if line.strip() and not line[0].isspace() and "(pid=" not in line and not line.startswith(skip):
+                return line.strip()
+    return error
+
+
+def reason(error: BaseException) -> str:
+    """One line that says why ``error`` ended a job: its message's first line, led by its type's name
+    where the type is not one whose messages are written for users (or the message is empty)."""
+    origin = _remote_origin(error)
+    if isinstance(origin, str):
+        return origin
+    lines = [line.strip() for line in _ANSI.sub("", str(origin)).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1:
+        text += " ..."
+    if text and isinstance(origin, (ValueError, OSError, RunFailed)) and origin is error:
+        return text
+    name = type(origin).__name__
+    return f"{name}: {text}" if text else f"{name} (no message)"
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError, ValueError):  # stderr closed or gone: the exit code still tells
+        print(line, file=sys.stderr, flush=True)
+
+
+def _keep_traceback(error: BaseException) -> str:
+    """Write the traceback of an unforeseen error to a file; returns the note that names it."""
     try:
-        return body()
-    except failures as e:
-        print(f"error: {e}", file=sys.stderr)
+        fd, path = tempfile.mkstemp(prefix="vitray-error-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(traceback.format_exception(error)))
+    except OSError:
+        return ""
+    return f" (traceback: {path})"
+
+
+def run_job(body: Callable[[], int], *, failures: tuple[type[BaseException], ...] = ()) -> int:
+    """Run a job's body and end it with an exit code and, on any error, one ``error: ...`` line on stderr.
+
+    Before `start_work`: ``ValueError``, ``OSError`` and the object stores' client errors (raised by the
+    checks) -> `EXIT_BAD_INPUT`. One of ``failures`` (the run's own errors), `RunFailed`, or any error
+    after `start_work` -> `EXIT_RUN_FAILED`; so is an unforeseen error at any time, whose traceback is
+    written to a file the line names. Ctrl-C -> `EXIT_INTERRUPTED`; a ``SystemExit`` keeps its code. A body
+    returns 0; a body that returns another code gets a line saying so.
+    """
+    global _work_started
+    _work_started = False
+    try:
+        code = body()
+    except KeyboardInterrupt:
+        _say("error: interrupted (Ctrl-C); run the same command again to continue")
+        return EXIT_INTERRUPTED
+    except SystemExit as e:
+        if e.code is None or e.code == 0:
+            return 0
+        if not isinstance(e.code, int):
+            _say(f"error: {e.code}")
+            return EXIT_RUN_FAILED
+        why = "a SIGTERM (Ray's driver exits so)" if e.code == 15 else f"SystemExit({e.code})"
+        _say(f"error: stopped by {why}")
+        return e.code
+    except (*failures, RunFailed) as e:
+        _say(f"error: {reason(e)}")
         return EXIT_RUN_FAILED
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except Exception as e:
+        foreseen = isinstance(e, (ValueError, OSError)) or is_storage_error(e)
+        note = "" if foreseen else _keep_traceback(e)
+        if is_storage_error(e):
+            note += "; check the store's endpoint and credentials (AWS_* variables, --storage-options)"
+        _say(f"error: {reason(e)}{note}")
+        return EXIT_BAD_INPUT if foreseen and not _work_started else EXIT_RUN_FAILED
+    if code:
+        _say(f"error: the job ended with exit code {code}")
+    return code

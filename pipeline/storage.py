@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,65 @@ def read_text(uri: str, storage_options: dict[str, Any] | None = None) -> str:
     fs, path = filesystem(uri, storage_options)
     with fs.open(path, "r") as f:
         return f.read()
+
+
+# --- output directories: whose they are ----------------------------------------------------------
+
+
+def is_root(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """True for a filesystem root: ``/``, a drive (``C:\\``), or an object-store URL that names no bucket
+    (``s3://``). A bucket itself (``s3://bucket``) is a directory like any other."""
+    if is_local(uri):
+        path = os.path.abspath(local_path(uri) or ".")
+        return os.path.dirname(path) == path
+    _, path = filesystem(uri, storage_options)
+    return not path.strip("/")
+
+
+def list_entries(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, bool] | None:
+    """``{name: is a directory}`` of what directory ``uri`` holds, in one listing; {} when it does not
+    exist, None when ``uri`` is a file."""
+    fs, path = filesystem(uri, storage_options)
+    fs.invalidate_cache(path)
+    try:
+        entries = fs.ls(path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    base = path.rstrip("/")
+    if len(entries) == 1 and entries[0]["name"].rstrip("/") == base and entries[0].get("type") == "file":
+        return None
+    return {
+        entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry.get("type") == "directory"
+        for entry in entries
+        if entry["name"].rstrip("/") != base
+    }
+
+
+def check_output_dir(
+    uri: str,
+    *,
+    job: str,
+    owns: Callable[[dict[str, bool]], bool],
+    overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Refuse, in one line (ValueError), an output directory that is a filesystem root or a file, or that
+    holds what ``job`` did not write: ``owns(entries)`` (`list_entries`) tells whether a directory that is
+    not empty is the job's own (its marker, its checkpoints, only names it writes), so a run of the same
+    job resumes into it. ``overwrite`` allows the latter. Costs one listing."""
+    if is_root(uri, storage_options):
+        raise ValueError(f"--out {uri} is the root of a filesystem; pick a directory inside it")
+    entries = list_entries(uri, storage_options)
+    if entries is None:
+        raise ValueError(f"--out {uri} is a file; pick a directory")
+    if not entries or overwrite or owns(entries):
+        return
+    names = sorted(name + ("/" if is_dir else "") for name, is_dir in entries.items())
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise ValueError(
+        f"--out {uri} holds files {job} did not write ({shown}); pass --overwrite to write into it "
+        "anyway, or pick another --out"
+    )
 
 
 TEMP_MARK = ".tmp-"  # in the name of every file that is not yet committed

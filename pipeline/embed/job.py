@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline import storage
 from pipeline.data.bad_samples import BadSamples, reason_category
 from pipeline.data.config import DataConfig
 from pipeline.data.dataset import build_dataset, check_shards
@@ -83,6 +84,16 @@ class EmbedSummary:
     dim: int
     strays: list[str]  # other Parquet files found in --out
 
+    def failure(self) -> str | None:
+        """The one line of a run that left shards failed, or None."""
+        if not self.failed:
+            return None
+        url, why = next(iter(self.failed.items()))
+        return (
+            f"{len(self.failed)} of {self.shards} shards failed (first: {url}: {why}); run the same "
+            "command again to retry them"
+        )
+
     def format(self) -> str:
         reasons = ", ".join(f"{n} {r}" for r, n in self.bad_samples["by_reason"].items()) or "none"
         lines = [
@@ -131,6 +142,13 @@ def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
 def prepare(config: EmbedConfig) -> EmbedPlan:
     """Every check that needs no cluster, in the order that fails cheapest first; raises ValueError."""
     config.validate()
+    storage.check_output_dir(  # an output's manifest is written before its first commit: it marks it
+        config.out,
+        job="the embedding job",
+        owns=lambda entries: MANIFEST in entries,
+        overwrite=config.overwrite,
+        storage_options=config.storage_options,
+    )
     shards = expand_shards(config.data, config.storage_options)
     source = load_model_source(
         config.weights,

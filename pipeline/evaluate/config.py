@@ -40,6 +40,7 @@ class EvaluateConfig:
     storage_options: dict | None = setting(
         None, "fsspec options as JSON (credentials: prefer the environment)", secret=True
     )
+    overwrite: bool = setting(False, "replace a --json file that is no evaluation report")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shots", tuple(self.shots))
@@ -84,6 +85,7 @@ class AnalyzeConfig:
     storage_options: dict | None = setting(
         None, "fsspec options as JSON (credentials: prefer the environment)", secret=True
     )
+    overwrite: bool = setting(False, "write into an --out that holds files the analysis did not write")
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""

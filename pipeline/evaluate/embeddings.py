@@ -118,6 +118,12 @@ def load_embeddings(uri: str, storage_options: dict | None = None, *, name: str 
     embedding = table.column("embedding").combine_chunks()
     features = embedding.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim)
     keys = np.asarray(table.column("key").to_pylist(), dtype=object)
+    finite = np.isfinite(features).all(axis=1)
+    if not finite.all():
+        raise ValueError(
+            f"{name} {uri}: {int((~finite).sum())} of {len(finite)} rows hold NaN or inf (first: key "
+            f"{keys[~finite][0]}); embed them again with weights that hold finite values"
+        )
     return Embeddings(uri, features, labels.astype(np.int64), keys, about)
 
 

@@ -83,6 +83,8 @@ def _about(e: Embeddings) -> dict[str, Any]:
 def load(config: EvaluateConfig) -> tuple[Embeddings, Embeddings]:
     """Both outputs, checked against each other and the config; raises a one-line ValueError."""
     config.validate()
+    if config.json:
+        check_json_target(config.json, overwrite=config.overwrite, storage_options=config.storage_options)
     train = load_embeddings(config.train, config.storage_options, name="--train")
     test = load_embeddings(config.test, config.storage_options, name="--test")
     if len(np.unique(train.labels)) < 2:
@@ -125,6 +127,24 @@ def evaluate(config: EvaluateConfig, train: Embeddings, test: Embeddings) -> Eva
         }
     report.seconds = time.perf_counter() - start
     return report
+
+
+def check_json_target(uri: str, *, overwrite: bool = False, storage_options: dict | None = None) -> None:
+    """A one-line ValueError for a ``--json`` that is a root or a directory, or an existing file that is
+    no evaluation report (unless ``overwrite``): a report of an earlier run is replaced."""
+    if storage.is_root(uri, storage_options) or storage.list_entries(uri, storage_options):
+        raise ValueError(f"--json {uri} is a directory; name a file")
+    if overwrite or not storage.exists(uri, storage_options):
+        return
+    try:
+        ours = "linear_probe" in json.loads(storage.read_text(uri, storage_options))
+    except (ValueError, TypeError, UnicodeDecodeError):
+        ours = False
+    if not ours:
+        raise ValueError(
+            f"--json {uri} exists and is no evaluation report; pass --overwrite to replace it, or pick "
+            "another --json"
+        )
 
 
 def write_json(report: EvaluationReport, uri: str, storage_options: dict | None = None) -> None:

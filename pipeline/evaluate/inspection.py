@@ -65,9 +65,22 @@ def device_for(config: AnalyzeConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() and not config.cpu else "cpu")
 
 
-def analyze(config: AnalyzeConfig, log: Callable[[str], None] = print) -> AnalysisResult:
-    """Run the analysis; one-line ValueErrors for bad input, raised before any image is decoded."""
+OUTPUTS = (FILTERS_PNG, POSITIONS_PNG, ATTENTION_PNG, ANALYSIS_JSON, reconstruction.MAE_PNG)
+
+
+def analyze(
+    config: AnalyzeConfig, log: Callable[[str], None] = print, begin: Callable[[], None] | None = None
+) -> AnalysisResult:
+    """Run the analysis; one-line ValueErrors for bad input, raised before any image is decoded.
+    ``begin`` is called when the checks are done and the output is about to be written."""
     config.validate()
+    storage.check_output_dir(  # a rerun replaces its own files; anything else there is the user's
+        config.out,
+        job="the analysis",
+        owns=lambda entries: all(name in OUTPUTS or storage.is_temporary(name) for name in entries),
+        overwrite=config.overwrite,
+        storage_options=config.storage_options,
+    )
     figures.check_matplotlib()
     start = time.perf_counter()
     shards = expand_shards(config.data, config.storage_options)
@@ -121,6 +134,8 @@ def analyze(config: AnalyzeConfig, log: Callable[[str], None] = print) -> Analys
         "uniform_attention_distance": round(uniform, 4),
         "position_embedding_similarity": analysis.similarity_by_neighbourhood(similarity),
     }
+    if begin is not None:
+        begin()
     with tempfile.TemporaryDirectory() as scratch:
         local = Path(storage.local_path(config.out)) if storage.is_local(config.out) else Path(scratch)
         local.mkdir(parents=True, exist_ok=True)

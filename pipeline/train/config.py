@@ -217,6 +217,9 @@ class RunConfig:
         "", "held-out shards evaluated every --eval-every steps and at the end (labeled)", flag="eval-data"
     )
     out: str = setting("", "run directory (local path, s3:// or gs://); rerun with the same --out to resume")
+    overwrite: bool = setting(
+        False, "write into an --out that holds files no training run wrote (they may be replaced)"
+    )
     seed: int = setting(0, "seed of initialization, shard order, crops and shuffling")
     eval_every: int = setting(0, "steps between evaluations of --eval-data (0: only at the end)")
     log_every: int = setting(10, "steps between log lines / metrics.jsonl rows")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from pipeline import console, storage
@@ -24,13 +26,19 @@ from pipeline.train.resources import local_out_problem, worker_resources
 # `--print-config` and the one-line errors before cluster work stay quick.
 
 
+# Written into --out before a run's first step: marks the directory as a training run's, so that the same
+# command resumes into it and no run writes into a directory of the user's (`check_out`).
+RUN_MARKER = ".vitray-run"
+CHECKPOINT_PREFIX = "checkpoint_"
+
+
 class TrainingError(RuntimeError):
     """The run stopped on a data problem every worker agreed on (one line, says what to do)."""
 
 
 def split_run_uri(out: str) -> tuple[str, str]:
     """`/runs/exp1` -> (`/runs`, `exp1`); `s3://bucket/runs/exp1` -> (`s3://bucket/runs`, `exp1`)."""
-    out = out.rstrip("/")
+    out = out.rstrip("/") or "/"
     if storage.is_local(out):
         out = os.path.abspath(storage.local_path(out))
     parent, _, name = out.rpartition("/")
@@ -42,13 +50,15 @@ def split_run_uri(out: str) -> tuple[str, str]:
 def prepare(config: TrainConfig) -> list[str]:
     """Every check that needs no cluster, cheapest first; returns the expanded shard list.
 
-    Raises a one-line ValueError: a config that cannot run, an unknown model or an image size the
+    Raises a one-line ValueError: a config that cannot run, an ``--out`` that is a filesystem root or
+    holds what no training run wrote (unless ``--overwrite``), an unknown model or an image size the
     patch size does not divide, missing shards, a first shard without images or labels, fewer
     shards than workers.
     """
     from pipeline.train.model import model_config
 
     config.validate()
+    check_out(config)
     patch_size = model_config(config).patch_size
     shards = expand_shards(config.run.shards)
     check_shards(shards, config.data_for(patch_size))
@@ -59,6 +69,30 @@ def prepare(config: TrainConfig) -> list[str]:
             "write more, smaller shards (jobs/make_shards.py --samples-per-shard) or use fewer --num-workers"
         )
     return shards
+
+
+def owns_run_dir(entries: dict[str, bool]) -> bool:
+    """Whether a directory's entries (`pipeline.storage.list_entries`) are a training run's: its marker,
+    or a checkpoint (a run written before the marker was)."""
+    return RUN_MARKER in entries or any(
+        is_dir and name.startswith(CHECKPOINT_PREFIX) for name, is_dir in entries.items()
+    )
+
+
+def check_out(config: TrainConfig) -> None:
+    """A one-line ValueError for an ``--out`` that is a filesystem root, or that holds files but is no
+    training run's (a user's ``metrics.jsonl`` and ``final/`` would be replaced), unless ``--overwrite``."""
+    out = config.run.out
+    split_run_uri(out)  # a parent and a run name, or one line
+    storage.check_output_dir(out, job="a training run", owns=owns_run_dir, overwrite=config.run.overwrite)
+
+
+def claim_out(config: TrainConfig) -> None:
+    """Write `RUN_MARKER` into ``--out`` (checked on object stores, sent again if it does not arrive)."""
+    with tempfile.TemporaryDirectory(prefix="vitray-run-") as scratch:
+        marker = Path(scratch, RUN_MARKER)
+        marker.write_text(json.dumps({"format": "vitray-run", "version": 1}) + "\n")
+        storage.upload_dir(scratch, config.run.out)
 
 
 def check_resumable(config: TrainConfig) -> None:
@@ -155,6 +189,7 @@ def fit(config: TrainConfig, shards: list[str], eval_shards: list[str] | None = 
             logging_config=LoggingConfig(log_level=console.train_log_level()),
         ),
     )
+    claim_out(config)
     if config.cluster.data_cpus_per_worker is not None:
         print(
             f"{config.cluster.data_cpus_per_worker:g} decode CPUs per worker (--data-cpus-per-worker)",

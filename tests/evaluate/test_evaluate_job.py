@@ -89,6 +89,10 @@ def test_reads_back_exactly_what_was_written(tmp_path):
         ("missing", "does not exist; pass a directory that jobs/embed.py wrote"),
         ("one_class", "holds one class only"),
         ("big_k", "--k 50 is more than the 30 --train rows"),
+        # scikit-learn's own message for this is several lines long
+        ("nan", "--train %TRAIN: 2 of 30 rows hold NaN or inf (first: key 0-3)"),
+        ("json_not_ours", "exists and is no evaluation report; pass --overwrite"),
+        ("json_dir", "is a directory; name a file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, change, message):
@@ -101,14 +105,26 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, change, message
         test_x = train_x[:, :4]
     if change == "one_class":
         train_y = np.zeros(30, dtype=np.int64)
+    if change == "nan":
+        train_x = train_x.copy()
+        train_x[[3, 20], 1] = np.nan
     train = write_output(tmp_path / "train", train_x, train_y)
     test = write_output(tmp_path / "test", test_x, test_y)
     args = ["--train", str(train), "--test", str(tmp_path / "nowhere" if change == "missing" else test)]
     if change == "big_k":
         args += ["--k", "50"]
+    if change == "json_not_ours":
+        (tmp_path / "notes.json").write_text('{"mine": 1}')
+        args += ["--json", str(tmp_path / "notes.json")]
+    if change == "json_dir":
+        args += ["--json", str(tmp_path)]
     assert evaluate_job.main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert err.startswith("error: ") and message.replace("%TRAIN", str(train)) in err and "\n" not in err
+    if change == "json_not_ours":
+        assert (tmp_path / "notes.json").read_text() == '{"mine": 1}'
+        assert evaluate_job.main([*args, "--overwrite"]) == 0  # replaced on request
+        assert "linear_probe" in json.loads((tmp_path / "notes.json").read_text())
 
 
 def test_print_config_shows_the_resolved_configuration(capsys):

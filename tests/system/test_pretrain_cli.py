@@ -38,7 +38,7 @@ FLAGS = {
     "--num-workers", "--use-gpu", "--no-use-gpu", "--cpu", "--cpus-per-worker", "--placement-strategy",
     "--data-cpus-per-worker", "--shard-group-size", "--shared-out", "--no-shared-out",
     # run
-    "--data", "--eval-data", "--out", "--seed", "--eval-every", "--log-every", "--checkpoint-every",
+    "--data", "--eval-data", "--out", "--overwrite", "--no-overwrite", "--seed", "--eval-every", "--log-every", "--checkpoint-every",
     "--keep-checkpoints", "--max-failures", "--stop-at-step", "--tensorboard", "--no-tensorboard", "--wandb",
 }  # fmt: skip
 

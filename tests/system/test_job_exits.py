@@ -1,0 +1,255 @@
+"""How jobs end: one ``error:`` line and the exit code that says whether anything ran, whatever the cause;
+and no job writes into a directory of the user's. In this process, no Ray."""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import vit
+from pipeline import cli, storage
+from pipeline.train import driver
+from pipeline.train.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def job(name: str):
+    """A job script, loaded in this process under a name no package has."""
+    spec = importlib.util.spec_from_file_location(f"vitray_jobs_{name}_exits", ROOT / "jobs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def tracebacks_in_tmp_path(tmp_path, monkeypatch):
+    """The traceback files of unforeseen errors go to the test's own directory."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> str:
+    model = vit.create_model("vit_tiny_test", num_classes=4)
+    path = tmp_path_factory.mktemp("export")
+    vit.save_pretrained(path, model.state_dict(), model.config)
+    return str(path)
+
+
+def unused_port() -> int:
+    """A loopback port nothing listens on: connections to it are refused at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# --- run_job: every way a body can end --------------------------------------------------------------
+
+
+def raises(error: BaseException, *, after_start: bool = False):
+    def body() -> int:
+        if after_start:
+            cli.start_work()
+        raise error
+
+    return body
+
+
+def test_an_oserror_is_bad_input_before_the_work_starts_and_a_failed_run_after(capsys):
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert cli.run_job(raises(full)) == cli.EXIT_BAD_INPUT
+    assert "No space left on device" in one_error_line(capsys)
+    assert cli.run_job(raises(full, after_start=True)) == cli.EXIT_RUN_FAILED
+    assert "No space left on device" in one_error_line(capsys)
+    # run_job starts each job afresh: the next one's checks are bad input again
+    assert cli.run_job(raises(ValueError("a wrong flag"))) == cli.EXIT_BAD_INPUT
+    assert one_error_line(capsys) == "error: a wrong flag"
+
+
+@pytest.mark.parametrize(
+    "error, expected",
+    [
+        (RuntimeError(), "error: RuntimeError (no message)"),
+        (ValueError(""), "error: ValueError (no message)"),
+        (KeyError("metrics"), "error: KeyError: 'metrics'"),  # a summary that could not be printed
+        (
+            ValueError("Input X contains NaN.\nLogisticRegression does not accept"),
+            "error: Input X contains NaN. ...",
+        ),
+    ],
+)
+def test_an_exception_ends_in_one_line_with_a_reason(capsys, error, expected):
+    code = cli.run_job(raises(error, after_start=True))
+    assert code == cli.EXIT_RUN_FAILED
+    assert one_error_line(capsys).startswith(expected)
+
+
+def test_an_unforeseen_error_keeps_its_traceback_in_a_file(capsys):
+    def body() -> int:
+        summary: dict = {}
+        print(summary["metrics"])  # the summary of a run whose workers returned nothing
+        return 0
+
+    assert cli.run_job(body) == cli.EXIT_RUN_FAILED
+    line = one_error_line(capsys)
+    path = Path(line.split("(traceback: ", 1)[1].rstrip(")"))
+    assert 'summary["metrics"]' in path.read_text()
+    path.unlink()
+
+
+def test_errors_from_ray_tasks_and_actors_name_their_cause(capsys):
+    from ray.exceptions import ActorDiedError, RayTaskError, UserCodeException
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    task = RayTaskError("f", "Traceback ...\nKeyError", KeyError()).as_instanceof_cause()
+    assert cli.run_job(raises(task, after_start=True)) == cli.EXIT_RUN_FAILED
+    assert one_error_line(capsys).startswith("error: KeyError (no message)")
+    # Ray Data's wrapper drops its cause on the way to the driver; the remote traceback still names it
+    text = (
+        "\x1b[36mray::MapWorker(MapBatches(Embedder)).submit()\x1b[39m (pid=1, ip=127.0.0.1)\n"
+        '  File "actor.py", line 9, in __call__\n    raise RuntimeError()\nRuntimeError\n\n'
+        "The above exception was the direct cause of the following exception:\n\n"
+        "ray::MapWorker(MapBatches(Embedder)).submit() (pid=1, ip=127.0.0.1)\n"
+        "ray.exceptions.UserCodeException: UDF failed to process a data block.\nFailed to apply UDF"
+    )
+    data = RayTaskError("submit", text, UserCodeException("UDF failed to process a data block."))
+    assert cli.run_job(raises(data.as_instanceof_cause(), after_start=True)) == cli.EXIT_RUN_FAILED
+    assert one_error_line(capsys).startswith("error: RuntimeError (traceback: ")
+    died = WorkerGroupError("Training failed.\nWorker 0 died", {0: ActorDiedError()})
+    assert cli.run_job(raises(died, after_start=True)) == cli.EXIT_RUN_FAILED
+    assert one_error_line(capsys).startswith("error: ActorDiedError: The actor died")
+
+
+def test_interrupts_exits_and_failed_returns_each_end_in_one_line(capsys):
+    assert cli.run_job(raises(KeyboardInterrupt())) == cli.EXIT_INTERRUPTED
+    assert "interrupted" in one_error_line(capsys)
+    assert cli.run_job(raises(SystemExit(15), after_start=True)) == 15  # Ray's driver on a SIGTERM
+    assert "SIGTERM" in one_error_line(capsys)
+    assert cli.run_job(raises(SystemExit(0))) == 0 and capsys.readouterr().err == ""
+    assert cli.run_job(lambda: 1) == 1
+    assert "exit code 1" in one_error_line(capsys)
+
+
+# --- storage that cannot be reached -----------------------------------------------------------------
+
+
+def test_an_unreachable_store_for_out_is_one_line_before_any_work(synthetic_shards, export, capsys):
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{unused_port()}", "region_name": "us-east-1"},
+        "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
+    }
+    args = ["--data", synthetic_shards.dir, "--weights", export, "--out", "s3://vitray-test/emb"]
+    assert job("embed").main([*args, "--storage-options", json.dumps(options)]) == cli.EXIT_BAD_INPUT
+    line = one_error_line(capsys)
+    assert "Could not connect to the endpoint URL" in line and "endpoint and credentials" in line
+
+
+def test_s3_weights_without_credentials_are_one_line(synthetic_shards, tmp_path, monkeypatch, capsys):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance metadata to wait for
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    options = {
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{unused_port()}", "region_name": "us-east-1"},
+        "skip_instance_cache": True,
+    }
+    args = [
+        "--data",
+        synthetic_shards.dir,
+        "--weights",
+        "s3://vitray-test/final",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert job("embed").main([*args, "--storage-options", json.dumps(options)]) == cli.EXIT_BAD_INPUT
+    assert "Unable to locate credentials" in one_error_line(capsys)
+
+
+# --- outputs onto the user's files ------------------------------------------------------------------
+
+
+def users_dir(path: Path) -> Path:
+    """A directory of the user's that names what a training run leaves, but no run wrote."""
+    (path / "final").mkdir(parents=True)
+    (path / "final" / "config.json").write_text("the user's")
+    (path / "metrics.jsonl").write_text("the user's\n")
+    return path
+
+
+def test_training_refuses_a_root_and_a_directory_it_did_not_write(synthetic_shards, tmp_path, capsys):
+    pretrain = job("pretrain")
+    mine = users_dir(tmp_path / "mine")
+    assert pretrain.main(["--data", synthetic_shards.dir, "--out", str(mine)]) == cli.EXIT_BAD_INPUT
+    assert "(final/, metrics.jsonl); pass --overwrite" in one_error_line(capsys)
+    assert (mine / "metrics.jsonl").read_text() == "the user's\n"
+    # "/" once ran, its checkpoints in the current directory, metrics.jsonl and final/ in the root
+    with pytest.raises(ValueError, match="needs a parent directory and a run name"):
+        driver.check_out(PRESETS["tiny"]().replace(out="/"))
+    # What a run leaves is its own: the marker it writes before its first step, or a checkpoint.
+    config = PRESETS["tiny"]().replace(data=synthetic_shards.dir, out=str(tmp_path / "run"))
+    driver.check_out(config)  # nothing there yet
+    driver.claim_out(config)
+    assert (tmp_path / "run" / driver.RUN_MARKER).is_file()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    driver.check_out(config)  # resumable without --overwrite
+    older = users_dir(tmp_path / "older")
+    (older / "checkpoint_00000004").mkdir()
+    driver.check_out(config.replace(out=str(older)))
+    driver.check_out(config.replace(out=str(mine), overwrite=True))
+
+
+def test_a_filesystem_root_is_no_output_directory(tmp_path):
+    # Checked here rather than through the jobs: a regression would have them write into the root.
+    for root in ("/", "file:///", "/.", "s3://"):
+        assert storage.is_root(root), root
+        with pytest.raises(ValueError, match="root of a filesystem"):
+            storage.check_output_dir(root, job="a job", owns=lambda entries: True, overwrite=True)
+    for directory in (str(tmp_path), "s3://bucket", "s3://bucket/emb", "relative/dir"):
+        assert not storage.is_root(directory), directory
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        storage.check_output_dir(str(tmp_path / "a-file"), job="a job", owns=lambda entries: True)
+
+
+def test_the_other_jobs_refuse_a_directory_they_did_not_write(synthetic_shards, export, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    common = ["--data", synthetic_shards.dir, "--weights", export, "--out", str(mine)]
+    for name in ("embed", "analyze"):
+        assert job(name).main(common) == cli.EXIT_BAD_INPUT, name
+        assert "did not write (notes.txt); pass --overwrite" in one_error_line(capsys)
+    with pytest.raises(SystemExit) as exit:
+        job("make_shards").main(["--synthetic", "8", "--out", str(mine)])
+    assert exit.value.code == cli.EXIT_BAD_INPUT
+    assert "did not write (notes.txt); pass --overwrite" in one_error_line(capsys)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    # The shard writer shares a directory with other shards, and writes beside anything on request.
+    shards = job("make_shards")
+    shards.main(["--synthetic", "8", "--out", str(tmp_path / "s"), "--prefix", "val"])
+    shards.main(["--synthetic", "8", "--out", str(tmp_path / "s")])
+    shards.main(["--synthetic", "8", "--out", str(mine), "--overwrite"])
+    assert (mine / "notes.txt").read_text() == "the user's"
+
+
+def test_make_shards_from_a_missing_folder_is_bad_input_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        job("make_shards").main(["--from-folder", str(tmp_path / "nowhere"), "--out", str(tmp_path / "s")])
+    assert exit.value.code == cli.EXIT_BAD_INPUT
+    assert "is not a directory" in one_error_line(capsys)
+    assert not (tmp_path / "s").exists()
