@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -45,9 +44,10 @@ import torch.distributed as dist
 from pipeline import dcp, storage
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
-from pipeline.data.dataset import Batch, micro_batches
+from pipeline.data.dataset import micro_batches
 from pipeline.train import checkpoint, finetune, sinks
 from pipeline.train.config import TrainConfig
+from pipeline.train.cursor import EpochCursor, stream_fingerprint
 from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
 from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import objective_for
@@ -62,7 +62,6 @@ from pipeline.train.state import (
     agree_weights_are_finite,
     control_group,
     gather_bad_samples,
-    stream_fingerprint,
 )
 from pipeline.train.step import StepStats, TrainStep, peak_tflops
 
@@ -101,16 +100,10 @@ class Trainer:
         self.step_fn = TrainStep(self.model, config, self.device, self.objective)
         self.state = self.resume()
         self.group = control_group()
-        # This rank's counts as of the last step's input: what reports, checkpoints and the summary
-        # hold. The data thread counts into a copy of its own, so samples it read ahead for steps
-        # that never ran (the run stopped, another rank ran dry) are not counted.
-        self.bad_samples = self.state.bad_samples_of(self.rank, self.world, self.data_config)
-        # This rank's counts when the current epoch began, and the micro-batches it has taken since.
-        self.epoch_bad_samples = self.state.bad_samples_of(
-            self.rank, self.world, self.data_config, at_epoch_start=True
-        )
-        self.stream = stream_fingerprint(self.shards, config.run.seed, self.data_config.shuffle_buffer)
-        self.taken = self.resumed_position()
+        # Where this rank stands in the epoch, and its bad-sample counts as of the last step's input.
+        # The data thread counts into a copy of its own, so samples it read ahead for steps that never
+        # ran (the run stopped, another rank ran dry) are not counted.
+        self.cursor = self.resume_cursor()
         self.skipped = SkippedSteps(self.device)
         self.log = None if self.rank else sinks.attach(MetricsLog(config.run.out, self.state.step), config)
         self.saved_config = {
@@ -142,18 +135,18 @@ class Trainer:
         self.resumed_from = {"checkpoint": source, "step": state.step, "epoch": state.epoch}
         return state
 
-    def resumed_position(self) -> int:
-        """Micro-batches of the current epoch this rank took before the checkpoint (0 without one)."""
+    def resume_cursor(self) -> EpochCursor:
+        """This rank's place in the epoch: the start, or what the checkpoint resumed from holds."""
+        stream = stream_fingerprint(self.shards, self.config.run.seed, self.data_config.shuffle_buffer)
+        layout = (self.rank, self.world, self.config.optim.micro_batch_size, stream, self.data_config)
         if self.resumed_from is None:
-            return 0
-        if self.state.step >= self.config.last_step:
-            taken, note = 0, "the schedule is done, nothing is re-read"
-        else:
-            taken, note = self.state.taken_at(self.world, self.config.optim.micro_batch_size, self.stream)
+            return EpochCursor.start(*layout)
+        done = self.state.step >= self.config.last_step
+        cursor, note = EpochCursor.resume(self.state, *layout, schedule_done=done)
         if self.rank == 0:
             where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step}"
             log_line(f"{where} (epoch {self.state.epoch})" + (f": {note}" if note else ""))
-        return taken
+        return cursor
 
     def announce(self, peak_note: str) -> None:
         """Collective: the run's shape in one log line (rank 0 writes it)."""
@@ -196,22 +189,19 @@ class Trainer:
             data.close()  # stops this epoch's Ray Data execution if it is still running
         if state.step >= last_step:
             return
-        if steps == 0 and self.taken == 0:
+        if steps == 0 and self.cursor.taken == 0:
             raise StopRun(
                 f"epoch {state.epoch} gave no full step: {len(self.shards)} shards hold fewer than "
                 f"{self.config.optim.batch_size} readable samples per step across {self.world} workers; "
                 "use more data or a smaller --batch-size"
             )
         state.epoch += 1
-        self.taken = 0
-        self.epoch_bad_samples = BadSamples.from_dict(self.bad_samples.to_dict())
+        self.cursor.next_epoch()
 
     def epoch_input(self) -> Prefetcher:
         """This rank's steps of input for the current epoch, after the micro-batches it has taken."""
         order = shard_order(self.shards, self.config.run.seed, self.state.epoch)
-        # The stream counts from the epoch's start: re-reading what it had taken brings the counts to
-        # the checkpoint's, each sample counted once.
-        counts = BadSamples.from_dict(self.epoch_bad_samples.to_dict())
+        counts = self.cursor.replay_counts()
         stream = micro_batches(
             order[self.rank :: self.world],
             self.data_config,
@@ -223,7 +213,7 @@ class Trainer:
             or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch),
         )
         return Prefetcher(
-            skip(stream, self.taken),
+            self.cursor.skip(stream),
             accum=self.accum,
             columns=self.objective.columns,
             bad_samples=counts,
@@ -236,12 +226,12 @@ class Trainer:
         wait_start = time.perf_counter()
         step_input = data.next()
         self.window.data_wait += time.perf_counter() - wait_start
-        self.bad_samples = step_input.bad_samples
+        self.cursor.saw(step_input.bad_samples)
         agreement = agree_on_step(step_input.samples, step_input.ran_dry, step_input.error, self.group)
         return step_input, agreement
 
     def train_step(self, data: Prefetcher, step_input: StepInput, agreement: StepAgreement) -> None:
-        self.taken += len(step_input.micro_batches)
+        self.cursor.took(len(step_input.micro_batches), step_input.bad_samples)
         micro_batches = step_input.to_device(self.device)
         data.release(step_input)
         stats = self.step_fn(
@@ -309,8 +299,8 @@ class Trainer:
             epoch=self.state.epoch,
             lr=stats.lr,
             grad_norm=stats.grad_norm,
-            samples_seen=self.bad_samples.total,
-            bad_samples=self.bad_samples.bad,
+            samples_seen=self.cursor.counts.total,
+            bad_samples=self.cursor.counts.bad,
             skipped_steps=self.state.skipped_steps,
             flops_per_image=self.flops_per_image,
             peak_tflops=self.peak_tflops,
@@ -340,14 +330,9 @@ class Trainer:
                 f"the weights hold NaN or inf at step {self.state.step} and were not saved; resume from "
                 "the last checkpoint with a lower --lr or a smaller --grad-clip"
             )
-        self.state.epoch_position = {
-            "world": self.world,
-            "micro_batch_size": self.config.optim.micro_batch_size,
-            "stream": self.stream,
-            "micro_batches": self.taken,
-        }
-        self.state.bad_samples = gather_bad_samples(self.bad_samples, self.group)
-        self.state.epoch_bad_samples = gather_bad_samples(self.epoch_bad_samples, self.group)
+        self.state.epoch_position = self.cursor.position()
+        self.state.bad_samples = gather_bad_samples(self.cursor.counts, self.group)
+        self.state.epoch_bad_samples = gather_bad_samples(self.cursor.at_epoch_start, self.group)
         with tempfile.TemporaryDirectory(prefix="vitray-ckpt-") as tmp:
             checkpoint.save(tmp, self.model, self.step_fn.optimizer, self.state.to_dict(), self.saved_config)
             self.session.report(metrics, tmp, dcp.checkpoint_name(self.state.step))
@@ -356,7 +341,7 @@ class Trainer:
     def finish(self, error: str) -> dict[str, Any]:
         """Collective: merge every rank's bad samples; export the model unless the run failed."""
         merged = BadSamples.from_config(self.data_config)
-        for counts in gather_bad_samples(self.bad_samples, self.group):
+        for counts in gather_bad_samples(self.cursor.counts, self.group):
             merged.merge(counts)
         if not error:
             self.export()
@@ -390,11 +375,3 @@ class Trainer:
             if checkpoint.export_final(tmp, self.model, self.model_config, extra, exported) is not None:
                 storage.upload_dir(tmp, storage.join(config.run.out, "final"), commit_last="config.json")
                 log_line(f"exported {storage.join(config.run.out, 'final')}")
-
-
-def skip(stream: Iterator[Batch], count: int) -> Iterator[Batch]:
-    """`stream` after its first `count` micro-batches: those a resumed rank had trained on."""
-    for _ in range(count):
-        if next(stream, None) is None:
-            return
-    yield from stream

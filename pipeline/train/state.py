@@ -8,8 +8,6 @@ a full step of data, the first data error, every rank's bad-sample counts.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,14 +15,6 @@ import torch
 import torch.distributed as dist
 
 from pipeline.data.bad_samples import BadSamples
-from pipeline.data.config import DataConfig
-
-
-def stream_fingerprint(shards: list[str], seed: int, shuffle_buffer: int) -> str:
-    """What fixes the order of every rank's samples in an epoch, beside the layout: a resume re-reads
-    a position only in the stream it was taken from."""
-    text = json.dumps([list(shards), seed, shuffle_buffer])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -37,7 +27,7 @@ class TrainState:
     # Where every rank stands in this epoch's stream: {"world", "micro_batch_size", "stream",
     # "micro_batches"}, the micro-batches each rank has taken at that layout from that stream ({} at
     # the epoch's start). A run resumed at the same layout and stream re-reads exactly those and
-    # trains on the rest (`taken_at`, `Trainer.epoch_input`).
+    # trains on the rest (`pipeline.train.cursor.EpochCursor`).
     epoch_position: dict[str, int] = field(default_factory=dict)
     # Every rank's bad-sample counts when this epoch began: the re-read starts from them, so it ends
     # at exactly the counts of `bad_samples` (each sample counted once across the resume).
@@ -55,40 +45,6 @@ class TrainState:
         """From `to_dict`; fields a checkpoint predates keep their defaults, unknown keys are ignored."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
-
-    def taken_at(self, world: int, micro_batch_size: int, stream: str) -> tuple[int, str]:
-        """(micro-batches of the current epoch each rank took before this checkpoint, a note for the
-        resume's log line). At another world size or micro-batch size, or another `stream` (see
-        `stream_fingerprint`), the ranks' streams differ: the epoch's data starts again from its first
-        sample (0)."""
-        position = self.epoch_position
-        taken = position.get("micro_batches", 0)
-        layout = (position.get("world"), position.get("micro_batch_size"))
-        if not taken:
-            return 0, ""
-        if layout != (world, micro_batch_size):
-            why = f"it was taken with {layout[0]} workers x micro-batch {layout[1]}"
-        elif position.get("stream") != stream:
-            why = "it was taken from other shards, or with another seed or shuffle buffer"
-        else:
-            return taken, f"each worker re-reads the {taken * micro_batch_size} samples it had taken"
-        return 0, f"{why}, so this epoch's data starts again from its first sample"
-
-    def bad_samples_of(
-        self, rank: int, world: int, data_config: DataConfig, *, at_epoch_start: bool = False
-    ) -> BadSamples:
-        """This rank's bad-sample counts to continue from (``at_epoch_start``: as the epoch began). At the
-        world size that saved them each rank takes its own; at another, rank 0 carries the run's merged
-        counts and the others start at zero, so the run's totals (the sum over ranks) go on either way."""
-        counts = BadSamples.from_config(data_config)
-        # A checkpoint older than `epoch_bad_samples` has only the counts as of its step.
-        saved = (self.epoch_bad_samples if at_epoch_start else []) or self.bad_samples
-        if len(saved) == world:
-            counts.merge(saved[rank])
-        elif rank == 0:
-            for one in saved:
-                counts.merge(one)
-        return counts
 
 
 @dataclass(frozen=True)

@@ -364,24 +364,3 @@ def test_a_compiled_run_with_activation_checkpointing_trains_like_an_eager_one(w
     wa, wb = weights(eager, 4), weights(fast, 4)
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=1e-5, msg=name)
-
-
-def test_a_position_is_re_read_only_in_the_stream_it_was_taken_from():
-    from pipeline.train.state import TrainState, stream_fingerprint
-
-    same = stream_fingerprint(["a.tar", "b.tar"], 0, 16)
-    state = TrainState(epoch_position={"world": 2, "micro_batch_size": 4, "stream": same, "micro_batches": 3})
-    assert state.taken_at(2, 4, same)[0] == 3
-    others = [
-        stream_fingerprint(["a.tar", "c.tar"], 0, 16),  # other shards
-        stream_fingerprint(["b.tar", "a.tar"], 0, 16),  # listed in another order
-        stream_fingerprint(["a.tar", "b.tar"], 1, 16),  # another seed
-        stream_fingerprint(["a.tar", "b.tar"], 0, 0),  # another shuffle buffer
-    ]
-    for other in others:
-        taken, note = state.taken_at(2, 4, other)
-        assert taken == 0 and note.startswith("it was taken from other shards"), note
-    assert state.taken_at(4, 4, same) == (
-        0,
-        "it was taken with 2 workers x micro-batch 4, so this epoch's data starts again from its first sample",
-    )

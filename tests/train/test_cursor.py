@@ -1,0 +1,104 @@
+"""`EpochCursor`, where a rank stands in its epoch: unit tests without a process group or Ray."""
+
+from __future__ import annotations
+
+from pipeline.data.bad_samples import BadSamples
+from pipeline.data.config import DataConfig
+from pipeline.train.cursor import EpochCursor, stream_fingerprint
+from pipeline.train.state import TrainState
+
+DATA = DataConfig()
+SAME = stream_fingerprint(["a.tar", "b.tar"], 0, 16)
+
+
+def counts(total: int, bad: int) -> BadSamples:
+    c = BadSamples.from_config(DATA)
+    c.total, c.bad = total, bad
+    c.by_reason["truncated image"] = bad
+    return c
+
+
+def saved(cursors: list[EpochCursor]) -> TrainState:
+    """The state a checkpoint holds for these ranks' cursors (as `Trainer.save_checkpoint` gathers it)."""
+    return TrainState(
+        step=5,
+        epoch_position=cursors[0].position(),
+        bad_samples=[c.counts.to_dict() for c in cursors],
+        epoch_bad_samples=[c.at_epoch_start.to_dict() for c in cursors],
+    )
+
+
+def test_a_cursor_takes_micro_batches_and_starts_each_epoch_from_its_counts():
+    cursor = EpochCursor.start(0, 2, 4, SAME, DATA)
+    assert (cursor.taken, cursor.counts.total, cursor.at_epoch_start.total) == (0, 0, 0)
+    cursor.took(2, counts(8, 1))
+    cursor.took(2, counts(16, 2))
+    assert (cursor.taken, cursor.counts.bad, cursor.at_epoch_start.bad) == (4, 2, 0)
+    assert cursor.position() == {"world": 2, "micro_batch_size": 4, "stream": SAME, "micro_batches": 4}
+    cursor.next_epoch()
+    assert (cursor.taken, cursor.at_epoch_start.bad) == (0, 2)
+    cursor.at_epoch_start.bad = 99  # the start of the epoch is a copy, not the live counts
+    assert cursor.counts.bad == 2
+
+
+def test_skip_drops_exactly_the_micro_batches_taken():
+    cursor = EpochCursor.start(0, 1, 4, SAME, DATA)
+    cursor.took(3, counts(12, 0))
+    assert list(cursor.skip(iter(range(10)))) == [3, 4, 5, 6, 7, 8, 9]
+    assert list(cursor.skip(iter(range(2)))) == []  # a stream shorter than the position
+
+
+def test_a_resume_at_the_same_layout_and_stream_re_reads_the_taken_samples_from_the_epoch_counts():
+    ranks = [EpochCursor.start(r, 2, 4, SAME, DATA) for r in range(2)]
+    for r, cursor in enumerate(ranks):
+        cursor.took(1, counts(4, r))
+        cursor.next_epoch()
+        cursor.took(3, counts(16, r + 2))
+    for r in range(2):
+        again, note = EpochCursor.resume(saved(ranks), r, 2, 4, SAME, DATA)
+        assert again.taken == 3 and note == "each worker re-reads the 12 samples it had taken"
+        assert (again.counts.bad, again.at_epoch_start.bad) == (r + 2, r)
+        assert again.replay_counts().to_dict() == again.at_epoch_start.to_dict()
+
+
+def test_a_position_is_re_read_only_in_the_stream_and_layout_it_was_taken_from():
+    cursor = EpochCursor.start(0, 2, 4, SAME, DATA)
+    cursor.took(3, counts(12, 0))
+    state = saved([cursor, EpochCursor.start(1, 2, 4, SAME, DATA)])
+    others = [
+        stream_fingerprint(["a.tar", "c.tar"], 0, 16),  # other shards
+        stream_fingerprint(["b.tar", "a.tar"], 0, 16),  # listed in another order
+        stream_fingerprint(["a.tar", "b.tar"], 1, 16),  # another seed
+        stream_fingerprint(["a.tar", "b.tar"], 0, 0),  # another shuffle buffer
+    ]
+    for other in others:
+        again, note = EpochCursor.resume(state, 0, 2, 4, other, DATA)
+        assert again.taken == 0 and note.startswith("it was taken from other shards"), note
+    again, note = EpochCursor.resume(state, 0, 4, 4, SAME, DATA)
+    assert again.taken == 0
+    assert (
+        note
+        == "it was taken with 2 workers x micro-batch 4, so this epoch's data starts again from its first sample"
+    )
+    _, note = EpochCursor.resume(state, 0, 2, 4, SAME, DATA, schedule_done=True)
+    assert note == "the schedule is done, nothing is re-read"
+
+
+def test_at_another_world_size_rank_0_carries_the_runs_counts_so_totals_go_on():
+    ranks = [EpochCursor.start(r, 2, 4, SAME, DATA) for r in range(2)]
+    ranks[0].took(1, counts(4, 1))
+    ranks[1].took(1, counts(4, 2))
+    state = saved(ranks)
+    first, _ = EpochCursor.resume(state, 0, 3, 4, SAME, DATA)
+    others = [EpochCursor.resume(state, r, 3, 4, SAME, DATA)[0] for r in (1, 2)]
+    assert (first.counts.total, first.counts.bad) == (8, 3)
+    assert all(c.counts.total == 0 for c in others)
+
+
+def test_a_checkpoint_without_epoch_counts_starts_its_epoch_from_the_step_counts():
+    cursor = EpochCursor.start(0, 1, 4, SAME, DATA)
+    cursor.took(2, counts(8, 1))
+    state = saved([cursor])
+    state.epoch_bad_samples = []  # written before the epoch's counts were kept
+    again, _ = EpochCursor.resume(state, 0, 1, 4, SAME, DATA)
+    assert again.at_epoch_start.bad == 1
