@@ -143,10 +143,10 @@ def load_model_state(
     metadata = _read_metadata(safe_reader(directory, storage_options), directory)
     head = f"model.{prefix}"
     try:
+        entries = {n: e for n, e in metadata.state_dict_metadata.items() if n.startswith(head)}
+        _refuse_non_tensors(directory, metadata, list(entries))
         shapes = {
-            name[len(head) :]: tuple(entry.size)
-            for name, entry in metadata.state_dict_metadata.items()
-            if name.startswith(head) and isinstance(entry, TensorStorageMetadata)
+            n[len(head) :]: tuple(e.size) for n, e in entries.items() if isinstance(e, TensorStorageMetadata)
         }
     except (AttributeError, TypeError) as e:
         raise ValueError(f"--weights {directory}: its {METADATA} is damaged ({e})") from e
