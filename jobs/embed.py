@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from pipeline.data.bad_samples import BadSampleBudgetError, LabelsMissingError
+    from pipeline.embed.job import NonFiniteEmbeddingError
 
-    return cli.run_job(body, failures=(BadSampleBudgetError, LabelsMissingError))
+    return cli.run_job(body, failures=(BadSampleBudgetError, LabelsMissingError, NonFiniteEmbeddingError))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 
 import vit
 from pipeline import compat, storage
+from vit.weights import check_shapes
 
 TRAIN_STATE = "train_state.json"
 CONFIG = "config.json"
@@ -132,9 +133,33 @@ def load_model_state(
     directory: str, config: vit.ViTConfig, storage_options: dict | None = None, prefix: str = ""
 ) -> dict[str, torch.Tensor]:
     """The model part of a DCP checkpoint as a full CPU state dict; one process, no process group.
-    ``prefix``: where the ViT sits in the trained module (``encoder.`` in a masked autoencoder)."""
+    ``prefix``: where the ViT sits in the trained module (``encoder.`` in a masked autoencoder).
+
+    ``config`` (the checkpoint's config.json) is checked against the tensor sizes in the metadata before
+    the model is allocated: a config that claims a larger model than the checkpoint holds is refused in
+    one line, never built."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = _read_metadata(safe_reader(directory, storage_options), directory)
+    head = f"model.{prefix}"
+    try:
+        entries = {n: e for n, e in metadata.state_dict_metadata.items() if n.startswith(head)}
+        _refuse_non_tensors(directory, metadata, list(entries))
+        shapes = {
+            n[len(head) :]: tuple(e.size) for n, e in entries.items() if isinstance(e, TensorStorageMetadata)
+        }
+    except (AttributeError, TypeError) as e:
+        raise ValueError(f"--weights {directory}: its {METADATA} is damaged ({e})") from e
+    check_shapes(shapes, config, f"--weights {directory}")
     model = vit.VisionTransformer(config, device="meta").to_empty(device="cpu")
     return load_module_state(directory, model, storage_options, prefix)
+
+
+def _read_metadata(reader: Any, directory: str) -> Any:
+    try:
+        return reader.read_metadata()  # on its own: DCP would bury a refusal in its own exception
+    except (pickle.UnpicklingError, EOFError) as e:
+        raise ValueError(f"--weights {directory}: {e or 'its ' + METADATA + ' is cut short'}") from e
 
 
 def load_module_state(
@@ -145,10 +170,7 @@ def load_module_state(
     import torch.distributed.checkpoint as dcp
 
     reader = safe_reader(directory, storage_options)
-    try:
-        metadata = reader.read_metadata()  # first on its own: DCP would bury a refusal in its own exception
-    except pickle.UnpicklingError as e:
-        raise ValueError(f"--weights {directory}: {e}") from e
+    metadata = _read_metadata(reader, directory)
     # Only the model: the optimizer's tensors are never read.
     state = {"model": {prefix + name: value for name, value in module.state_dict().items()}}
     _refuse_non_tensors(directory, metadata, [f"model.{name}" for name in state["model"]])

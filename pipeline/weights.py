@@ -34,7 +34,7 @@ import torch
 
 import vit
 from pipeline import dcp, storage
-from vit.weights import CONFIG_FILE, WEIGHTS_FILE, check_weights
+from vit.weights import CONFIG_FILE, WEIGHTS_FILE, check_shapes, check_values, check_weights, read_header
 
 FORMATS = ("auto", "vitray", "timm", "torchvision", "hf")
 FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
@@ -79,10 +79,13 @@ def load_model_source(
             _check_named(config, named, path)
         state_dict, config = vit.load_pretrained(where, as_state_dict=True)
     elif kind == "checkpoint":
-        saved = json.loads(storage.read_text(storage.join(where, CONFIG_FILE), storage_options))
-        if "model_config" not in saved:
+        saved = _read_json(storage.join(where, CONFIG_FILE), storage_options)
+        if not isinstance(saved, dict) or "model_config" not in saved:
             raise ValueError(f"{where}/{CONFIG_FILE} has no model_config; is it a vitray checkpoint?")
-        config = vit.ViTConfig.from_dict(saved["model_config"])
+        try:
+            config = vit.ViTConfig.from_dict(saved["model_config"])
+        except ValueError as e:
+            raise ValueError(f"{where}/{CONFIG_FILE}: {e}") from e
         preprocessing = _data_config_dict(saved.get("data"))
         if named is not None:
             _check_named(config, named, path)
@@ -92,6 +95,8 @@ def load_model_source(
     else:
         state_dict, config, kind = _load_converted(where, kind, named, path, storage_options)
     check_weights(state_dict, config, f"--weights {path}")
+    if kind != "export":  # an export's values were checked as it loaded
+        check_values(state_dict, f"--weights {path}")
     state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
     if image_size is not None and image_size != config.image_size:
         config = config.replace(image_size=image_size)  # validates divisibility by the patch size
@@ -148,8 +153,8 @@ def _resolve(path: str, weights_format: str, storage_options: dict | None) -> tu
             f"--weights {path} is a directory; {weights_format} weights are one file (.pth/.safetensors)"
         )
     if weights_format in ("auto", "hf") and CONFIG_FILE in names and names & set(HF_WEIGHT_FILES):
-        hf_config = json.loads(storage.read_text(storage.join(path, CONFIG_FILE), storage_options))
-        if hf_config.get("format") != "vitray":
+        hf_config = _read_json(storage.join(path, CONFIG_FILE), storage_options)
+        if not isinstance(hf_config, dict) or hf_config.get("format") != "vitray":
             return "hf", path
     if weights_format == "hf":
         raise ValueError(
@@ -169,6 +174,13 @@ def _resolve(path: str, weights_format: str, storage_options: dict | None) -> tu
         f"--weights {path} holds no vitray export (weights.safetensors + config.json), final/, complete "
         "checkpoint_* or transformers model; pass one of those, or a .safetensors/.pth file"
     )
+
+
+def _read_json(file: str, storage_options: dict | None) -> Any:
+    try:
+        return json.loads(storage.read_text(file, storage_options))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"--weights {file} is not JSON ({e})") from e
 
 
 def _data_config_dict(values: Any) -> dict[str, Any] | None:
@@ -208,11 +220,16 @@ def _load_converted(
     """timm / torchvision / transformers weights -> (vitray state dict, config, source format)."""
     overrides: dict[str, Any] = {}
     if kind == "hf" and not where.endswith(FILE_SUFFIXES):  # a transformers model directory
-        hf_config = json.loads(storage.read_text(storage.join(where, CONFIG_FILE), storage_options))
+        hf_config = _read_json(storage.join(where, CONFIG_FILE), storage_options)
         names = storage.list_files(where, storage_options)
         file = storage.join(where, next(n for n in HF_WEIGHT_FILES if n in names))
         raw = _read_tensors(file, storage_options)
-        base = vit.config_from_hf(hf_config)
+        try:
+            base = vit.config_from_hf(hf_config)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"--weights {path}: its {CONFIG_FILE} is not a transformers ViT config ({e!r})"
+            ) from e
         overrides = {"num_heads": base.num_heads, "norm_eps": base.norm_eps}
     else:
         raw = _read_tensors(where, storage_options)
@@ -229,6 +246,11 @@ def _load_converted(
         inferred = vit.config_from_state_dict(converted, None if kind == "vitray" else kind, **overrides)
     except (ValueError, KeyError, IndexError) as e:
         raise ValueError(f"--weights {path}: {e}") from e
+    if overrides:  # the sizes the transformers config.json claims must be the weights' own
+        claimed = base.replace(
+            **{f: getattr(inferred, f) for f in ("head", "num_classes", "representation_size")}
+        )
+        check_shapes({k: v.shape for k, v in converted.items()}, claimed, f"--weights {path}")
     if named is not None:
         _check_named(inferred, named, path)
         inferred = inferred.replace(name=named.name, num_heads=named.num_heads)
@@ -263,6 +285,7 @@ def _read_tensors(file: str, storage_options: dict | None) -> dict[str, torch.Te
     if file.endswith(".safetensors"):
         from safetensors.torch import load
 
+        read_header(io.BytesIO(data), len(data), f"--weights {file}")  # one-line errors for a damaged header
         try:
             return load(data)
         except Exception as e:

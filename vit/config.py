@@ -7,11 +7,14 @@ training job stores it beside every checkpoint and the final export (`config.jso
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
 POOLS = ("cls", "gap")
 HEADS = ("pretrain", "finetune")
+MAX_NORM_EPS = 1e-2
 
 # The original ViT scales pixels to [-1, 1]: (x - 0.5) / 0.5 over [0, 1] pixels.
 VIT_MEAN = (0.5, 0.5, 0.5)
@@ -63,8 +66,11 @@ class ViTConfig:
 
     def __post_init__(self) -> None:
         # JSON gives lists; keep the dataclass hashable and comparable.
-        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
-        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        for name in ("mean", "std"):
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple)) or not all(_is_number(v) for v in values):
+                raise ValueError(f"{name} must be a list of numbers, one per channel, got {values!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in values))
         if self.backbone_layers is not None and not isinstance(self.backbone_layers, (str, int)):
             object.__setattr__(self, "backbone_layers", tuple(self.backbone_layers))
         self.validate()
@@ -120,8 +126,17 @@ class ViTConfig:
         sizes = ("image_size", "patch_size", "num_channels", "embed_dim", "depth", "num_heads", "mlp_dim")
         for field in sizes:
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        for field, kind in (("name", str), ("pool", str), ("head", str), ("qkv_bias", bool)):
+            if not isinstance(getattr(self, field), kind):
+                raise ValueError(f"{field} must be a {kind.__name__}, got {getattr(self, field)!r}")
+        if not _is_int(self.num_classes):
+            raise ValueError(f"num_classes must be an integer, got {self.num_classes!r}")
+        if self.representation_size is not None and not _is_int(self.representation_size):
+            raise ValueError(
+                f"representation_size must be an integer or None, got {self.representation_size!r}"
+            )
         if self.image_size % self.patch_size:
             lower = self.image_size // self.patch_size * self.patch_size
             raise ValueError(
@@ -146,10 +161,16 @@ class ViTConfig:
                 f"mean and std need one value per channel ({self.num_channels}), "
                 f"got {len(self.mean)} and {len(self.std)}"
             )
-        if any(s <= 0 for s in self.std):
-            raise ValueError(f"std must be positive, got {self.std}")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        # The input layer scales [0, 1] pixels: (x - mean) / std, per channel.
+        if not all(0.0 <= m <= 1.0 for m in self.mean):
+            raise ValueError(f"mean must lie in [0, 1] (pixels are scaled to [0, 1] first), got {self.mean}")
+        if not all(0.0 < s < math.inf for s in self.std):
+            raise ValueError(f"std must be positive and finite, got {self.std}")
+        # LayerNorm's eps guards a division; a large one flattens every token to its bias (1e-12 to 1e-5 in use).
+        if not _is_number(self.norm_eps) or not 0.0 < self.norm_eps <= MAX_NORM_EPS:
+            raise ValueError(
+                f"norm_eps must be a small positive number, in (0, {MAX_NORM_EPS:g}], got {self.norm_eps!r}"
+            )
         self._validate_backbone()
 
     def _validate_backbone(self) -> None:
@@ -184,6 +205,8 @@ class ViTConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ViTConfig:
         """Inverse of `to_dict`; unknown keys are an error (a config from another tool or version)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a ViTConfig is a JSON object of fields, got {type(data).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
@@ -197,6 +220,14 @@ class ViTConfig:
         if unknown:
             raise ValueError(f"unknown ViTConfig field(s) {unknown}; valid fields: {sorted(fields)}")
         return dataclasses.replace(self, **overrides)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _variant(name: str, patch_size: int, width: int, depth: int, mlp: int, heads: int) -> ViTConfig:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -104,6 +105,7 @@ _BACKBONE_KEY = (
     r"patch_embed\.backbone\.(stem\.conv\.weight|stem\.norm\.(weight|bias)"
     r"|stages\.\d+\.\d+\.(conv[123]\.weight|norm[123]\.(weight|bias)|downsample\.(conv\.weight|norm\.(weight|bias))))"
 )
+BLOCK_KEY = re.compile(r"^blocks\.([0-9]+)\.")
 # Every key of a vitray state dict, for the final check.
 VITRAY_KEY = re.compile(
     rf"^(cls_token|pos_embed|patch_embed\.(mean|std)|patch_embed\.proj\.(weight|bias)|{_BACKBONE_KEY}"
@@ -255,10 +257,10 @@ def config_from_state_dict(
             "not a vitray ViT state dict (no cls_token / patch_embed / blocks); convert it first"
         )
     dim = sd["cls_token"].shape[-1]
-    depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    depth = len(block_indices(sd))
     mlp_dim = sd["blocks.0.mlp.fc1.weight"].shape[0]
-    mean = _decimals(sd["patch_embed.mean"]) if "patch_embed.mean" in sd else VIT_MEAN
-    std = _decimals(sd["patch_embed.std"]) if "patch_embed.std" in sd else VIT_STD
+    mean = _normalization(sd, "mean", VIT_MEAN)
+    std = _normalization(sd, "std", VIT_STD)
     channels = len(mean)
     backbone = backbone_from_state_dict(sd)
     if backbone is None:
@@ -301,6 +303,29 @@ def config_from_state_dict(
     fields["num_heads"] = match.num_heads if match else max(1, dim // 64)
     fields.update(overrides)
     return ViTConfig(**fields)
+
+
+def block_indices(keys: Iterable[str]) -> list[int]:
+    """The encoder block numbers that ``blocks.<i>.`` keys use, sorted; a one-line ValueError unless
+    they are 0, 1, ..., n-1 (a far number would claim a model deeper than the weights)."""
+    indices = sorted({int(m.group(1)) for k in keys if (m := BLOCK_KEY.match(k))})
+    if indices != list(range(len(indices))):
+        present = set(indices)
+        missing = [i for i in range(len(indices) + 3) if i not in present][:3]
+        raise ValueError(
+            f"the weights hold {len(indices)} encoder block(s) numbered up to {indices[-1]}, without "
+            f"block(s) {missing}: blocks must be numbered 0 to n-1"
+        )
+    return indices
+
+
+def _normalization(sd: dict[str, torch.Tensor], name: str, default: tuple[float, ...]) -> tuple[float, ...]:
+    tensor = sd.get(f"patch_embed.{name}")
+    if tensor is None:
+        return default
+    if tensor.is_meta:  # shapes only (a header read before the data): one placeholder per channel
+        return (0.5,) * tensor.shape[0]
+    return _decimals(tensor)
 
 
 def _decimals(values: torch.Tensor) -> tuple[float, ...]:

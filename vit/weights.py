@@ -10,19 +10,20 @@ URLs (``s3://``, ``gs://``); remote files go through a local temporary copy.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from vit.config import ARCHITECTURE_FIELDS, ViTConfig
-from vit.convert import config_from_state_dict
+from vit.convert import block_indices, config_from_state_dict
 from vit.model import VisionTransformer
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -84,12 +85,18 @@ def load_config(path: str | os.PathLike) -> tuple[ViTConfig, dict[str, Any]]:
             raise FileNotFoundError(
                 f"no {CONFIG_FILE} in {_export_dir(path)}; is it a vitray export directory?"
             )
-        meta = json.loads(file.read_text())
-    if meta.get("format") != FORMAT or "model" not in meta:
+        try:
+            meta = json.loads(file.read_text())
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"{CONFIG_FILE} in {_export_dir(path)} is not JSON: {_first_line(e)}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "model" not in meta:
         raise ValueError(
             f"{CONFIG_FILE} in {_export_dir(path)} is not a vitray export (no format/model keys)"
         )
-    return ViTConfig.from_dict(meta["model"]), meta
+    try:
+        return ViTConfig.from_dict(meta["model"]), meta
+    except ValueError as e:
+        raise ValueError(f"{CONFIG_FILE} in {_export_dir(path)}: {e}") from e
 
 
 def load_pretrained(
@@ -106,6 +113,7 @@ def load_pretrained(
     initialized, e.g. ``load_pretrained(d, head="finetune", num_classes=10)`` for fine-tuning.
     The model is built on the meta device and takes the loaded tensors without copying them.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     config, _ = load_config(path)
@@ -113,8 +121,19 @@ def load_pretrained(
         file = local / WEIGHTS_FILE
         if not file.exists():
             raise FileNotFoundError(f"no {WEIGHTS_FILE} in {_export_dir(path)}")
-        state_dict = load_file(file, device=str(map_location))
+        # The header first: the config is checked against the file's own shapes before any data is
+        # read or any model of the config's size is built.
+        with open(file, "rb") as stream:
+            shapes = read_header(stream, file.stat().st_size, f"{WEIGHTS_FILE} in {_export_dir(path)}")
+        check_shapes(shapes, config, WEIGHTS_FILE)
+        try:
+            state_dict = load_file(file, device=str(map_location))
+        except SafetensorError as e:
+            raise ValueError(
+                f"{WEIGHTS_FILE} in {_export_dir(path)} is not readable: {_first_line(e)}"
+            ) from e
     check_weights(state_dict, config, WEIGHTS_FILE)
+    check_values(state_dict, f"{WEIGHTS_FILE} in {_export_dir(path)}")
     if as_state_dict:
         if overrides:
             raise ValueError("overrides apply to a model; load with as_state_dict=False to use them")
@@ -138,28 +157,7 @@ def load_pretrained(
 
 def check_weights(state_dict: dict[str, torch.Tensor], config: ViTConfig, what: str) -> None:
     """Raise a one-line ValueError when ``state_dict`` is not a state dict of the model ``config`` describes."""
-    expected = {k: tuple(v.shape) for k, v in VisionTransformer(config, device="meta").state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state_dict.items()}
-    if got != expected:
-        try:
-            inferred = config_from_state_dict(state_dict)
-        except (ValueError, KeyError, IndexError):
-            inferred = None
-        if inferred is not None:
-            for field in (*ARCHITECTURE_FIELDS, "image_size", "head", "pre_logits_dim", "num_classes"):
-                have, want = getattr(inferred, field), getattr(config, field)
-                if have != want:
-                    raise ValueError(
-                        f"{what} holds a ViT with {field} {have}, the config says {want}: they come from "
-                        "different models; export weights and config together with save_pretrained"
-                    )
-        missing = sorted(set(expected) - set(got))
-        unexpected = sorted(set(got) - set(expected))
-        shapes = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
-        raise ValueError(
-            f"{what} does not fit the config {config.name}: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}, other shapes {shapes[:3]}"
-        )
+    check_shapes({k: v.shape for k, v in state_dict.items()}, config, what)
     for name in ("mean", "std"):
         buffer = state_dict[f"patch_embed.{name}"]
         have = buffer.float().cpu()
@@ -169,6 +167,122 @@ def check_weights(state_dict: dict[str, torch.Tensor], config: ViTConfig, what: 
                 f"{what} normalizes inputs with {name} {have.tolist()}, the config says "
                 f"{list(getattr(config, name))}: they come from different models"
             )
+
+
+def check_shapes(shapes: Mapping[str, Sequence[int]], config: ViTConfig, what: str) -> None:
+    """Raise a one-line ValueError unless tensors of these shapes (name -> shape: a safetensors header,
+    a checkpoint's metadata, a state dict) are the state dict of the model ``config`` describes.
+
+    Shapes alone decide, so this runs before any data is read. The depth is compared first, from the
+    names: a config that claims more blocks than the weights hold is refused before anything of its size
+    is built, and the model built last (on the meta device, for the exact names) is never deeper than
+    the weights.
+    """
+    try:
+        depth = len(block_indices(shapes))
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from e
+    try:
+        meta = {k: torch.empty(tuple(v), device="meta") for k, v in shapes.items()}
+        inferred = config_from_state_dict(meta, num_heads=1)  # no shape tells the number of heads
+    except (ValueError, KeyError, IndexError, TypeError, RuntimeError):
+        inferred = None  # not a ViT's shapes: the names compared below say what is off
+    for field in ("depth", *ARCHITECTURE_FIELDS, "image_size", "head", "pre_logits_dim", "num_classes"):
+        if inferred is None and field != "depth":
+            break
+        have, want = depth if field == "depth" else getattr(inferred, field), getattr(config, field)
+        if have != want:
+            raise ValueError(
+                f"{what} holds a ViT with {field} {have}, the config says {want}: they come from "
+                "different models; export weights and config together with save_pretrained"
+            )
+    try:
+        expected = {
+            k: tuple(v.shape) for k, v in VisionTransformer(config, device="meta").state_dict().items()
+        }
+    except (RuntimeError, OverflowError) as e:  # sizes beyond any tensor: no file holds such weights
+        raise ValueError(f"{what} cannot hold the model its config describes: {_first_line(e)}") from e
+    got = {k: tuple(v) for k, v in shapes.items()}
+    if got != expected:
+        missing = sorted(set(expected) - set(got))
+        unexpected = sorted(set(got) - set(expected))
+        other = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
+        raise ValueError(
+            f"{what} does not fit the config {config.name}: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, other shapes {other[:3]}"
+        )
+
+
+def check_values(state_dict: dict[str, torch.Tensor], what: str) -> None:
+    """Raise a one-line ValueError unless every tensor is floating point and finite: NaN or infinite
+    weights give NaN embeddings for every image."""
+    for name, tensor in state_dict.items():
+        if not tensor.is_floating_point():
+            raise ValueError(f"{what}: tensor {name!r} is {tensor.dtype}; a ViT's weights are floating point")
+        finite = torch.isfinite(tensor)
+        if not finite.all():
+            raise ValueError(
+                f"{what}: tensor {name!r} holds {int((~finite).sum())} value(s) that are NaN or infinite; "
+                "a run that diverged leaves such weights: use a checkpoint from before it diverged"
+            )
+
+
+# Bits per element of each safetensors dtype (the format's own list).
+SAFETENSORS_BITS = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"), 8),
+    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 16),
+    **dict.fromkeys(("I32", "U32", "F32"), 32),
+    **dict.fromkeys(("I64", "U64", "F64", "C64"), 64),
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
+def read_header(stream: BinaryIO, size: int, what: str) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of a safetensors file of ``size`` bytes, from its header alone (no tensor data
+    is read); a one-line ValueError when the header is damaged or promises more than the file holds."""
+    damaged = f"{what} is damaged or not a safetensors file"
+    if size < 8:
+        raise ValueError(f"{damaged}: {size} byte(s), fewer than a header's length field")
+    length = int.from_bytes(stream.read(8), "little")
+    if length > min(size - 8, MAX_HEADER_BYTES):
+        raise ValueError(f"{damaged}: its header claims {length} bytes, the file holds {size - 8} after it")
+    try:
+        header = json.loads(stream.read(length))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{damaged}: its header is not JSON ({_first_line(e)})") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{damaged}: its header is not a JSON object")
+    data = size - 8 - length
+    shapes = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{damaged}: tensor {name!r} has no dtype, shape and data_offsets") from None
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_BITS:
+            raise ValueError(f"{damaged}: tensor {name!r} has an unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"{damaged}: tensor {name!r} has the shape {shape!r}")
+        if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= data):
+            raise ValueError(
+                f"{damaged}: tensor {name!r} has data_offsets {[begin, end]!r}, outside the {data} bytes of data"
+            )
+        if math.prod(shape) * SAFETENSORS_BITS[dtype] != 8 * (end - begin):
+            raise ValueError(
+                f"{damaged}: tensor {name!r} of shape {shape} and dtype {dtype} has {end - begin} bytes of data"
+            )
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def _temporary_name(path: Path) -> Path:

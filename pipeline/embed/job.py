@@ -46,6 +46,10 @@ from pipeline.weights import ModelSource, load_model_source, pack_state_dict
 UNREADABLE = "unreadable shard"  # a storage failure, maybe passing: the shard is retried by the next run
 
 
+class NonFiniteEmbeddingError(RuntimeError):
+    """The model gave a NaN or infinite embedding: the run stops before that shard is committed."""
+
+
 @dataclass
 class EmbedPlan:
     """Everything `prepare` found out: shards, the loaded model, the eval transform, what is left to do."""
@@ -357,7 +361,22 @@ class ShardSink:
             for key, reason in zip(batch["key"][lo:hi][~good], errors[~good], strict=True):
                 self.skipped.append({"key": str(key), "reason": str(reason)})
             if good.any():
-                self.parts.append({k: batch[k][lo:hi][good] for k in ("key", "embedding", "label")})
+                part = {k: batch[k][lo:hi][good] for k in ("key", "embedding", "label")}
+                self._check_finite(part, str(urls[lo]))
+                self.parts.append(part)
+
+    def _check_finite(self, part: dict[str, np.ndarray], url: str) -> None:
+        # A NaN row is never written: finite weights can still overflow (in bf16 most of all), and every
+        # later reader (k-NN, probes) would take NaN distances for answers.
+        finite = np.isfinite(part["embedding"]).all(axis=1)
+        if not finite.all():
+            precision = self.header["compute"]["precision"]
+            hint = ", or embed in fp32 with --cpu (bf16 overflows sooner)" if precision == "bf16" else ""
+            raise NonFiniteEmbeddingError(
+                f"the model gave NaN or infinite embeddings for {int((~finite).sum())} image(s) of {url} "
+                f"(first: key {str(part['key'][~finite][0])!r}, in {precision}); nothing of that shard was "
+                f"committed: check the weights (from a run that diverged?){hint}"
+            )
 
     def close(self) -> None:
         """The stream ended: every remaining shard is complete (a shard with no rows gets an empty file)."""
