@@ -321,7 +321,7 @@ def _remote_origin(error: BaseException) -> BaseException | str:
     return error
 
 
-def reason(error: BaseException) -> str:
+def reason(error: BaseException, *, worded: tuple[type[BaseException], ...] = ()) -> str:
     """One line that says why ``error`` ended a job: its message's first line, led by its type's name
     where the type is not one whose messages are written for users (or the message is empty)."""
     origin = _remote_origin(error)
@@ -331,7 +331,7 @@ def reason(error: BaseException) -> str:
     text = lines[0] if lines else ""
     if len(lines) > 1:
         text += " ..."
-    if text and isinstance(origin, (ValueError, OSError, RunFailed)) and origin is error:
+    if text and isinstance(origin, (ValueError, OSError, RunFailed, *worded)) and origin is error:
         return text
     name = type(origin).__name__
     return f"{name}: {text}" if text else f"{name} (no message)"
@@ -379,7 +379,7 @@ def run_job(body: Callable[[], int], *, failures: tuple[type[BaseException], ...
         _say(f"error: stopped by {why}")
         return e.code
     except (*failures, RunFailed) as e:
-        _say(f"error: {reason(e)}")
+        _say(f"error: {reason(e, worded=failures)}")
         return EXIT_RUN_FAILED
     except Exception as e:
         foreseen = isinstance(e, (ValueError, OSError)) or is_storage_error(e)

@@ -160,6 +160,8 @@ def test_the_job_receives_its_arguments_as_written(where, line):
     )
     assert result.returncode == 0, f"{where}: {line}\n{result.stderr[-2000:]}"
     config = json.loads(result.stdout)
+    if "run" in config:  # a training config: --data and --out are settings of its run section
+        config = {"data": config["run"]["shards"], "out": config["run"]["out"]}
     for field, value in values.items():
         assert config[field] == value, (
             f"{where}: {job} got --{field} {config[field]!r}, the line says {value!r}"

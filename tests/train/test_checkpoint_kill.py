@@ -125,7 +125,7 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_
     resumed = summary["resumed_from"]
     assert resumed["checkpoint"] == str(killed / dcp.checkpoint_name(4)) and resumed["step"] == 4
     lost = 8 - resumed["step"]
-    assert lost <= config(killed).checkpoint_every
+    assert lost <= config(killed).run.checkpoint_every
     assert [r["step"] for r in session.reports] == [6, 8]
     assert dcp.is_complete(cut)  # written again, whole
     # One history, equal to the straight run's, and the straight run's parameters (step 8 is an epoch edge).

@@ -43,7 +43,10 @@ def test_autoscaling_cluster_the_budget_is_not_frozen_at_submission(monkeypatch,
             return type("Result", (), {"return_value": {}})()
 
     monkeypatch.setattr("ray.train.torch.TorchTrainer", Trainer)
+    claimed = []  # the run's marker goes to --out before the workers start (no store here)
+    monkeypatch.setattr(driver, "claim_out", lambda config: claimed.append(config.run.out))
     driver.fit(GPU_RUN, ["s3://bucket/train-0.tar"])  # submission: 0 CPUs in the cluster
+    assert claimed == [GPU_RUN.run.out]
     assert captured["data_cpus_per_worker"] is None  # no budget decided on the driver
 
     cluster.update(CPU=384.0, GPU=16.0)  # the autoscaler brought two 8-GPU nodes

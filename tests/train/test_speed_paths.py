@@ -98,9 +98,15 @@ def test_adamw_kernels_make_the_same_updates_on_fsdp2_parameters(world):
     assert any(
         not torch.equal(moved[n], p.full_tensor()) for n, p in build_model(CONFIG, world).named_parameters()
     )
+    # The fused CPU kernel orders its float32 arithmetic differently: where a second moment is near eps,
+    # m / (sqrt(v) + eps) amplifies that rounding (seen: 5.7e-6 on 2 of 84,612 weights after 3 steps on
+    # an AMD EPYC). The tolerance is 0.1% of one step's size (lr 1e-2); a wrong update is a whole step.
+    atol = {"foreach": 1e-6, "fused": 1e-3 * CONFIG.optim.lr}
     for impl in ("foreach", "fused"):
         for name, value in moved.items():
-            torch.testing.assert_close(params[impl][name], value, rtol=1e-5, atol=1e-6, msg=f"{impl} {name}")
+            torch.testing.assert_close(
+                params[impl][name], value, rtol=1e-5, atol=atol[impl], msg=f"{impl} {name}"
+            )
 
 
 # --- activation checkpointing -------------------------------------------------------------------------
