@@ -44,7 +44,8 @@ REGULARIZATION_FIELDS = ("drop_path_rate", "dropout")
 
 @dataclass(frozen=True)
 class ViTConfig:
-    """Everything that decides a ViT's shapes and its computation; nothing about training."""
+    """Everything that decides a ViT's shapes and its computation; of training, only the regularization
+    that training mode applies (`REGULARIZATION_FIELDS`: no parameter, no effect in eval mode)."""
 
     name: str = "vit_b16"
     image_size: int = 224  # square input side, in pixels; a multiple of patch_size
