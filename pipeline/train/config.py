@@ -50,8 +50,8 @@ def _one_of(section: Any, name: str, allowed: tuple[str, ...]) -> None:
         )
 
 
-def _share(section: Any, names: tuple[str, ...], upto: float, closed: bool) -> None:
-    """Each field in [0, upto] (``closed``) or [0, upto)."""
+def _within(section: Any, names: tuple[str, ...], upto: float = 1.0, closed: bool = False) -> None:
+    """Each field in [0, upto) or, ``closed``, [0, upto] (NaN in neither)."""
     for name in names:
         value = getattr(section, name)
         if not (0 <= value <= upto if closed else 0 <= value < upto):
@@ -83,7 +83,7 @@ class ArchConfig:
     def validate(self) -> None:
         if self.num_classes < 1:
             raise ValueError(f"--num-classes must be at least 1, got {self.num_classes}")
-        _share(self, REGULARIZATION_FIELDS, upto=1.0, closed=False)
+        _within(self, REGULARIZATION_FIELDS)
         both = sorted(set(REGULARIZATION_FIELDS) & set(self.model_overrides))
         if both:
             raise ValueError(
@@ -125,14 +125,9 @@ class TaskConfig:
 
     def validate(self) -> None:
         _one_of(self, "objective", OBJECTIVES)
-        _share(self, ("label_smoothing",), upto=1.0, closed=False)
-        _share(self, ("mix_prob", "switch_prob"), upto=1.0, closed=True)
-        for name in ("mixup_alpha", "cutmix_alpha"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(
-                    f"{settings.flag(TrainConfig, name)} must be 0 (off) or positive, got {value}"
-                )
+        _within(self, ("label_smoothing",))
+        _within(self, ("mix_prob", "switch_prob"), closed=True)
+        _within(self, ("mixup_alpha", "cutmix_alpha"), upto=math.inf)
         if self.objective == "supervised":
             return
         soft = [n for n in ("label_smoothing", "mixup_alpha", "cutmix_alpha") if getattr(self, n)]
