@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from vit.config import ARCHITECTURE_FIELDS, VARIANTS, ViTConfig, get_config
+from vit.config import ARCHITECTURE_FIELDS, REGULARIZATION_FIELDS, VARIANTS, ViTConfig, get_config
 from vit.flops import count_flops, count_mae_flops, flops_breakdown, mae_flops_breakdown
 from vit.patchify import patchify, unpatchify
 
@@ -38,6 +38,7 @@ _LAZY = {
 }
 __all__ = [
     "ARCHITECTURE_FIELDS",
+    "REGULARIZATION_FIELDS",
     "VARIANTS",
     "MAEConfig",
     "MaskedAutoencoder",

@@ -36,10 +36,16 @@ ARCHITECTURE_FIELDS = (
     "backbone_width",
 )
 
+# The fields that act in training mode only: in eval mode a model computes the same function whatever
+# their values, so they are no part of what an embedding or a comparison of models depends on, and a
+# fine-tuning run sets its own rather than inheriting the pretraining run's.
+REGULARIZATION_FIELDS = ("drop_path_rate", "dropout")
+
 
 @dataclass(frozen=True)
 class ViTConfig:
-    """Everything that decides a ViT's shapes and its computation; nothing about training."""
+    """Everything that decides a ViT's shapes and its computation; of training, only the regularization
+    that training mode applies (`REGULARIZATION_FIELDS`: no parameter, no effect in eval mode)."""
 
     name: str = "vit_b16"
     image_size: int = 224  # square input side, in pixels; a multiple of patch_size
@@ -63,6 +69,13 @@ class ViTConfig:
     # hybrid still reads uint8 patches: patch_size is then the ResNet's total stride, 4 * 2^(stages-1).
     backbone_layers: tuple[int, ...] | None = None
     backbone_width: int | None = None  # the stem's channels (64 in ResNet-50); stage i: 4 * width * 2^i out
+    # Regularization, in training mode only (no parameters: state dicts are the same with or without).
+    # Stochastic depth (Huang et al. 2016) as in timm / DeiT: each block's two residual branches are
+    # dropped per sample, block i of depth with rate drop_path_rate * i / (depth - 1) (0 in the first).
+    drop_path_rate: float = 0.0
+    # Dropout where the ViT paper puts it (Appendix B.1): after adding the position embeddings, after
+    # the attention's output projection and after each of the MLP's two Linear layers.
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         # JSON gives lists; keep the dataclass hashable and comparable.
@@ -171,6 +184,10 @@ class ViTConfig:
             raise ValueError(
                 f"norm_eps must be a small positive number, in (0, {MAX_NORM_EPS:g}], got {self.norm_eps!r}"
             )
+        for field in REGULARIZATION_FIELDS:
+            value = getattr(self, field)
+            if not _is_number(value) or not 0 <= value < 1:
+                raise ValueError(f"{field} must be in [0, 1) (0: off), got {value!r}")
         self._validate_backbone()
 
     def _validate_backbone(self) -> None:

@@ -73,6 +73,9 @@ class MAEConfig:
             mlp_dim=self.decoder_mlp_dim or 4 * self.decoder_dim,
             num_classes=0,
             head="finetune",
+            # The paper's decoder has neither (the encoder's are its own settings).
+            drop_path_rate=0.0,
+            dropout=0.0,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -96,6 +96,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=config.qkv_bias, device=device)
         self.proj = nn.Linear(config.embed_dim, config.embed_dim, device=device)
+        self.proj_drop = _dropout(config.dropout)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, d = x.shape
@@ -109,7 +110,7 @@ class Attention(nn.Module):
         # Flash / memory-efficient kernels on GPU; scale is the default 1/sqrt(hd).
         x = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, hd)
         x = x.transpose(1, 2).reshape(b, t, d)  # (B, T, D)
-        return self.proj(x)
+        return self.proj_drop(self.proj(x))
 
     def attention_map(self, x: torch.Tensor) -> torch.Tensor:
         """The softmax attention weights ``(B, H, T, T)``, computed explicitly (slow; for inspection)."""
@@ -118,20 +119,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Linear -> GELU -> Linear, D -> mlp_dim -> D."""
+    """Linear -> GELU -> Linear, D -> mlp_dim -> D (dropout after each Linear when configured)."""
 
     def __init__(self, config: ViTConfig, device: torch.device | str | None = None):
         super().__init__()
         self.fc1 = nn.Linear(config.embed_dim, config.mlp_dim, device=device)
         self.act = nn.GELU()  # exact (erf) GELU, as in the paper and in timm / torchvision / transformers
+        self.drop1 = _dropout(config.dropout)
         self.fc2 = nn.Linear(config.mlp_dim, config.embed_dim, device=device)
+        self.drop2 = _dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
 
 
 class Block(nn.Module):
-    """Pre-LN encoder block: LN -> MSA -> residual, LN -> MLP -> residual."""
+    """Pre-LN encoder block: LN -> MSA -> residual, LN -> MLP -> residual; with stochastic depth, each
+    residual branch scaled per sample by `drop_path_keep`'s draw."""
 
     def __init__(self, config: ViTConfig, device: torch.device | str | None = None):
         super().__init__()
@@ -154,9 +158,15 @@ class Block(nn.Module):
         self.norm1.reset_parameters()
         self.norm2.reset_parameters()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``(B, T, D)``; ``keep`` ``(2, B)``: stochastic depth's scale of each sample's attention and
+        MLP branch, 0 (dropped) or 1 / (1 - rate) (`drop_path_keep`); None: both branches kept."""
+        if keep is None:
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+        keep = keep.to(x.dtype)
+        x = x + self.attn(self.norm1(x)) * keep[0].view(-1, 1, 1)
+        return x + self.mlp(self.norm2(x)) * keep[1].view(-1, 1, 1)
 
 
 class Head(nn.Module):
@@ -204,6 +214,7 @@ class VisionTransformer(nn.Module):
         # Stored without a leading batch axis: FSDP shards dim 0, so these split across ranks too.
         self.cls_token = nn.Parameter(torch.empty(d, device=device))  # (D,)
         self.pos_embed = nn.Parameter(torch.empty(1 + config.num_patches, d, device=device))  # (1+N, D)
+        self.pos_drop = _dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, device) for _ in range(config.depth))
         self.norm = nn.LayerNorm(d, eps=config.norm_eps, device=device)
         self.head = Head(config, device)
@@ -251,7 +262,7 @@ class VisionTransformer(nn.Module):
                 )
             pos = self.pos_embed[1:][ids_keep]  # (B, n, D): gathered, so gradients reach those rows only
             cls = (self.cls_token + self.pos_embed[0]).view(1, 1, d).expand(b, -1, -1)  # (B, 1, D)
-            return torch.cat([cls, x + pos], dim=1)  # (B, 1+n, D)
+            return self.pos_drop(torch.cat([cls, x + pos], dim=1))  # (B, 1+n, D)
         if n != self.config.num_patches:
             c = self.config
             raise ValueError(
@@ -260,7 +271,7 @@ class VisionTransformer(nn.Module):
                 "build the model with that image_size (its position embeddings are resampled on load)"
             )
         cls = self.cls_token.view(1, 1, d).expand(b, -1, -1)  # (B, 1, D)
-        return torch.cat([cls, x], dim=1) + self.pos_embed  # (B, 1+N, D)
+        return self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed)  # (B, 1+N, D)
 
     def forward_features(self, x: torch.Tensor, ids_keep: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 patches ``(B, N, P*P*C)`` or float images ``(B, C, H, W)`` -> tokens ``(B, 1+N, D)``.
@@ -268,8 +279,16 @@ class VisionTransformer(nn.Module):
         With ``ids_keep`` ``(B, n)``: a subset of the patches, at those grid positions -> ``(B, 1+n, D)``.
         """
         x = self.prepare_tokens(x, ids_keep)
-        for block in self.blocks:
-            x = block(x)
+        rate = self.config.drop_path_rate
+        if not (self.training and rate > 0):
+            for block in self.blocks:
+                x = block(x)
+            return self.norm(x)
+        # Drawn here, outside the blocks: activation checkpointing recomputes a block with the same
+        # masks, and every block's forward has the same inputs, so compiled blocks share one graph.
+        keep = drop_path_keep(rate, len(self.blocks), x.shape[0], x.device)  # (depth, 2, B)
+        for block, block_keep in zip(self.blocks, keep, strict=True):
+            x = block(x, block_keep)
         return self.norm(x)
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -301,6 +320,25 @@ class VisionTransformer(nn.Module):
             maps.append(block.attn.attention_map(block.norm1(x)))
             x = block(x)
         return maps
+
+
+def drop_path_keep(
+    rate: float, depth: int, batch: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Stochastic depth's per-sample scales ``(depth, 2, B)`` of each block's attention and MLP branch.
+
+    Block ``i`` drops each of its branches for each sample independently with ``r_i = rate * i / (depth
+    - 1)`` (timm's linear rule: 0 in the first block, ``rate`` in the last), and scales a kept one by
+    ``1 / (1 - r_i)`` so that its expectation is unchanged. Drawn from torch's RNG on ``device``.
+    """
+    rates = torch.linspace(0.0, rate, depth, device=device).view(depth, 1, 1)  # (depth, 1, 1)
+    keep = 1.0 - rates
+    return (torch.rand(depth, 2, batch, device=device) < keep).float() / keep  # (depth, 2, B)
+
+
+def _dropout(rate: float) -> nn.Module:
+    # No module at 0: the forward is today's to the bit, and no dropout kernel runs.
+    return nn.Dropout(rate) if rate > 0 else nn.Identity()
 
 
 def _lecun_normal_(linear: nn.Linear) -> None:

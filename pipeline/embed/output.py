@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.data.shards import SHARD_SUFFIXES
+from vit.config import REGULARIZATION_FIELDS
 
 MANIFEST = "_manifest.json"
 RECORDS = "_records"  # one small JSON per committed (or failed) shard; "_" keeps Parquet readers out
@@ -97,8 +98,13 @@ def assign_names(shards: list[str], kept: dict[str, str] | None = None) -> dict[
 def identity(header: dict[str, Any]) -> dict[str, Any]:
     """What must match for embeddings to belong to one output: model, weights, kind, preprocessing."""
     preprocessing = header.get("preprocessing") or {}
+    model = (header.get("model") or {}).get("config")
+    if isinstance(model, dict):
+        # Fields of training mode only change nothing the job computes (in eval mode); outputs written
+        # before the model config had them stay this output's.
+        model = {k: v for k, v in model.items() if k not in REGULARIZATION_FIELDS}
     return {
-        "model": (header.get("model") or {}).get("config"),
+        "model": model,
         "weights sha256": (header.get("weights") or {}).get("sha256"),
         "embedding": header.get("embedding"),
         "preprocessing": {k: preprocessing.get(k) for k in PREPROCESSING_IDENTITY},

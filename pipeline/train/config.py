@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from pipeline import settings
 from pipeline.data.config import DataConfig
 from pipeline.settings import setting
+from vit.config import REGULARIZATION_FIELDS
 
 OBJECTIVES = ("supervised", "mae")  # pipeline.train.objective has one class for each
 OPTIMIZERS = ("adamw", "sgd")
@@ -49,6 +50,15 @@ def _one_of(section: Any, name: str, allowed: tuple[str, ...]) -> None:
         )
 
 
+def _within(section: Any, names: tuple[str, ...], upto: float = 1.0, closed: bool = False) -> None:
+    """Each field in [0, upto) or, ``closed``, [0, upto] (NaN in neither)."""
+    for name in names:
+        value = getattr(section, name)
+        if not (0 <= value <= upto if closed else 0 <= value < upto):
+            interval = f"[0, {upto:g}{']' if closed else ')'}"
+            raise ValueError(f"{settings.flag(TrainConfig, name)} must be in {interval}, got {value}")
+
+
 @dataclass(frozen=True)
 class ArchConfig:
     """Which network is trained, and from what."""
@@ -61,10 +71,24 @@ class ArchConfig:
     weights: str | None = setting(
         None, "pretrained weights: export (final/), run dir, checkpoint_* dir or weights file"
     )
+    drop_path_rate: float = setting(
+        0.0,
+        "stochastic depth: block i of D drops each residual branch per sample at this rate x i/(D-1) "
+        "(0: off; DeiT: 0.1)",
+    )
+    dropout: float = setting(
+        0.0, "dropout after the position embeddings, the attention projection and both MLP layers (0: off)"
+    )
 
     def validate(self) -> None:
         if self.num_classes < 1:
             raise ValueError(f"--num-classes must be at least 1, got {self.num_classes}")
+        _within(self, REGULARIZATION_FIELDS)
+        both = sorted(set(REGULARIZATION_FIELDS) & set(self.model_overrides))
+        if both:
+            raise ValueError(
+                f"model_overrides may not set {', '.join(both)}: use {settings.flag(TrainConfig, both[0])}"
+            )
 
 
 @dataclass(frozen=True)
@@ -81,11 +105,37 @@ class TaskConfig:
     decoder_dim: int = setting(512, "MAE: width of the decoder's tokens")
     decoder_depth: int = setting(8, "MAE: decoder blocks")
     decoder_num_heads: int = setting(16, "MAE: decoder attention heads (must divide the decoder's width)")
+    label_smoothing: float = setting(
+        0.0, "supervised: share of each target spread evenly over all classes (0: off; DeiT: 0.1)"
+    )
+    mixup_alpha: float = setting(
+        0.0,
+        "supervised: Mixup, each micro-batch blended with itself reversed by a weight ~ Beta(a, a) "
+        "(0: off; DeiT: 0.8)",
+    )
+    cutmix_alpha: float = setting(
+        0.0,
+        "supervised: CutMix, a box of the reversed micro-batch pasted in, its share ~ Beta(a, a) "
+        "(0: off; DeiT: 1.0)",
+    )
+    mix_prob: float = setting(1.0, "with --mixup-alpha or --cutmix-alpha: chance that a micro-batch is mixed")
+    switch_prob: float = setting(
+        0.5, "with --mixup-alpha and --cutmix-alpha: chance that a mixed micro-batch takes CutMix"
+    )
 
     def validate(self) -> None:
         _one_of(self, "objective", OBJECTIVES)
+        _within(self, ("label_smoothing",))
+        _within(self, ("mix_prob", "switch_prob"), closed=True)
+        _within(self, ("mixup_alpha", "cutmix_alpha"), upto=math.inf)
         if self.objective == "supervised":
             return
+        soft = [n for n in ("label_smoothing", "mixup_alpha", "cutmix_alpha") if getattr(self, n)]
+        if soft:
+            raise ValueError(
+                f"{', '.join(settings.flag(TrainConfig, n) for n in soft)}: soft targets of supervised "
+                f"training; drop them for --objective {self.objective}"
+            )
         if not 0 < self.mask_ratio < 1:
             raise ValueError(
                 f"--mask-ratio must be strictly between 0 and 1 (MAE's is 0.75), got {self.mask_ratio}"

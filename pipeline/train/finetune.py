@@ -28,8 +28,9 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.train.config import TrainConfig
 
-# Fields of the pretrained model that fine-tuning changes; every other field is the weights' own.
-NEW_FIELDS = ("image_size", "num_classes", "head", "representation_size")
+# Fields of the pretrained model that fine-tuning changes; every other field is the weights' own. The
+# regularization fields are the fine-tuning run's own settings (--drop-path-rate, --dropout).
+NEW_FIELDS = ("image_size", "num_classes", "head", "representation_size", *vit.REGULARIZATION_FIELDS)
 
 
 def resolve_pretrained(config: TrainConfig) -> TrainConfig:
@@ -114,8 +115,24 @@ def evaluate(
     of patches ``(1, N, K)`` a rank without batches runs so that every forward has all ranks.
 
     Per batch, the ranks agree (on ``group``, a CPU group) whether any still has one and whether any
-    failed; a data error on any rank ends the evaluation on all with that rank's message.
+    failed; a data error on any rank ends the evaluation on all with that rank's message. The model
+    runs in eval mode (no dropout, no stochastic depth) and is handed back in the mode it came in.
     """
+    training = model.training
+    model.eval()
+    try:
+        return _evaluate(model, batches, idle, device, group)
+    finally:
+        model.train(training)
+
+
+def _evaluate(
+    model: nn.Module,
+    batches: Iterator[dict[str, np.ndarray]],
+    idle: torch.Tensor,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> tuple[float, int]:
     hits = torch.zeros((), dtype=torch.long, device=device)
     count = 0
     error = ""

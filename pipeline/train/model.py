@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import vit
+from pipeline.data.config import sample_seed
 from pipeline.train.config import TrainConfig
 from vit.parallelize import hsdp_mesh, parallelize
 
@@ -53,6 +54,7 @@ def model_config(config: TrainConfig) -> vit.ViTConfig:
         base = {"image_size": config.data.image_size, **MAE_ENCODER}
     else:
         base = {"image_size": config.data.image_size, "num_classes": config.arch.num_classes}
+    base.update({name: getattr(config.arch, name) for name in vit.REGULARIZATION_FIELDS})
     return vit.get_config(config.arch.model, **{**base, **config.arch.model_overrides})
 
 
@@ -128,4 +130,7 @@ def build_model(config: TrainConfig, device: torch.device, mesh: DeviceMesh | No
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         model.init_weights()
+    # What training draws from torch's RNG (dropout, stochastic depth) comes from a stream of each
+    # rank's own, so ranks do not drop the same blocks of their i-th samples; a checkpoint restores it.
+    torch.manual_seed(sample_seed(config.run.seed, 0, "torch-rng", f"rank-{dist.get_rank()}"))
     return model

@@ -1,6 +1,8 @@
 """What a run optimizes: the batch columns it reads, the per-sample loss, its FLOPs, what it exports.
 
     supervised  columns (patches, label)              cross-entropy of the classifier, top-1 hits
+                with --label-smoothing / --mixup-alpha / --cutmix-alpha: cross-entropy against soft
+                targets (`pipeline.train.mixing`), a hit being the argmax of the soft target
                 export: the ViT as trained
     mae         columns (visible, masked, ids_shuffle) reconstruction error on the masked patches
                 export: the encoder alone, under the ViT's own names; its pool (gap) is what the
@@ -22,6 +24,7 @@ from torch import nn
 
 import vit
 from pipeline.train.config import TrainConfig
+from pipeline.train.mixing import Mixer
 from pipeline.train.model import mae_config, model_config
 
 
@@ -35,15 +38,27 @@ class Objective:
     def __init__(self, config: TrainConfig):
         self.config = config
         self.model_config = model_config(config)
+        self.mixer = Mixer(config.task, self.model_config) if Mixer.wanted(config.task) else None
 
     def losses(
-        self, model: nn.Module, batch: tuple[torch.Tensor, ...]
+        self, model: nn.Module, batch: tuple[torch.Tensor, ...], seed: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One micro-batch -> (per-sample losses ``(B,)`` float32, top-1 hits (a 0-dim count) or None)."""
+        """One micro-batch -> (per-sample losses ``(B,)`` float32, top-1 hits (a 0-dim count) or None).
+
+        ``seed`` (`pipeline.train.mixing.mix_seed`) draws this micro-batch's Mixup/CutMix; without it
+        (a pass of zero loss, or mixing off) the labels are the targets, smoothed if asked. With mixed
+        targets a hit is a prediction of the soft target's largest class (the label of the larger share).
+        """
         patches, labels = batch  # uint8 (B, N, K), int64 (B,)
-        logits = model(patches).float()  # (B, num_classes)
-        losses = F.cross_entropy(logits, labels, reduction="none")
-        return losses, (logits.detach().argmax(-1) == labels).sum()
+        if self.mixer is None or seed is None:
+            logits = model(patches).float()  # (B, num_classes)
+            smoothing = self.config.task.label_smoothing
+            losses = F.cross_entropy(logits, labels, reduction="none", label_smoothing=smoothing)
+            return losses, (logits.detach().argmax(-1) == labels).sum()
+        patches, targets = self.mixer(patches, labels, seed)  # uint8 (B, N, K), float32 (B, num_classes)
+        logits = model(patches).float()
+        losses = F.cross_entropy(logits, targets, reduction="none")
+        return losses, (logits.detach().argmax(-1) == targets.argmax(-1)).sum()
 
     def idle_batch(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """One sample of zeros in `losses`' form: the input of a rank without samples."""
@@ -83,7 +98,9 @@ class MAEObjective(Objective):
         self.mae_config = mae_config(config)
         self.num_visible = _num_visible(self.model_config.num_patches, config.task.mask_ratio)
 
-    def losses(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, None]:
+    def losses(
+        self, model: nn.Module, batch: tuple[torch.Tensor, ...], seed: int | None = None
+    ) -> tuple[torch.Tensor, None]:
         visible, masked, ids_shuffle = batch  # uint8 (B, n, K), uint8 (B, N-n, K), int16/32 (B, N)
         return model(visible, masked, ids_shuffle).float(), None
 

@@ -202,8 +202,16 @@ def resolve(args: argparse.Namespace, **fixed: object) -> TrainConfig:
     return PRESETS[args.preset]().replace(**fixed, **cli.overrides(args, TrainConfig))
 
 
-# Fine-tuning takes the model and the objective from --weights.
-NOT_FINETUNE_FLAGS = ("model", "task")
+# Fine-tuning takes the model and the objective from --weights (its soft targets are its own).
+NOT_FINETUNE_FLAGS = (
+    "model",
+    "objective",
+    "mask_ratio",
+    "norm_pix_loss",
+    "decoder_dim",
+    "decoder_depth",
+    "decoder_num_heads",
+)
 
 
 # Pretraining starts from initialized weights; `jobs/finetune.py` starts from --weights.

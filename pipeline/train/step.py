@@ -14,6 +14,7 @@ from torch import nn
 
 import vit
 from pipeline.train.config import TrainConfig
+from pipeline.train.mixing import mix_seed
 from pipeline.train.objective import Objective, objective_for
 from pipeline.train.optim import build_optimizer, lr_factor
 
@@ -72,7 +73,8 @@ class TrainStep:
     ) -> StepStats:
         """Run optimizer step `step` (0-based) over this rank's micro-batches, each a tuple of the
         objective's columns (supervised: `(patches uint8 (B, N, K), labels (B,))`). The learning rate
-        is a pure function of `step` (set here: no scheduler state to checkpoint).
+        is a pure function of `step` (set here: no scheduler state to checkpoint), and so is each
+        micro-batch's Mixup/CutMix draw, of (seed, step, rank, its index): a resumed run draws alike.
 
         `global_count` is the number of samples in this step across all ranks: each rank scales
         its summed loss by world_size / global_count, so after FSDP2 averages gradients over ranks
@@ -81,7 +83,7 @@ class TrainStep:
         least 1) is how many forward/backward passes every rank makes: FSDP2 gathers parameters in
         each one, so a rank with fewer micro-batches makes up the difference with passes of zero loss.
         """
-        model, world = self.model, dist.get_world_size()
+        model, world, rank = self.model, dist.get_world_size(), dist.get_rank()
         scale = world / max(global_count, 1)
         passes = max(len(micro_batches), 1) if micro_steps is None else micro_steps
         if passes < len(micro_batches):
@@ -97,7 +99,8 @@ class TrainStep:
             if i >= len(micro_batches):
                 self.objective.participate(model, self.device)
                 continue
-            losses, hits = self.objective.losses(model, micro_batches[i])
+            seed = mix_seed(self.config.run.seed, step, rank, i)  # a pure function: resumes draw alike
+            losses, hits = self.objective.losses(model, micro_batches[i], seed)
             (losses.sum() * scale).backward()
             loss_sum += losses.detach().sum()
             if hits is not None:

@@ -148,3 +148,15 @@ def test_two_runs_at_once_into_one_out_give_one_row_per_key(ray_session, synthet
     )
     again = run(prepare(configs[0].replace(data=",".join(urls))))
     assert (again.committed, again.already_done, again.rows_in_output) == (0, 4, 48)
+
+
+def test_an_output_written_before_the_regularization_fields_stays_this_models():
+    from pipeline.embed.output import difference
+
+    before = vit.get_config("vit_tiny_test").to_dict()
+    for name in vit.REGULARIZATION_FIELDS:
+        del before[name]
+    now = vit.get_config("vit_tiny_test", drop_path_rate=0.1, dropout=0.1).to_dict()
+    headers = [{**HEADER, "model": {"config": config}} for config in (before, now, {**now, "embed_dim": 32})]
+    assert difference(headers[0], headers[1]) is None  # eval mode: the same function
+    assert difference(headers[0], headers[2]) == "model embed_dim 64 there, 32 now"

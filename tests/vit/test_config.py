@@ -51,7 +51,7 @@ def test_unknown_names_list_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown ViTConfig field\(s\) \['width'\]"):
         vit.create_model("vit_tiny_test", width=3)
     with pytest.raises(ValueError, match="unknown ViTConfig field"):
-        ViTConfig.from_dict({**vit.VARIANTS["vit_b16"].to_dict(), "dropout": 0.1})
+        ViTConfig.from_dict({**vit.VARIANTS["vit_b16"].to_dict(), "attn_drop_rate": 0.1})
 
 
 def test_variant_table_follows_the_papers():
