@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 EXTRAS := test,dev,s3,gcs,plot,wandb,fp8
 
-.PHONY: demo test test-fast test-gpu lint format install clean
+.PHONY: demo test test-fast test-gpu lint format docs install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# docs/options.md, written from the jobs' parsers (a test fails when it is stale).
+docs: $(STAMP)
+	$(BIN)/python jobs/docs.py
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache .ruff_cache

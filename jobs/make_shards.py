@@ -10,175 +10,37 @@ printed is the brace-range URL to pass as ``--data``. The same arguments write t
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout, too
 
 from pipeline import cli
-from pipeline.data.shards import SHARD_SUFFIXES
-from pipeline.data.synthetic import CLASSES, write_synthetic_shards
-from pipeline.data.writing import ShardSet, brace_url, class_folders, folder_samples, write_shards
-from pipeline.storage import check_output_dir, is_temporary
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="make_shards.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--synthetic", type=int, metavar="N", help="generate N synthetic images of visibly different classes"
-    )
-    source.add_argument(
-        "--from-folder",
-        metavar="DIR",
-        help="read DIR/<class>/<image>; labels are class indices in sorted class-name order",
-    )
-    parser.add_argument("--out", required=True, metavar="DIR", help="directory to write the shards into")
-    parser.add_argument(
-        "--samples-per-shard",
-        type=int,
-        default=128,
-        metavar="N",
-        help="samples per shard; use at least as many shards as training workers (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--image-size",
-        type=int,
-        default=64,
-        metavar="N",
-        help="side of the generated images in pixels (--synthetic only; default: %(default)s)",
-    )
-    parser.add_argument(
-        "--num-classes",
-        type=int,
-        default=len(CLASSES),
-        metavar="N",
-        help=f"number of synthetic classes, 1 to {len(CLASSES)} (--synthetic only; default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-size",
-        type=int,
-        metavar="N",
-        help="re-encode folder images whose short side exceeds N down to N (default: keep original bytes)",
-    )
-    parser.add_argument(
-        "--format",
-        choices=("jpeg", "png"),
-        default="jpeg",
-        help="encoding of generated or re-encoded images (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--quality", type=int, default=90, metavar="Q", help="JPEG quality, 1 to 95 (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the synthetic content and of the folder's sample order (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--prefix", default="train", help="shard file name prefix: <prefix>-000000.tar (default: %(default)s)"
-    )
-    parser.add_argument("--gzip", action="store_true", help="write gzip-compressed .tar.gz shards")
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete existing <prefix>-*.tar* shards in --out first; write into an --out holding other files",
-    )
-    args = parser.parse_args(argv)
-    if args.samples_per_shard <= 0:
-        parser.error("--samples-per-shard must be positive")
-    if args.synthetic is not None and args.synthetic <= 0:
-        parser.error("--synthetic needs a positive number of images")
-    if not 1 <= args.num_classes <= len(CLASSES):
-        parser.error(f"--num-classes must be between 1 and {len(CLASSES)}")
-    if not 1 <= args.quality <= 95:
-        parser.error("--quality must be between 1 and 95")
-    return args
+from pipeline.data.make_shards import make_shards, parse_args
+from pipeline.data.writing import ShardSet, brace_url
 
 
 def main(argv: list[str] | None = None) -> ShardSet:
     """Write the shards; bad input is one line and exit code 2, a failed write one line and 1."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv, __doc__)
+    start = time.perf_counter()
     written: list[ShardSet] = []
 
     def body() -> int:
-        written.append(make_shards(args))
+        written.append(make_shards(args, start_work=cli.start_work))
         return 0
 
     code = cli.run_job(body)
     if code:
         sys.exit(code)
-    return written[0]
-
-
-def owns(entries: dict[str, bool]) -> bool:
-    """Whether a directory holds only what this job writes: shards (of any prefix) and temporaries."""
-    return all(
-        not is_dir and (name.lower().endswith(SHARD_SUFFIXES) or is_temporary(name))
-        for name, is_dir in entries.items()
-    )
-
-
-def make_shards(args: argparse.Namespace) -> ShardSet:
-    out = Path(args.out).resolve()
-    check_output_dir(str(out), job="make_shards.py", owns=owns, overwrite=args.overwrite)
-    existing = sorted(out.glob(f"{args.prefix}-*.tar*")) if out.is_dir() else []
-    if existing and not args.overwrite:
-        raise ValueError(
-            f"{out} already holds {len(existing)} {args.prefix}-* shards; pass --overwrite or another --out"
-        )
-    classes = [p.name for p in class_folders(args.from_folder)] if args.synthetic is None else []
-    cli.start_work()
-    for path in existing:
-        path.unlink() if path.is_file() else shutil.rmtree(path)
-    start = time.perf_counter()
-    if args.synthetic is not None:
-        shard_set = write_synthetic_shards(
-            out,
-            args.synthetic,
-            samples_per_shard=args.samples_per_shard,
-            image_size=args.image_size,
-            num_classes=args.num_classes,
-            seed=args.seed,
-            fmt=args.format,
-            quality=args.quality,
-            gzip=args.gzip,
-            prefix=args.prefix,
-        )
-    else:
-        shard_set = ShardSet(dir=str(out), num_classes=len(classes), class_names=classes)
-        samples = folder_samples(
-            args.from_folder, seed=args.seed, max_size=args.max_size, fmt=args.format, quality=args.quality
-        )
-        shard_set.urls = write_shards(
-            _tracked(samples, shard_set),
-            out,
-            prefix=args.prefix,
-            samples_per_shard=args.samples_per_shard,
-            gzip=args.gzip,
-        )
-    elapsed = time.perf_counter() - start
+    shard_set = written[0]
     print(
         f"wrote {len(shard_set.urls)} shards ({len(shard_set.keys)} samples, {shard_set.num_classes} classes) "
-        f"to {out} in {elapsed:.1f}s; use:"
+        f"to {Path(args.out).resolve()} in {time.perf_counter() - start:.1f}s; use:"
     )
     print(f"  --data '{brace_url(shard_set.urls)}'")
     return shard_set
-
-
-def _tracked(samples: Iterator[tuple[str, dict[str, bytes]]], shard_set: ShardSet) -> Iterator:
-    """Pass samples through, noting each key and label in ``shard_set``."""
-    for key, members in samples:
-        shard_set.keys.append(key)
-        shard_set.labels[key] = int(members["cls"])
-        yield key, members
 
 
 if __name__ == "__main__":

@@ -66,6 +66,16 @@ ALLOWED = {
         "vit",
         "pipeline.weights",
     },
+    # The options reference (docs/options.md), written from every job's parser.
+    "pipeline.reference": {
+        "pipeline.train",
+        "pipeline.embed",
+        "pipeline.evaluate",
+        "pipeline.data",
+        "pipeline.cli",
+        "pipeline.settings",
+        "pipeline.compat",
+    },
     # Reads what embed writes and loads weights as embed does; never pipeline.train.
     "pipeline.evaluate": {
         "pipeline.evaluate",

@@ -1,8 +1,7 @@
-"""jobs/make_shards.py and the shard writer: synthetic and folder sources, reproducible bytes. No Ray."""
+"""The make_shards job (pipeline/data/make_shards.py, jobs/make_shards.py) and the shard writer: synthetic and folder sources, reproducible bytes. No Ray."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -15,19 +14,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipeline.data.make_shards import make_shards, parse_args
 from pipeline.data.shards import expand_shards
 from pipeline.data.synthetic import CLASSES, render, write_synthetic_shards
 from pipeline.data.writing import ShardWriter, brace_url
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "jobs" / "make_shards.py"
-
-
-def load_cli():
-    spec = importlib.util.spec_from_file_location("make_shards_cli", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def members(path: str) -> list[tuple[str, bytes]]:
@@ -76,7 +69,7 @@ def test_help_lists_every_option_with_a_sentence():
     ]
     for option in parser_options:
         assert option in text
-    actions = load_cli().parse_args(["--synthetic", "1", "--out", "x"])
+    actions = parse_args(["--synthetic", "1", "--out", "x"])
     assert set(vars(actions)) == {o.lstrip("-").replace("-", "_") for o in parser_options}
 
 
@@ -110,8 +103,8 @@ def test_folder_source_keeps_original_bytes_and_labels_by_sorted_class(tmp_path)
             (root / cls / f"img{i}.{ext}").write_bytes(buf.getvalue())
             originals[f"{cls}/img{i}.{ext}"] = buf.getvalue()
     (root / "ant" / "notes.txt").write_text("not an image")
-    shard_set = load_cli().main(
-        ["--from-folder", str(root), "--out", str(tmp_path / "out"), "--samples-per-shard", "4"]
+    shard_set = make_shards(
+        parse_args(["--from-folder", str(root), "--out", str(tmp_path / "out"), "--samples-per-shard", "4"])
     )
     assert len(shard_set.urls) == 3 and shard_set.class_names == ["ant", "bee", "zebra"]
     samples: dict[str, dict[str, bytes]] = {}
@@ -136,7 +129,7 @@ def test_folder_source_keeps_original_bytes_and_labels_by_sorted_class(tmp_path)
 
     def shard_bytes(out: str, *extra: str) -> list[bytes]:
         args = ["--from-folder", str(root), "--out", str(tmp_path / out), "--samples-per-shard", "4"]
-        return [Path(u).read_bytes() for u in load_cli().main([*args, *extra]).urls]
+        return [Path(u).read_bytes() for u in make_shards(parse_args([*args, *extra])).urls]
 
     assert shard_bytes("again") == [Path(u).read_bytes() for u in shard_set.urls]
     assert shard_bytes("gz-a", "--gzip") == shard_bytes("gz-b", "--gzip")

@@ -150,8 +150,8 @@ def test_every_node_type_boots_a_pinned_image(name):
     assert "A newer image:" in text
 
 
-def test_the_images_are_the_ones_the_readme_names():
-    readme = (ROOT / "README.md").read_text()
+def test_the_images_are_the_ones_the_docs_name():
+    readme = (ROOT / "docs" / "design.md").read_text()  # "Running on a cluster", "Images"
     aws, gcp = (CLUSTER / "aws.yaml").read_text(), (CLUSTER / "gcp.yaml").read_text()
     assert "Deep Learning Base AMI with Single CUDA (Ubuntu 24.04)" in readme and "20260717" in aws + readme
     assert "ubuntu-2404-lts-amd64" in readme and "ubuntu-2404-lts-amd64" in gcp

@@ -24,6 +24,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline import settings
+from pipeline.train.config import TrainConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 JOBS = ("jobs/pretrain.py", "jobs/embed.py")
@@ -160,9 +163,17 @@ def test_the_job_receives_its_arguments_as_written(where, line):
     )
     assert result.returncode == 0, f"{where}: {line}\n{result.stderr[-2000:]}"
     config = json.loads(result.stdout)
-    if "run" in config:  # a training config: --data and --out are settings of its run section
-        config = {"data": config["run"]["shards"], "out": config["run"]["out"]}
     for field, value in values.items():
-        assert config[field] == value, (
-            f"{where}: {job} got --{field} {config[field]!r}, the line says {value!r}"
-        )
+        got = printed(config, job, field)
+        assert got == value, f"{where}: {job} got --{field} {got!r}, the line says {value!r}"
+
+
+def printed(config: dict, job: str, option: str):
+    """The value ``--option`` set in a printed config: a top-level field of the embedding config, or the
+    setting behind the flag in the training config's sections (``--data`` sets ``data.shards``)."""
+    if job != "jobs/pretrain.py":
+        return config[option]
+    path = next(path for path, _, flag in settings.flags(TrainConfig) if flag == option)
+    for part in path:
+        config = config[part]
+    return config
