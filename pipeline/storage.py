@@ -104,7 +104,8 @@ def create_text(uri: str, text: str, storage_options: dict[str, Any] | None = No
     """Write a whole small file where none is; True when this call wrote it, False when one was there.
 
     Local: exclusive (the text goes to a temporary name that is then hard-linked onto ``uri``, a link
-    that fails where a file exists), so of two writers exactly one wins and no reader sees half a file.
+    that fails where a file exists), so of two writers exactly one wins and no reader sees half a file;
+    on a filesystem without hard links (some FUSE mounts), an ``O_EXCL`` create, exclusive as well.
     Object stores: a conditional PUT (If-None-Match) where fsspec's backend sends one (fsspec 2024.12
     and later: s3fs, gcsfs) and the store honours it; else an existence check, then a PUT, which two
     writers can both pass. A caller that needs one winner everywhere reads the file back.
@@ -118,6 +119,8 @@ def create_text(uri: str, text: str, storage_options: dict[str, Any] | None = No
             os.link(tmp, path)
         except FileExistsError:
             return False
+        except OSError:  # no hard links here
+            return _create_exclusive(path, text)
         finally:
             tmp.unlink()
         return True
@@ -130,6 +133,16 @@ def create_text(uri: str, text: str, storage_options: dict[str, Any] | None = No
     if fs.exists(path):
         return False
     fs.pipe_file(path, text.encode())
+    return True
+
+
+def _create_exclusive(path: str, text: str) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
     return True
 
 

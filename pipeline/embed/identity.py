@@ -4,7 +4,7 @@ An output holds the embeddings of one configuration, its identity: model config,
 (``cls`` / ``pre_logits``), the preprocessing fields that change pixels or rows, device and precision
 (`identity`). A run claims ``--out`` for its identity in ``_identity.json`` before it writes or removes
 anything there (`claim`), and reads the claim again before each commit publishes a file (`check`); a
-run that finds another identity's claim raises `OutputClaimedError`, one line, having published nothing
+run that finds another identity's claim raises `OutputClaimedError`, one line, and publishes nothing more
 (at its start: nothing at all). Runs of one identity share the claim. ``--overwrite`` replaces it.
 
 What the claim guarantees, by store:

@@ -23,10 +23,10 @@ the manifest lists, such names included.
 Identity: an output holds the embeddings of one configuration (model, weights sha256, kind,
 preprocessing, device and precision). A run claims ``--out`` for it in ``_identity.json`` before it
 writes or removes anything, and checks the claim before each commit publishes a file; a run that finds
-another identity's claim stops in one line, having published nothing (`pipeline.embed.identity` says what
-the claim guarantees on local disk and on object stores). Each file's footer names its identity too: a
-shard counts as done only when its footer names this shard and this identity, and ``jobs/evaluate.py``
-refuses an output whose files disagree.
+another identity's claim stops in one line and publishes nothing more (at its start: nothing at all;
+`pipeline.embed.identity` says what the claim guarantees on local disk and on object stores). Each
+file's footer names its identity too: a shard counts as done only when its footer names this shard and
+this identity, and ``jobs/evaluate.py`` refuses an output whose files disagree.
 
 Commit protocol, per shard: the complete file is written under a hidden temporary name (local) or into
 a local scratch file (object stores), then renamed onto / uploaded to its final name, then its record,

@@ -151,6 +151,16 @@ def test_a_run_of_other_weights_loses_the_claim_and_leaves_nothing(tmp_path):
     assert json.loads((tmp_path / CLAIM).read_text())["weights"] == OTHER["weights"]
 
 
+def test_the_claim_is_exclusive_on_local_disk_with_hard_links_and_without(tmp_path, monkeypatch):
+    path = str(tmp_path / "a" / CLAIM)
+    assert storage.create_text(path, "first") and not storage.create_text(path, "second")
+    monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(PermissionError("no hard links")))
+    other = str(tmp_path / "b" / CLAIM)
+    assert storage.create_text(other, "first") and not storage.create_text(other, "second")
+    assert [Path(p).read_text() for p in (path, other)] == ["first", "first"]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [CLAIM, CLAIM]  # no temporaries
+
+
 @pytest.fixture(scope="module")
 def s3_options():
     """A loopback S3 (moto's server) with one bucket; yields the storage options that reach it."""
@@ -267,13 +277,20 @@ def test_two_runs_over_shards_of_one_file_name_keep_both(tmp_path):
     }
 
 
-def test_an_older_output_with_names_readers_skip_is_refused_by_a_rerun(tmp_path):
+def test_older_outputs_resume_under_their_names_unless_readers_skip_them(tmp_path):
     output = EmbeddingOutput(str(tmp_path), HEADER)
     plan = output.plan(["/d/_a.tar", "/d/b.tar"], overwrite=False)
-    plan.names["/d/_a.tar"] = "_a.parquet"  # as an older version named it
+    plan.names.update({"/d/_a.tar": "_a.parquet", "/d/b.tar": "b.parquet"})  # as an older version named them
     output.start(plan)
-    commit(output, plan, "/d/_a.tar")
     commit(output, plan, "/d/b.tar")
+    output.finish()
+    again = EmbeddingOutput(str(tmp_path), HEADER).plan(["/d/b.tar", "/d/c.tar"], overwrite=False)
+    assert (again.names["/d/b.tar"], list(again.done), again.pending) == (
+        "b.parquet",
+        ["/d/b.tar"],
+        ["/d/c.tar"],
+    )
+    commit(output, plan, "/d/_a.tar")
     output.finish()
     assert len(load_embeddings(str(tmp_path)).keys) == 6  # evaluate reads what the manifest lists
     with pytest.raises(ValueError, match=r"1 file\(s\) that Parquet readers skip \(e\.g\. _a\.parquet\)"):
