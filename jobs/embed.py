@@ -13,8 +13,10 @@ brings GPU nodes for them), --cpu keeps the model on CPU; without either, actors
 machine or cluster has some at the start. Device and precision are part of the output's identity.
 Running the same command again skips the shards already committed.
 
-Leaves under --out: <shard>.parquet per input shard (key, url, embedding fixed_size_list<float32>[D],
-label) and _manifest.json (model, weights sha256, preprocessing, D, per shard rows and skipped samples).
+Leaves under --out: <shard>-<8 hex>.parquet per input shard (key, url, embedding
+fixed_size_list<float32>[D], label), _identity.json (the output's model, weights and preprocessing,
+claimed before the first commit: a run of another configuration into the same --out fails in one line)
+and _manifest.json (model, weights sha256, preprocessing, D, per shard its file, rows and skipped samples).
 """
 
 from __future__ import annotations
@@ -67,9 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from pipeline.data.bad_samples import BadSampleBudgetError, LabelsMissingError
+    from pipeline.embed.identity import OutputClaimedError
     from pipeline.embed.job import NonFiniteEmbeddingError
 
-    return cli.run_job(body, failures=(BadSampleBudgetError, LabelsMissingError, NonFiniteEmbeddingError))
+    return cli.run_job(
+        body,
+        failures=(BadSampleBudgetError, LabelsMissingError, NonFiniteEmbeddingError, OutputClaimedError),
+    )
 
 
 if __name__ == "__main__":

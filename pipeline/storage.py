@@ -6,7 +6,9 @@ AWS_ENDPOINT_URL ...) or from `storage_options`, passed through to fsspec.
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -135,9 +137,13 @@ def temporary_name(path: str | Path) -> Path:
     return path.parent / f".{path.name}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
 
 
+_TEMPORARY = re.compile(r"\..+" + re.escape(TEMP_MARK) + r"[0-9a-f]{12}")
+
+
 def is_temporary(name: str) -> bool:
-    """True for a name that `temporary_name` made (a file not yet committed)."""
-    return TEMP_MARK in name
+    """True for a name that `temporary_name` made (a file not yet committed), and for no other: a
+    committed file whose own name holds ``.tmp-`` (``c.tmp-1.parquet``) is no temporary."""
+    return _TEMPORARY.fullmatch(name) is not None
 
 
 def write_text(uri: str, text: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -151,6 +157,52 @@ def write_text(uri: str, text: str, storage_options: dict[str, Any] | None = Non
     else:
         with fs.open(path, "w") as f:
             f.write(text)
+
+
+def create_text(uri: str, text: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Write a whole small file where none is; True when this call wrote it, False when one was there.
+
+    Local: exclusive (the text goes to a temporary name that is then hard-linked onto ``uri``, a link
+    that fails where a file exists), so of two writers exactly one wins and no reader sees half a file;
+    on a filesystem without hard links (some FUSE mounts), an ``O_EXCL`` create, exclusive as well.
+    Object stores: a conditional PUT (If-None-Match) where fsspec's backend sends one (fsspec 2024.12
+    and later: s3fs, gcsfs) and the store honours it; else an existence check, then a PUT, which two
+    writers can both pass. A caller that needs one winner everywhere reads the file back.
+    """
+    fs, path = filesystem(uri, storage_options)
+    if is_local(uri):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = temporary_name(path)
+        tmp.write_text(text)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here
+            return _create_exclusive(path, text)
+        finally:
+            tmp.unlink()
+        return True
+    if "mode" in inspect.signature(fs.pipe_file).parameters:
+        try:
+            fs.pipe_file(path, text.encode(), mode="create")
+        except FileExistsError:
+            return False
+        return True
+    if fs.exists(path):
+        return False
+    fs.pipe_file(path, text.encode())
+    return True
+
+
+def _create_exclusive(path: str, text: str) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return True
 
 
 def upload_dir(

@@ -261,7 +261,8 @@ def _local_gpus() -> int:
 def run(plan: EmbedPlan, *, on_commit: Callable[[str, dict], None] | None = None) -> EmbedSummary:
     """Embed the shards left in ``plan`` on the connected Ray cluster; ``on_commit(url, record)`` is
     called after each shard's commit. Raises `BadSampleBudgetError` when too many samples are bad
-    (shards committed until then stay committed)."""
+    (shards committed until then stay committed), and `OutputClaimedError` when ``--out`` is, or becomes,
+    claimed for another model's embeddings (at the start: nothing written)."""
     config, output = plan.config, plan.output
     output.start(plan.work)
     bad = BadSamples.from_config(plan.data_config)

@@ -1,11 +1,32 @@
 """The embedding job's output: one Parquet file per input shard, committed whole, and a manifest beside them.
 
-    <out>/train-000000.parquet   key string, url string, embedding fixed_size_list<float32>[D], label int64
-    <out>/train-000001.parquet   (label null where the sample has none); schema metadata b"vitray"
-    <out>/_manifest.json         model, weights sha256, preprocessing, D; per shard: rows, skipped, file
+    <out>/train-000000-3f2a9c1e.parquet  key string, url string, embedding fixed_size_list<float32>[D],
+    <out>/train-000001-b7d04e55.parquet  label int64 (null where the sample has none); schema metadata b"vitray"
+    <out>/_identity.json                 the output's identity, claimed before the first commit
+    <out>/_manifest.json                 model, weights sha256, preprocessing, D; per shard: rows, skipped, file
 
-The manifest's leading underscore keeps it out of directory reads: pyarrow, pandas, Spark and DuckDB
-globs skip ``_`` and ``.`` names, so ``pandas.read_parquet(out)`` reads exactly the embeddings.
+The underscore names stay out of directory reads: pyarrow, pandas, Spark and DuckDB globs skip ``_`` and
+``.`` names, so ``pandas.read_parquet(out)`` reads exactly the embeddings.
+
+File names: ``<stem>-<first 8 hex of sha256(shard url)>.parquet``, where the stem is the shard's file name
+without its .tar/.tar.gz/.tgz suffix, every run of characters other than letters, digits, ``_`` and ``-``
+made one ``-``, and leading or trailing ``-``/``_`` dropped (``shard`` if nothing is left). A pure function
+of the URL: a rerun maps each shard to the same file (so committed shards are skipped), and two URLs never
+share a name, whatever runs embed them, in any order or at once (``a/x.tar`` and ``b/x.tar`` give two
+hashes). No name starts with ``_`` or ``.`` (``_a.tar`` and ``.b.tar`` give ``a-…`` and ``b-…``, which
+every reader sees), and none holds a dot before ``.parquet``, so none is taken for the job's temporaries
+(``.<name>.tmp-<12 hex>``, `pipeline.storage.is_temporary`). The manifest gives each committed shard's
+file. A name an older version gave and the manifest lists stays; where it is one that readers skip, a
+run refuses the output in one line (``--overwrite`` rewrites it); ``jobs/evaluate.py`` reads the files
+the manifest lists, such names included.
+
+Identity: an output holds the embeddings of one configuration (model, weights sha256, kind,
+preprocessing, device and precision). A run claims ``--out`` for it in ``_identity.json`` before it
+writes or removes anything, and checks the claim before each commit publishes a file; a run that finds
+another identity's claim stops in one line and publishes nothing more (at its start: nothing at all;
+`pipeline.embed.identity` says what the claim guarantees on local disk and on object stores). Each
+file's footer names its identity too: a shard counts as done only when its footer names this shard and
+this identity, and ``jobs/evaluate.py`` refuses an output whose files disagree.
 
 Commit protocol, per shard: the complete file is written under a hidden temporary name (local) or into
 a local scratch file (object stores), then renamed onto / uploaded to its final name, then its record,
@@ -17,14 +38,10 @@ committed file without a record (redone and replaced by the next run). So a run'
 done when a record (or the manifest) lists it and its file has the listed size and row count", never
 counts a partial file, and every readable key ends up in exactly one row.
 
-Two runs into one ``--out`` at once are safe: a shard's file name is fixed, so a shard both embed is
-replaced whole by the same rows, every record any run writes stays, and the manifest each run writes
-at its end merges every record present then (the records, read by every run, are the truth; the
-manifest is their summary as of the last run's end).
-
-File names: the shard's file name without its .tar/.tar.gz/.tgz suffix, plus ``.parquet``. When two
-input shards would get the same name (same file name in different directories), each of them gets
-``<stem>-<first 8 hex of sha256(url)>.parquet`` instead; a name the manifest already gives a shard stays.
+Two runs of one identity into one ``--out`` at once are safe: a shard's file name is fixed, so a shard
+both embed is replaced whole by the same rows, every record any run writes stays, and the manifest each
+run writes at its end merges every record present then (the records, read by every run, are the truth;
+the manifest is their summary as of the last run's end).
 """
 
 from __future__ import annotations
@@ -32,7 +49,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
+import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,7 +63,8 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.data.shards import SHARD_SUFFIXES
-from vit.config import REGULARIZATION_FIELDS
+from pipeline.embed import identity
+from pipeline.embed.identity import difference
 
 MANIFEST = "_manifest.json"
 RECORDS = "_records"  # one small JSON per committed (or failed) shard; "_" keeps Parquet readers out
@@ -53,77 +73,38 @@ STALE_TEMPORARY_S = 3600.0  # a temporary this old belongs to no running commit:
 FORMAT = "vitray-embeddings"
 METADATA_KEY = b"vitray"
 PARQUET = ".parquet"
-# DataConfig fields that decide which rows a shard yields and what pixels they see; the others say how
-# reading runs (block sizes, concurrency, credentials, the bad-sample budget) and change no output.
-PREPROCESSING_IDENTITY = (
-    "image_size",
-    "patch_size",
-    "crop_fraction",
-    "eval_interpolation",
-    "jpeg_draft",
-    "reducing_gap",
-    "image_keys",
-    "label_key",
-    "require_labels",
-    "max_image_pixels",
-)
 
 
 def output_name(url: str) -> str:
-    """``.../train-000003.tar.gz`` -> ``train-000003.parquet``."""
+    """``.../train-000003.tar.gz`` -> ``train-000003-<8 hex of sha256(url)>.parquet``, visible to every
+    Parquet reader and never a temporary's name (see the module docstring)."""
     base = url.rstrip("/").rsplit("/", 1)[-1]
     for suffix in SHARD_SUFFIXES:
         if base.lower().endswith(suffix):
             base = base[: -len(suffix)]
             break
-    return base + PARQUET
+    stem = re.sub(r"[^\w-]+", "-", base).strip("-_")[:96] or "shard"
+    return f"{stem}-{hashlib.sha256(url.encode()).hexdigest()[:8]}{PARQUET}"
+
+
+def visible(name: str) -> bool:
+    """True for a file name that Parquet readers list and the job never takes for its temporary."""
+    return not name.startswith(("_", ".")) and not storage.is_temporary(name)
 
 
 def assign_names(shards: list[str], kept: dict[str, str] | None = None) -> dict[str, str]:
-    """A unique output file name per shard URL; ``kept`` (url -> name, from a manifest) stays as it is."""
-    kept = dict(kept or {})
-    plain = {url: output_name(url) for url in shards if url not in kept}
-    counts: dict[str, int] = {}
-    for name in [*plain.values(), *kept.values()]:
-        counts[name] = counts.get(name, 0) + 1
-    names = dict(kept)
-    for url, name in plain.items():
-        if counts[name] > 1:
-            digest = hashlib.sha256(url.encode()).hexdigest()[:8]
-            name = f"{name[: -len(PARQUET)]}-{digest}{PARQUET}"
-        names[url] = name
-    return {url: names[url] for url in shards}
-
-
-def identity(header: dict[str, Any]) -> dict[str, Any]:
-    """What must match for embeddings to belong to one output: model, weights, kind, preprocessing."""
-    preprocessing = header.get("preprocessing") or {}
-    model = (header.get("model") or {}).get("config")
-    if isinstance(model, dict):
-        # Fields of training mode only change nothing the job computes (in eval mode); outputs written
-        # before the model config had them stay this output's.
-        model = {k: v for k, v in model.items() if k not in REGULARIZATION_FIELDS}
-    return {
-        "model": model,
-        "weights sha256": (header.get("weights") or {}).get("sha256"),
-        "embedding": header.get("embedding"),
-        "preprocessing": {k: preprocessing.get(k) for k in PREPROCESSING_IDENTITY},
-        "compute": header.get("compute"),  # device and precision: GPU bf16 rows differ from CPU fp32
-    }
-
-
-def difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
-    """The first difference between two headers' identities, in words, or None."""
-    a, b = identity(old), identity(new)
-    for key in a:
-        if a[key] == b[key]:
-            continue
-        if isinstance(a[key], dict) and isinstance(b[key], dict):
-            changed = [k for k in sorted(set(a[key]) | set(b[key])) if a[key].get(k) != b[key].get(k)]
-            k = changed[0]
-            return f"{key} {k} {a[key].get(k)!r} there, {b[key].get(k)!r} now"
-        return f"{key} {_short(a[key])} there, {_short(b[key])} now"
-    return None
+    """The output file name per shard URL: `output_name`, or the name ``kept`` (url -> name, from a
+    manifest an older version wrote) gives it; a one-line ValueError when two URLs would share one."""
+    kept = kept or {}
+    names = {url: kept.get(url) or output_name(url) for url in shards}
+    owners: dict[str, str] = {}
+    for url, name in [*kept.items(), *names.items()]:
+        if owners.setdefault(name, url) != url:
+            raise ValueError(
+                f"shards {owners[name]} and {url} map to one output file {name}; pass --overwrite, or "
+                "embed them into separate --out directories"
+            )
+    return names
 
 
 def embedding_table(
@@ -163,6 +144,7 @@ class OutputPlan:
     delete: list[str] = field(default_factory=list)  # file names: temporaries, and stale files on overwrite
     strays: list[str] = field(default_factory=list)  # other .parquet files in --out, not this output's
     others: dict[str, dict] = field(default_factory=dict)  # committed earlier for shards not in this run
+    overwrite: bool = False  # the run takes the output for its identity, replacing another's claim
 
 
 class EmbeddingOutput:
@@ -176,6 +158,7 @@ class EmbeddingOutput:
         self.failed: dict[str, str] = {}  # url -> reason
         self.names: dict[str, str] = {}  # url -> output file name, for this run's shards
         self._read_cache: dict[tuple[str, int], dict] = {}  # (record name, size) -> its contents
+        self.run_id = uuid.uuid4().hex  # in the claim this run writes: which run wrote the one that stands
 
     def path(self, name: str) -> str:
         return storage.join(self.uri, name)
@@ -200,11 +183,13 @@ class EmbeddingOutput:
         model's embeddings and ``overwrite`` is not set."""
         files = storage.list_files(self.uri, self.storage_options)
         old = self.read_manifest()
+        # The claim names the output's identity; an output written before claims has its manifest's.
+        held = identity.read(self.uri, self.storage_options) or old
         temporaries = sorted(n for n in files if storage.is_temporary(n) and self._stale(n))
         commits, _ = self.read_records()
         listed = {**(old or {}).get("shards", {}), **commits}  # records are newer than any manifest
-        if old is not None and not overwrite:
-            why = difference(old, self.header)
+        if held is not None and not overwrite:
+            why = difference(held, self.header)
             if why is not None:
                 raise ValueError(
                     f"{self.uri} holds embeddings of another configuration ({why}); pass --overwrite to "
@@ -216,8 +201,15 @@ class EmbeddingOutput:
             mine = set(names.values()) | set(stale)
             strays = sorted(n for n in files if n.endswith(PARQUET) and n not in mine)
             records = [f"{RECORDS}/{n}" for n in storage.list_files(self.path(RECORDS), self.storage_options)]
-            return OutputPlan(names, {}, list(shards), temporaries + stale + records, strays, {})
-        if old is None and any(n.endswith(PARQUET) for n in files):
+            delete = temporaries + stale + records
+            return OutputPlan(names, {}, list(shards), delete, strays, {}, overwrite=True)
+        hidden = sorted(r["file"] for r in listed.values() if not visible(r["file"]))
+        if hidden:
+            raise ValueError(
+                f"{self.uri} holds {len(hidden)} file(s) that Parquet readers skip (e.g. {hidden[0]}), "
+                "named by an older vitray; pass --overwrite to rewrite it under visible names"
+            )
+        if held is None and any(n.endswith(PARQUET) for n in files):
             raise ValueError(
                 f"{self.uri} holds Parquet files but no {MANIFEST}: not a vitray embedding output; choose "
                 "an empty --out, or pass --overwrite to write beside them"
@@ -234,7 +226,9 @@ class EmbeddingOutput:
         return OutputPlan(names, done, pending, temporaries, strays, others)
 
     def start(self, plan: OutputPlan) -> None:
-        """Remove leftovers, then write the manifest: this run's header and every shard committed so far."""
+        """Claim the output (`OutputClaimedError` when another identity holds it: nothing written), remove
+        leftovers, then write the manifest: this run's header and every shard committed so far."""
+        identity.claim(self.uri, self.header, self.run_id, self.storage_options, replace=plan.overwrite)
         for name in plan.delete:
             storage.remove(self.path(name), self.storage_options)
         self.names = dict(plan.names)
@@ -248,6 +242,9 @@ class EmbeddingOutput:
         with storage.staged_file(target, self.storage_options) as local:
             pq.write_table(table, local, compression="zstd")
             size = os.path.getsize(local)
+            identity.check(
+                self.uri, self.header, self.storage_options
+            )  # last thing before the file is published: a lost claim publishes nothing
         record = {"file": name, "rows": table.num_rows, "bytes": size, "skipped": skipped}
         storage.write_text(
             self._record_path(name), json.dumps({"url": url, **record}) + "\n", self.storage_options
@@ -331,14 +328,10 @@ class EmbeddingOutput:
                 about = json.loads(meta.metadata[METADATA_KEY])
             except (OSError, KeyError, ValueError, TypeError, pa.ArrowException):
                 return url, None
-            return url, meta.num_rows if about.get("shard", {}).get("url") == url else None
+            mine = about.get("shard", {}).get("url") == url and difference(about, self.header) is None
+            return url, meta.num_rows if mine else None
 
         if not names:
             return {}
         with ThreadPoolExecutor(max_workers=min(32, len(names))) as pool:
             return dict(pool.map(rows, names.items()))
-
-
-def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    return text[:16] + "..." if len(text) > 19 else text

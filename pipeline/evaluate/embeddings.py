@@ -4,6 +4,10 @@ An output is a directory that ``jobs/embed.py`` wrote (one Parquet file per shar
 or a single ``.parquet`` file with its columns (`pipeline.embed.output.embedding_table`). Where the
 manifest is there, exactly the files it lists as committed are read, so a stray or half-written file
 beside them never enters a score; without one, every ``.parquet`` file of the directory is read.
+
+An output holds one model's embeddings: every file's footer, the manifest and the output's claim must
+name one identity (model, weights sha256, preprocessing, device and precision:
+`pipeline.embed.identity`); an output whose files disagree is refused, never scored as a mixture.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
+from pipeline.embed import identity
 from pipeline.embed.output import MANIFEST, METADATA_KEY, PARQUET
 
 
@@ -86,6 +91,11 @@ def load_embeddings(uri: str, storage_options: dict | None = None, *, name: str 
     """Read every row of an output; a one-line ValueError when it has no labels, mixes widths or is
     not an embedding output (``name`` is the flag that named it, for the message)."""
     files, manifest = output_files(uri, storage_options)
+    claim = identity.read(uri, storage_options) if manifest else None  # a vitray output directory
+    # What every file must agree with: the claim, else the manifest, else the first file's footer.
+    reference, where = (claim, identity.CLAIM) if claim else (manifest or None, MANIFEST)
+    if claim and manifest:
+        _same(name, uri, claim, identity.CLAIM, manifest, MANIFEST)
     tables = []
     about = manifest
     for file in files:
@@ -96,8 +106,13 @@ def load_embeddings(uri: str, storage_options: dict | None = None, *, name: str 
             raise ValueError(
                 f"{name} {file} is not an embedding file (key, embedding, label columns): {e}"
             ) from e
-        if not about and table.schema.metadata and METADATA_KEY in table.schema.metadata:
-            about = json.loads(table.schema.metadata[METADATA_KEY])
+        if table.schema.metadata and METADATA_KEY in table.schema.metadata:
+            footer = json.loads(table.schema.metadata[METADATA_KEY])
+            about = about or footer
+            if reference is None:
+                reference, where = footer, file.rsplit("/", 1)[-1]
+            else:
+                _same(name, uri, reference, where, footer, file.rsplit("/", 1)[-1])
         if not pa.types.is_fixed_size_list(table.schema.field("embedding").type):
             raise ValueError(f"{name} {file}: its embedding column is not fixed_size_list<float32>[D]")
         tables.append(table)
@@ -125,6 +140,15 @@ def load_embeddings(uri: str, storage_options: dict | None = None, *, name: str 
             f"{keys[~finite][0]}); embed them again with weights that hold finite values"
         )
     return Embeddings(uri, features, labels.astype(np.int64), keys, about)
+
+
+def _same(name: str, uri: str, a: dict, a_name: str, b: dict, b_name: str) -> None:
+    why = identity.difference(a, b, f"in {a_name}", f"in {b_name}")
+    if why is not None:
+        raise ValueError(
+            f"{name} {uri} mixes embeddings of two configurations ({why}); re-embed it with "
+            "jobs/embed.py --overwrite, or pass an output of one model"
+        )
 
 
 def check_pair(train: Embeddings, test: Embeddings) -> None:

@@ -20,8 +20,9 @@ from pipeline.data.config import DataConfig
 from pipeline.data.synthetic import encode, render
 from pipeline.data.writing import tar_bytes
 from pipeline.embed.config import EmbedConfig
+from pipeline.embed.identity import CLAIM
 from pipeline.embed.job import NonFiniteEmbeddingError, ShardSink, prepare, run
-from pipeline.embed.output import MANIFEST, RECORDS
+from pipeline.embed.output import MANIFEST, RECORDS, output_name
 from tests.embed.test_job import embed_job, trained_model
 
 
@@ -105,10 +106,13 @@ def test_climbing_and_absolute_keys_land_in_the_key_column_and_nowhere_else(
     written = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} - {
         p.relative_to(tmp_path) for p in before
     }
+    name = output_name(str(shard))
+    assert name.startswith("hostile-000000-")
     assert written == {
         Path("out"),
-        Path("out/hostile-000000.parquet"),
+        Path(f"out/{name}"),
+        Path(f"out/{CLAIM}"),
         Path(f"out/{MANIFEST}"),
         Path(f"out/{RECORDS}"),
-        Path(f"out/{RECORDS}/hostile-000000.parquet.json"),
+        Path(f"out/{RECORDS}/{name}.json"),
     }

@@ -1,7 +1,7 @@
 """The embedding job: exact rows, the same embeddings as the model in process, atomic commits and resumes.
 
-Units first (no Ray): output names, the actor's batch function, staged commits. Then whole runs on the
-shared local Ray over tiny shards with the tiny model (each run starts one model actor).
+Units first (no Ray): the actor's batch function, staged commits (output names: test_output.py). Then
+whole runs on the shared local Ray over tiny shards with the tiny model (each run starts one model actor).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from pipeline.data.tar import iter_samples
 from pipeline.data.writing import tar_bytes
 from pipeline.embed.actor import embed_rows
 from pipeline.embed.config import EmbedConfig
+from pipeline.embed.identity import CLAIM
 from pipeline.embed.job import prepare, run
-from pipeline.embed.output import MANIFEST, METADATA_KEY, RECORDS, assign_names, output_name
+from pipeline.embed.output import MANIFEST, METADATA_KEY, RECORDS, output_name
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "vit_tiny_test"
@@ -91,20 +92,6 @@ def test_the_embedding_modules_import_without_ray():
     # A bare GPU machine runs the naive half of `benchmark.py embed` with these and no Ray.
     code = "import sys; sys.modules['ray'] = None; import pipeline.embed, pipeline.embed.actor, pipeline.embed.output"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
-
-
-def test_output_names_follow_the_shard_and_stay_unique():
-    assert output_name("/d/train-000003.tar") == "train-000003.parquet"
-    assert output_name("s3://b/x/val-01.tar.gz") == "val-01.parquet"
-    shards = ["/a/train-000000.tar", "/b/train-000000.tar", "/a/train-000001.tgz", "/c/train-000000.tar.gz"]
-    names = assign_names(shards)
-    assert names["/a/train-000001.tgz"] == "train-000001.parquet"
-    clashing = [names[u] for u in shards if u != "/a/train-000001.tgz"]
-    assert len(set(clashing)) == 3 and all(n.startswith("train-000000-") for n in clashing)
-    assert assign_names(shards) == names  # a pure function of the URLs
-    # A name the manifest already gives a shard stays; a newcomer that would take it steps aside.
-    kept = assign_names(["/a/x.tar", "/b/x.tar"], {"/a/x.tar": "x.parquet"})
-    assert kept["/a/x.tar"] == "x.parquet" and kept["/b/x.tar"].startswith("x-")
 
 
 def test_batch_function_skips_error_rows_and_does_not_depend_on_batching():
@@ -188,7 +175,7 @@ def test_rows_equal_the_model_in_process_and_read_with_common_tools(first_run, s
         direct = model.embed(vit.patchify(torch.from_numpy(pixels), 8)).numpy()
     np.testing.assert_allclose(rows["embedding"], direct, rtol=1e-5, atol=1e-5)
 
-    first = pq.read_table(Path(config.out) / "train-000000.parquet")
+    first = pq.read_table(Path(config.out) / output_name(synthetic_shards.urls[0]))
     assert str(first.schema.field("embedding").type) == f"fixed_size_list<element: float>[{D}]"
     about = json.loads(first.schema.metadata[METADATA_KEY])
     assert about["shard"] == {"url": synthetic_shards.urls[0], "rows": 12, "skipped": []}
@@ -267,10 +254,10 @@ def test_an_interrupted_run_resumes_to_exactly_one_row_per_key(
     assert len(manifest(out)["shards"]) == 0 and len(list((out / RECORDS).iterdir())) == 1
     # What a crash at other moments leaves: a half-written temporary (an hour old: no run's commit in
     # flight), and a shard committed whose record was never written (here with garbage in it).
-    half = out / ".train-000002.parquet.tmp-0123456789ab"
+    half = out / f".{output_name(synthetic_shards.urls[2])}.tmp-0123456789ab"
     half.write_bytes(b"PAR1 half a file")
     os.utime(half, (time.time() - 7200, time.time() - 7200))
-    (out / "train-000003.parquet").write_bytes(b"not what the manifest lists")
+    (out / output_name(synthetic_shards.urls[3])).write_bytes(b"not what the manifest lists")
     plan = prepare(config)
     assert len(plan.work.done) == 1 and len(plan.work.pending) == 3
     summary = run(plan)
@@ -320,9 +307,9 @@ def test_bad_samples_are_listed_in_the_manifest_and_absent_from_rows(
     assert [labels[f"good{i}"] for i in range(6)] == [
         render(i, image_size=48, num_classes=4)[1] for i in range(6)
     ]
-    assert str(pq.read_table(tmp_path / "mixed-000000.parquet").schema.field("label").type) == "int64"
+    assert str(pq.read_table(tmp_path / output_name(mixed)).schema.field("label").type) == "int64"
     assert manifest(tmp_path)["shards"][empty]["rows"] == 0  # committed too: an empty file, same schema
-    assert pq.read_table(tmp_path / "mixed-000001.parquet").schema == pq.read_table(tmp_path).schema
+    assert pq.read_table(tmp_path / output_name(empty)).schema == pq.read_table(tmp_path).schema
     skipped = manifest(tmp_path)["shards"][mixed]["skipped"]
     assert {s["key"]: reason_category(s["reason"]) for s in skipped} == {
         "bad-empty": "empty image",
@@ -399,9 +386,10 @@ def test_s3_output_works_like_local(ray_session, first_run, synthetic_shards, ex
         assert (summary.committed, summary.rows) == (4, 48)
         fs = s3fs.S3FileSystem()
         names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("emb/run1"))
-        assert names == [MANIFEST, RECORDS] + [f"train-00000{i}.parquet" for i in range(4)]
+        files = sorted(output_name(u) for u in synthetic_shards.urls)
+        assert names == [CLAIM, MANIFEST, RECORDS, *files]
         records = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"emb/run1/{RECORDS}"))
-        assert records == [f"train-00000{i}.parquet.json" for i in range(4)]
+        assert records == [f"{f}.json" for f in files]
         remote = pd.read_parquet("s3://emb/run1").sort_values("key")
         local = pd.read_parquet(first_run[0].out).sort_values("key")
         assert list(remote["key"]) == list(local["key"])

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.embed.output import FORMAT, MANIFEST, embedding_table
+from pipeline.embed.output import FORMAT, MANIFEST, METADATA_KEY, embedding_table
 from pipeline.evaluate.embeddings import load_embeddings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,15 +20,26 @@ evaluate_job = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(evaluate_job)
 
 
-def write_output(directory: Path, features: np.ndarray, labels: np.ndarray, *, files: int = 2) -> Path:
-    """An output as jobs/embed.py leaves it: ``files`` Parquet files and a manifest listing them."""
+HEADER = {
+    "format": FORMAT,
+    "model": {"name": "vit_tiny_test"},
+    "weights": {"sha256": "ab" * 32},
+    "preprocessing": {"crop_fraction": 0.875},
+}
+
+
+def write_output(
+    directory: Path, features: np.ndarray, labels: np.ndarray, *, files: int = 2, prefix: str = ""
+) -> Path:
+    """An output as jobs/embed.py leaves it: ``files`` Parquet files and a manifest listing them
+    (``prefix``: before each file's name, as older versions named some)."""
     directory.mkdir(parents=True, exist_ok=True)
-    header = {"format": FORMAT, "model": {"name": "vit_tiny_test"}, "weights": {"sha256": "ab" * 32}}
+    header = HEADER
     shards = {}
     for i, (x, y) in enumerate(
         zip(np.array_split(features, files), np.array_split(labels, files), strict=True)
     ):
-        name = f"part-{i:06d}.parquet"
+        name = f"{prefix}part-{i:06d}.parquet"
         keys = [f"{i}-{j}" for j in range(len(y))]
         table = embedding_table(
             keys, [f"shard-{i}.tar"] * len(y), x, y, {**header, "shard": {"url": f"shard-{i}.tar"}}
@@ -79,6 +90,38 @@ def test_reads_back_exactly_what_was_written(tmp_path):
     np.testing.assert_array_equal(loaded.features[order], features)
     np.testing.assert_array_equal(loaded.labels[order], labels)
     assert loaded.model == "vit_tiny_test" and loaded.dim == 5
+
+
+@pytest.mark.parametrize(
+    ("about", "message"),
+    [
+        ({"weights": {"sha256": "cd" * 32}}, "weights sha256 abab"),
+        (
+            {"preprocessing": {"crop_fraction": 0.5}},
+            "preprocessing crop_fraction 0.875 in _manifest.json, 0.5",
+        ),
+    ],
+)
+def test_an_output_whose_files_disagree_is_refused_not_scored(tmp_path, capsys, about, message):
+    # A second run of other weights or another eval transform into the same --out left one of its
+    # files there: the output holds two models' embeddings and would score as their mixture.
+    labels = np.repeat([0, 1, 2], 10)
+    train = write_output(tmp_path / "train", clustered(labels), labels)
+    test = write_output(tmp_path / "test", clustered(labels, seed=1), labels)
+    path = train / "part-000001.parquet"
+    table = pq.read_table(path)
+    footer = {**json.loads(table.schema.metadata[METADATA_KEY]), **about}
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(footer).encode()}), path)
+    assert evaluate_job.main(["--train", str(train), "--test", str(test)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "mixes embeddings of two configurations" in err and message in err and "\n" not in err
+    assert "part-000001.parquet" in err and "--overwrite" in err
+
+
+def test_an_output_that_an_older_version_named_for_readers_to_skip_still_loads(tmp_path):
+    labels = np.repeat([0, 1, 2], 2)
+    out = write_output(tmp_path / "o", clustered(labels), labels, prefix="_")  # _part-000000.parquet ...
+    assert sorted(load_embeddings(str(out)).keys) == sorted(f"{i}-{j}" for i in range(2) for j in range(3))
 
 
 @pytest.mark.parametrize(
