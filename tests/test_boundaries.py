@@ -34,7 +34,7 @@ ALLOWED = {
     "pipeline.cli": {"pipeline.console", "pipeline.settings"},
     "pipeline.dcp": {"pipeline.storage", "pipeline.compat", "vit"},
     # What --weights resolves to, for every job that takes a trained model (embed, evaluate, fine-tuning).
-    "pipeline.weights": {
+    "pipeline.model_source": {
         "pipeline.dcp",
         "pipeline.data",
         "pipeline.settings",
@@ -53,7 +53,7 @@ ALLOWED = {
         "pipeline.storage",
         "pipeline.compat",
         "vit",
-        "pipeline.weights",
+        "pipeline.model_source",
     },
     "pipeline.embed": {
         "pipeline.embed",
@@ -64,7 +64,7 @@ ALLOWED = {
         "pipeline.storage",
         "pipeline.compat",
         "vit",
-        "pipeline.weights",
+        "pipeline.model_source",
     },
     # The options reference (docs/options.md), written from every job's parser.
     "pipeline.reference": {
@@ -87,7 +87,7 @@ ALLOWED = {
         "pipeline.storage",
         "pipeline.compat",
         "vit",
-        "pipeline.weights",
+        "pipeline.model_source",
     },
 }
 

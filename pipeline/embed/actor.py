@@ -2,7 +2,7 @@
 
 `embed_rows` is the batch function (plain numpy in and out, testable without Ray); `Embedder` is the
 Ray Data callable class around it. Weights arrive as float32 numpy arrays from the object store
-(`pipeline.weights.pack_state_dict`): on CPU the model's tensors are those arrays themselves,
+(`pipeline.model_source.pack_state_dict`): on CPU the model's tensors are those arrays themselves,
 read-only and shared by every actor of a node; on GPU they are copied to the device once, in bf16,
 and ``model.embed`` is compiled (one graph: every forward has the same shape).
 
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import vit
-from pipeline.weights import unpack_state_dict
+from pipeline.model_source import unpack_state_dict
 
 
 def embedding_dim(config: vit.ViTConfig, embedding: str) -> int:

@@ -9,8 +9,8 @@ from typing import Any
 
 from pipeline import cli
 from pipeline.data.config import INTERPOLATIONS
+from pipeline.model_source import FORMATS
 from pipeline.settings import setting
-from pipeline.weights import FORMATS
 
 EMBEDDINGS = ("cls", "pre_logits")
 CPU_BATCH_SIZE, GPU_BATCH_SIZE = 64, 256  # default images per forward

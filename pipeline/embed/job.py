@@ -41,7 +41,7 @@ from pipeline.data.shards import expand_shards
 from pipeline.embed.actor import Embedder, actor_memory, embedding_dim
 from pipeline.embed.config import DEFAULT_LABEL_KEY, EmbedConfig
 from pipeline.embed.output import FORMAT, MANIFEST, EmbeddingOutput, OutputPlan, embedding_table
-from pipeline.weights import ModelSource, load_model_source, pack_state_dict
+from pipeline.model_source import ModelSource, load_model_source, pack_state_dict
 
 UNREADABLE = "unreadable shard"  # a storage failure, maybe passing: the shard is retried by the next run
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline import cli, settings
+from pipeline.model_source import FORMATS
 from pipeline.settings import setting
-from pipeline.weights import FORMATS
 
 FEW_SHOTS = (1, 5, 10, 25)  # images per class, as in the paper's few-shot table
 

@@ -31,7 +31,7 @@ from pipeline.evaluate import analysis, figures, reconstruction
 from pipeline.evaluate.attention import attention_distances, patch_distances
 from pipeline.evaluate.config import AnalyzeConfig
 from pipeline.evaluate.samples import eval_config, eval_patches
-from pipeline.weights import load_model_source
+from pipeline.model_source import load_model_source
 
 FILTERS_PNG = "patch_embedding_filters.png"
 POSITIONS_PNG = "position_embedding_similarity.png"

@@ -1,6 +1,6 @@
 """Fine-tuning: a pretrained ViT under a new head, at a new resolution, evaluated on held-out shards.
 
-    --weights -> `pipeline.weights.load_model_source` (an export, a run dir, a checkpoint, timm/HF ...)
+    --weights -> `pipeline.model_source.load_model_source` (an export, a run dir, a checkpoint, timm/HF ...)
               -> `resolve_pretrained` (driver): the run's model is the weights' own, head "finetune"
               -> `pretrained_state` (every worker): head dropped, position embeddings resampled in 2D
                  to the new grid ([CLS] kept) -> `load_pretrained` into the FSDP2 model; the new
@@ -38,9 +38,9 @@ def resolve_pretrained(config: TrainConfig) -> TrainConfig:
     ``config.arch.weights``, with the new image size, class count and a fine-tuning head.
 
     Reads the weights once on the driver, so wrong weights stop the job in one line before any
-    cluster work (`pipeline.weights.load_model_source`'s errors).
+    cluster work (`pipeline.model_source.load_model_source`'s errors).
     """
-    from pipeline.weights import load_model_source
+    from pipeline.model_source import load_model_source
 
     if not config.arch.weights:
         raise ValueError("fine-tuning needs --weights: a pretraining export, run directory or checkpoint")
@@ -54,7 +54,7 @@ def resolve_pretrained(config: TrainConfig) -> TrainConfig:
 def pretrained_state(config: TrainConfig, model_config: vit.ViTConfig) -> dict[str, torch.Tensor]:
     """The pretrained weights as the fine-tuning model takes them: float32 on CPU, no ``head.*``,
     ``pos_embed`` ``(1+N, D)`` resampled bicubically to ``model_config``'s grid with [CLS] kept."""
-    from pipeline.weights import load_model_source
+    from pipeline.model_source import load_model_source
 
     state = load_model_source(config.arch.weights).state_dict
     state = {k: v for k, v in state.items() if not k.startswith("head.")}

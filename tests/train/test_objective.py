@@ -12,12 +12,12 @@ import torch.nn.functional as F
 import vit
 from pipeline.data.config import DataConfig
 from pipeline.data.masking import mask_batch
+from pipeline.model_source import load_model_source
 from pipeline.train import checkpoint, finetune
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import MAEObjective, Objective, objective_for
 from pipeline.train.step import TrainStep
-from pipeline.weights import load_model_source
 from tests.configs import tiny_config
 
 SUPERVISED = tiny_config()

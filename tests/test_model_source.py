@@ -17,8 +17,8 @@ import vit
 from pipeline import dcp
 from pipeline.data.config import DataConfig
 from pipeline.embed.actor import build_embedding_model
+from pipeline.model_source import load_model_source, pack_state_dict, state_dict_sha256, unpack_state_dict
 from pipeline.train import checkpoint
-from pipeline.weights import load_model_source, pack_state_dict, state_dict_sha256, unpack_state_dict
 from tests.configs import tiny_config
 
 TINY = "vit_tiny_test"  # embed_dim 64, depth 2, mlp_dim 128, patch 8, 4 heads, image 32

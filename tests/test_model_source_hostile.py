@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import vit
-from pipeline.weights import load_model_source
+from pipeline.model_source import load_model_source
 from vit.weights import CONFIG_FILE, WEIGHTS_FILE
 
 TINY = "vit_tiny_test"  # embed_dim 64, depth 2, mlp_dim 128, patch 8, 4 heads, image 32
@@ -332,7 +332,7 @@ def weights_file(name: str, tensors: Callable[[], dict[str, torch.Tensor]], chan
 
 def timm_tensors(change=None) -> Callable[[], dict[str, torch.Tensor]]:
     def make() -> dict[str, torch.Tensor]:
-        from tests.test_weights import timm_layout
+        from tests.test_model_source import timm_layout
 
         model = tiny_model()
         tensors = timm_layout(model.state_dict(), model.config)
