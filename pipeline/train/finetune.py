@@ -14,7 +14,6 @@ sample until no rank has any left.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -76,12 +75,15 @@ def load_pretrained(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def eval_data_config(config: TrainConfig, patch_size: int) -> DataConfig:
-    """The evaluation transform (resize + center crop, `build_dataset(train=False)`), labels required.
-    Bad samples are counted and skipped, never fatal: one rank failing alone would leave the others
+    """The model's evaluation transform (`DataConfig.for_eval`) over the run's data settings, labels
+    required. Bad samples are counted and skipped, never fatal: one rank failing alone would leave the others
     waiting in a forward."""
     from pipeline.train.config import data_config
 
-    return dataclasses.replace(data_config(config, patch_size), max_bad_fraction=1.0)
+    trained = data_config(config, patch_size)
+    return DataConfig.for_eval(
+        trained, image_size=config.image_size, patch_size=patch_size, max_bad_fraction=1.0
+    )
 
 
 def eval_batches(
