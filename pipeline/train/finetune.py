@@ -26,6 +26,7 @@ import vit
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.train.config import TrainConfig
+from pipeline.train.state import agree_on_error
 
 # Fields of the pretrained model that fine-tuning changes; every other field is the weights' own.
 NEW_FIELDS = ("image_size", "num_classes", "head", "representation_size")
@@ -130,13 +131,10 @@ def evaluate(
                 batch = next(batches, None)
             except Exception as e:
                 error = f"evaluation data: {type(e).__name__}: {e}"
-        flags = torch.tensor([batch is not None, bool(error)], dtype=torch.float64)
-        dist.all_reduce(flags, group=group)
-        if flags[1] > 0:
-            errors: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error, group=group)
-            raise RuntimeError(next(e for e in errors if e))
-        if flags[0] == 0:
+        error, (have,) = agree_on_error(error, group, counts=(batch is not None,))
+        if error:
+            raise RuntimeError(error)
+        if have == 0:
             break
         if batch is None:
             model(idle)
