@@ -93,14 +93,9 @@ def eval_batches(
     """This rank's evaluation batches (up to ``size`` good samples each), none without shards."""
     if not shards:
         return
-    from ray.data import ExecutionResources
+    from pipeline.data.dataset import build_dataset, for_one_rank, iter_batches
 
-    from pipeline.data.dataset import build_dataset, iter_batches
-
-    dataset = build_dataset(shards, config, train=False)
-    dataset.context.enable_progress_bars = False
-    dataset.context.print_on_execution_start = False
-    dataset.context.execution_options.resource_limits = ExecutionResources(cpu=data_cpus)
+    dataset = for_one_rank(build_dataset(shards, config, train=False), data_cpus)
     bad = BadSamples.from_config(config)
     for batch in iter_batches(dataset, size, config, epoch=0, shuffle=False, bad_samples=bad):
         if len(batch["label"]):

@@ -208,3 +208,17 @@ def test_finetuning_refuses_weights_that_do_not_fit(world):
 def test_eval_data_config_uses_no_mask_and_never_fails_on_bad_samples():
     cfg = finetune.eval_data_config(SUPERVISED, 8)
     assert isinstance(cfg, DataConfig) and cfg.max_bad_fraction == 1.0 and cfg.require_labels
+
+
+def test_the_evaluation_pipeline_is_set_up_as_each_ranks_training_one(monkeypatch):
+    from pipeline.data import dataset
+
+    set_up = []
+    monkeypatch.setattr(dataset, "build_dataset", lambda shards, config, *, train: ("dataset", train))
+    monkeypatch.setattr(dataset, "for_one_rank", lambda ds, cpus: set_up.append((ds, cpus)) or ds)
+    monkeypatch.setattr(
+        dataset, "iter_batches", lambda ds, size, config, **kw: iter([{"label": np.zeros(2)}])
+    )
+    config = finetune.eval_data_config(SUPERVISED, 8)
+    assert len(list(finetune.eval_batches(["a.tar"], config, 2, data_cpus=0.5))) == 1
+    assert set_up == [(("dataset", False), 0.5)]
