@@ -46,7 +46,7 @@ from pipeline import dcp, storage
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import Batch, micro_batches
-from pipeline.train import checkpoint, finetune, sinks
+from pipeline.train import checkpoint, finetune, mfu, sinks
 from pipeline.train.config import TrainConfig, data_config
 from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
 from pipeline.train.model import build_model, model_config
@@ -64,7 +64,7 @@ from pipeline.train.state import (
     gather_bad_samples,
     stream_fingerprint,
 )
-from pipeline.train.step import StepStats, TrainStep, peak_tflops
+from pipeline.train.step import StepStats, TrainStep
 
 
 class StopRun(Exception):
@@ -119,7 +119,7 @@ class Trainer:
             "data": self.data_config.to_dict(),
             **self.objective.checkpoint_meta(),
         }
-        self.peak_tflops, peak_note = peak_tflops(self.device)
+        self.peak_tflops, peak_note = mfu.peak_tflops(self.device)
         self.flops_per_image = self.objective.flops_per_image()
         self.last_metrics: dict[str, Any] = {}
         self.first_step, self.run_start = self.state.step, time.perf_counter()
