@@ -117,9 +117,11 @@ def _num_visible(num_patches: int, mask_ratio: float) -> int:
     return num_visible(num_patches, mask_ratio)
 
 
-OBJECTIVES: dict[str, type[Objective]] = {"supervised": Objective, "mae": MAEObjective}
+# One class per name in `pipeline.train.config.OBJECTIVES`, the names' one home: the config checks
+# --objective without importing torch, and this module imports the config (never the other way).
+CLASSES: tuple[type[Objective], ...] = (Objective, MAEObjective)
 
 
 def objective_for(config: TrainConfig) -> Objective:
     """The objective `config.objective` names."""
-    return OBJECTIVES[config.objective](config)
+    return next(cls for cls in CLASSES if cls.name == config.objective)(config)

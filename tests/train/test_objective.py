@@ -14,9 +14,9 @@ import vit
 from pipeline.data.config import DataConfig
 from pipeline.data.masking import mask_batch
 from pipeline.train import checkpoint, finetune
-from pipeline.train.config import TrainConfig, data_config
+from pipeline.train.config import OBJECTIVES, TrainConfig, data_config
 from pipeline.train.model import build_model, init_distributed, model_config
-from pipeline.train.objective import MAEObjective, Objective, objective_for
+from pipeline.train.objective import CLASSES, MAEObjective, Objective, objective_for
 from pipeline.train.step import TrainStep
 from pipeline.weights import load_model_source
 
@@ -114,6 +114,11 @@ def test_a_rank_without_samples_joins_with_zero_gradients(world, config):
     after = full(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
     model.zero_grad(set_to_none=True)
+
+
+def test_every_objective_name_the_config_takes_has_its_objective_and_no_other_exists():
+    assert [cls.name for cls in CLASSES] == list(OBJECTIVES)
+    assert [type(objective_for(c)).name for c in (SUPERVISED, MAE)] == list(OBJECTIVES)
 
 
 def test_mae_model_config_is_an_encoder_without_classifier_pooled_by_average():
