@@ -238,11 +238,11 @@ def main(argv: list[str]) -> dict[str, Any]:
         "model_only_images_per_s": ceiling,
     }
     if device.type == "cuda":
-        from pipeline.train.step import peak_tflops
+        from pipeline.train import mfu
 
-        peak, _ = peak_tflops(device)
-        if peak:
-            figures["model_only_mfu"] = rows[0]["mfu"] = ceiling * flops / (peak * 1e12)
+        peak, _ = mfu.peak_tflops(device)
+        if peak:  # inference: the forward's FLOPs alone
+            figures["model_only_mfu"] = rows[0]["mfu"] = mfu.mfu(ceiling, flops, peak)
 
     if args.compare_timm and timm_available():
         seconds = compare_timm(actor_model, args, device)

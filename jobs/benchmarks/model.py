@@ -6,7 +6,8 @@
 One step = zero grads, forward, cross-entropy on random labels, backward (no optimizer step). The
 two implementations' steps alternate and each reports its median step time. On CUDA: bf16 autocast over fp32 weights, timed with CUDA events; MFU is measured against this GPU's
 own bf16 matmul rate (an 8192^3 matmul timed in the same run), with 3x the forward FLOPs of
-`vit.count_flops` per image (activation recomputation not counted). On CPU: fp32, wall-clock time.
+`vit.count_flops` per image (activation recomputation not counted; `pipeline.train.mfu`). On CPU:
+fp32, wall-clock time.
 Inputs are random: uint8 patches for vitray (its training input; `--input float` gives it float
 images instead), float images for transformers. Imports no Ray.
 """
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 import vit
 from jobs.benchmarks.report import print_table, write_json
 from jobs.benchmarks.timing import matmul_tflops
+from pipeline.train import mfu
 from vit.parallelize import apply_activation_checkpointing, apply_compile
 
 
@@ -187,9 +189,9 @@ def main(argv: list[str]) -> dict:
         row = {"impl": name, "step_ms": sec * 1e3, "images_per_s": b / sec}
         if cpu_sec is not None:
             row["cpu_ms"] = cpu_sec * 1e3  # process CPU time, all threads
-        row["tflops"] = 3 * flops * row["images_per_s"] / 1e12
+        row["tflops"] = mfu.achieved_tflops(row["images_per_s"], mfu.train_flops(flops))
         if peak:
-            row["mfu"] = row["tflops"] / peak
+            row["mfu"] = mfu.mfu(row["images_per_s"], mfu.train_flops(flops), peak)
         if name in memory:
             row["peak_mem_gib"] = memory[name]
         rows.append(row)

@@ -19,8 +19,9 @@ or Perfetto), to see where a step's time goes. `--largest-micro-batch LIMIT` fir
 configuration, the largest micro-batch (a multiple of 8, at most LIMIT) whose steps run without running
 out of device memory (doubling from `--micro-batch-size`, then bisecting; one process), and measures
 the configuration there.
-MFU counts model FLOPs (3 x `vit.count_flops` per image; recomputation not counted) against two
-ceilings: the GPU's datasheet dense bf16 peak, and its bf16 matmul rate measured in the same run.
+MFU (`pipeline.train.mfu`) counts model FLOPs (3 x `vit.count_flops` per image; recomputation not
+counted) against two ceilings: the GPU's datasheet dense bf16 peak, and its bf16 matmul rate measured
+in the same run.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ from jobs.benchmarks.model import interleaved_seconds, timm_available
 from jobs.benchmarks.report import print_table, write_json
 from jobs.benchmarks.timing import matmul_tflops, time_step
 from pipeline import compat
+from pipeline.train import mfu
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, init_distributed
 from pipeline.train.objective import Objective, objective_for
 from pipeline.train.optim import optimizer_kernels
 from pipeline.train.resources import largest_micro_batch
-from pipeline.train.step import TrainStep, peak_tflops
+from pipeline.train.step import TrainStep
 
 CONFIGS = ("eager", "compile", "ac", "compile+ac")  # the usual ones; any `+` join of SWITCHES works
 # What each switch of a configuration name sets in the TrainConfig.
@@ -274,7 +276,7 @@ def main(argv: list[str]) -> dict:
     rank, world, device = init_distributed()
     if args.compare_timm and world > 1 and rank == 0:
         print("--compare-timm runs in a single process (timm's script has no FSDP): skipped")
-    peak, peak_note = peak_tflops(device)
+    peak, peak_note = mfu.peak_tflops(device)
     measured = matmul_tflops(device) if device.type == "cuda" else None
     if args.largest_micro_batch and world > 1:
         raise SystemExit("error: --largest-micro-batch searches in one process; run it without torchrun")
@@ -301,9 +303,9 @@ def main(argv: list[str]) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     for row in rows:
-        achieved = row["images_per_s_per_device"] * row["flops_per_image"] / 1e12
-        row["mfu_datasheet"] = achieved / peak if peak else None
-        row["mfu_measured"] = achieved / measured if measured else None
+        per_device, flops = row["images_per_s_per_device"], row["flops_per_image"]
+        row["mfu_datasheet"] = mfu.mfu(per_device, flops, peak)
+        row["mfu_measured"] = mfu.mfu(per_device, flops, measured)
     figures = {
         "benchmark": "train",
         "model": args.model,

@@ -1,5 +1,9 @@
 """`DataConfig`, everything that decides which pixels a sample becomes, and the seeds that make it so.
 
+`DataConfig.for_eval` is the one evaluation transform of a trained model (resize, center crop,
+patchify, from the preprocessing the model carries): the embedding job, the analyze job and
+fine-tuning's evaluation all take theirs from it.
+
 Determinism comes from pure functions of their arguments, never of scheduling: `sample_seed` seeds a
 sample's crop from (seed, epoch, url, key), `shard_order` permutes the shards by (seed, epoch), and
 `shuffle_seed` seeds a rank's local shuffle buffer by (seed, epoch, rank).
@@ -154,6 +158,38 @@ class DataConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values; secrets in ``storage_options`` are replaced by ``"***"``."""
         return settings.to_dict(self)
+
+    @classmethod
+    def for_eval(
+        cls,
+        base: DataConfig | dict[str, Any] | None,
+        *,
+        image_size: int,
+        patch_size: int,
+        crop_fraction: float | None = None,
+        interpolation: str | None = None,
+        **fields: Any,
+    ) -> DataConfig:
+        """A model's evaluation transform, the one every job that reads a trained model uses (embed,
+        analyze, fine-tuning's evaluation): short side to ``image_size / crop_fraction``, the center
+        square, patchify (`build_dataset(train=False)`, `pipeline.data.decode`).
+
+        ``base`` holds the settings the model was trained with: its stored preprocessing (`to_dict`,
+        as exports and checkpoints carry it), a `DataConfig`, or None for the defaults. The model's
+        ``image_size`` and ``patch_size`` replace the base's; ``crop_fraction`` and ``interpolation``
+        (the eval filter) do where given; ``fields`` set anything else (labels, bad-sample budget,
+        storage options).
+        """
+        if not isinstance(base, DataConfig):
+            base = cls.from_dict(base) if base else cls()
+        return dataclasses.replace(
+            base,
+            image_size=image_size,
+            patch_size=patch_size,
+            crop_fraction=crop_fraction if crop_fraction is not None else base.crop_fraction,
+            eval_interpolation=interpolation or base.eval_interpolation,
+            **fields,
+        )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], **overrides: Any) -> DataConfig:

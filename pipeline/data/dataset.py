@@ -11,7 +11,8 @@
 Determinism: the dataset keeps ``preserve_order`` in its own context, so rows come shard by shard in
 the given order and in tar order within a shard; the seeds are pure functions (`pipeline.data.config`).
 The training loop builds one dataset per rank per epoch from ``shard_order(...)[rank::world_size]``,
-which makes a resumed run match an uninterrupted one.
+which makes a resumed run match an uninterrupted one. Each rank's pipeline (that one, and fine-tuning's
+evaluation) is quiet and held to its share of the CPUs by `for_one_rank`.
 
 Ray is imported inside the functions that need it: this module imports without Ray (and never torch).
 """
@@ -202,17 +203,23 @@ def micro_batches(
     """
     if not shards:
         return
-    from ray.data import ExecutionResources
-
-    dataset = build_dataset(shards, config, train=True, epoch=epoch)
-    # One short pipeline per rank per epoch: their progress bars and start banners would drown the
-    # training log, which reports data wait and throughput itself.
-    dataset.context.enable_progress_bars = False
-    dataset.context.print_on_execution_start = False
-    # Every rank runs its own pipeline: each gets its share of the cluster's spare CPUs, so that
-    # together they neither starve the training workers nor each other.
-    dataset.context.execution_options.resource_limits = ExecutionResources(cpu=data_cpus)
+    dataset = for_one_rank(build_dataset(shards, config, train=True, epoch=epoch), data_cpus)
     batches = iter_batches(
         dataset, size, config, epoch=epoch, rank=rank, shuffle=True, bad_samples=bad_samples
     )
     yield from rebatch(batches, size)
+
+
+def for_one_rank(dataset: ray.data.Dataset, data_cpus: float) -> ray.data.Dataset:
+    """``dataset`` set up as one rank's own pipeline (training's, one per rank per epoch; fine-tuning's
+    evaluation): quiet, since the progress bars and start banners of so many short pipelines would
+    drown the training log, which reports data wait and throughput itself; and held to ``data_cpus``,
+    its share of the cluster's spare CPUs, so that together the ranks' pipelines neither starve the
+    training workers nor each other. Only this dataset's own context changes."""
+    from ray.data import ExecutionResources
+
+    context = dataset.context
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False
+    context.execution_options.resource_limits = ExecutionResources(cpu=data_cpus)
+    return dataset

@@ -21,7 +21,6 @@ every forward at one fixed shape, so the same command gives the same embeddings,
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -123,18 +122,17 @@ class EmbedSummary:
 
 
 def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
-    """The eval transform for the model: the training run's eval settings where the weights carry
-    them, the model's image and patch size, flags on top; labels optional."""
-    base = DataConfig.from_dict(source.preprocessing) if source.preprocessing else DataConfig()
+    """The model's eval transform (`DataConfig.for_eval`) with the flags on top; labels optional."""
     label_key = config.label_key
-    if label_key == "auto":
-        label_key = base.label_key if source.preprocessing else DEFAULT_LABEL_KEY
-    return dataclasses.replace(
-        base,
+    if label_key == "auto":  # the training run's where the weights carry it
+        stored = source.preprocessing
+        label_key = stored.get("label_key", DataConfig.label_key) if stored else DEFAULT_LABEL_KEY
+    return DataConfig.for_eval(
+        source.preprocessing,
         image_size=source.config.image_size,
         patch_size=source.config.patch_size,
-        crop_fraction=config.crop_fraction if config.crop_fraction is not None else base.crop_fraction,
-        eval_interpolation=config.interpolation or base.eval_interpolation,
+        crop_fraction=config.crop_fraction,
+        interpolation=config.interpolation,
         label_key=label_key,
         require_labels=False,
         num_classes=None,  # any label is kept as it is: the training run's class count is no rule here

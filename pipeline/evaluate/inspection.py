@@ -1,7 +1,7 @@
 """The analyze job: a model's weights and a few images in, the paper's Fig. 7 panels and their numbers out.
 
     --weights -> load (as the embedding job does: export, run dir, checkpoint, timm/torchvision/HF file)
-    --data    -> the first --images good images, eval crop of the model's preprocessing, in this process
+    --data    -> the first --images good images, the model's eval crop (`DataConfig.for_eval`), in this process
               -> patch-embedding filters: principal components             -> patch_embedding_filters.png
               -> position embeddings: cosine similarity, patch by patch    -> position_embedding_similarity.png
               -> attention maps of every block: mean attention distance    -> attention_distance.png
@@ -26,11 +26,12 @@ import torch
 
 import vit
 from pipeline import storage
+from pipeline.data.config import DataConfig
 from pipeline.data.shards import expand_shards
 from pipeline.evaluate import analysis, figures, reconstruction
 from pipeline.evaluate.attention import attention_distances, patch_distances
 from pipeline.evaluate.config import AnalyzeConfig
-from pipeline.evaluate.samples import eval_config, eval_patches
+from pipeline.evaluate.samples import eval_patches
 from pipeline.model_source import load_model_source
 
 FILTERS_PNG = "patch_embedding_filters.png"
@@ -97,11 +98,13 @@ def analyze(
     model = model.to(device).eval().requires_grad_(False)
     log(f"{source.describe()} on {device}; {len(shards)} shard(s)")
 
-    data_config = eval_config(
+    data_config = DataConfig.for_eval(
         source.preprocessing,
         image_size=model_config.image_size,
         patch_size=model_config.patch_size,
         crop_fraction=config.crop_fraction,
+        label_key=None,  # no labels needed
+        require_labels=False,
         storage_options=config.storage_options,
     )
     patches, bad = eval_patches(shards, data_config, config.images)

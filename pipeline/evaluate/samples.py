@@ -8,37 +8,12 @@ images are in hand; bad samples are skipped and counted (`pipeline.data.bad_samp
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import numpy as np
 
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.data.decode import preprocess_batch
 from pipeline.data.rows import read_shard
-
-
-def eval_config(
-    preprocessing: dict[str, Any] | None,
-    *,
-    image_size: int,
-    patch_size: int,
-    crop_fraction: float | None = None,
-    storage_options: dict | None = None,
-) -> DataConfig:
-    """The model's evaluation transform: the training run's settings where the weights carry them,
-    the model's image and patch size, no labels needed."""
-    base = DataConfig.from_dict(preprocessing) if preprocessing else DataConfig()
-    return dataclasses.replace(
-        base,
-        image_size=image_size,
-        patch_size=patch_size,
-        crop_fraction=crop_fraction if crop_fraction is not None else base.crop_fraction,
-        label_key=None,
-        require_labels=False,
-        storage_options=storage_options,
-    )
 
 
 def eval_patches(shards: list[str], config: DataConfig, count: int) -> tuple[np.ndarray, BadSamples]:

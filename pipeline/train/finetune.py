@@ -14,7 +14,6 @@ sample until no rank has any left.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +26,7 @@ import vit
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.train.config import TrainConfig
+from pipeline.train.state import agree_on_error
 
 # Fields of the pretrained model that fine-tuning changes; every other field is the weights' own. The
 # regularization fields are the fine-tuning run's own settings (--drop-path-rate, --dropout).
@@ -77,10 +77,15 @@ def load_pretrained(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def eval_data_config(config: TrainConfig, patch_size: int) -> DataConfig:
-    """The evaluation transform (resize + center crop, `build_dataset(train=False)`), labels required.
-    Bad samples are counted and skipped, never fatal: one rank failing alone would leave the others
+    """The model's evaluation transform (`DataConfig.for_eval`) over the run's data settings, labels
+    required. Bad samples are counted and skipped, never fatal: one rank failing alone would leave the others
     waiting in a forward."""
-    return dataclasses.replace(config.data_for(patch_size), max_bad_fraction=1.0)
+    return DataConfig.for_eval(
+        config.data_for(patch_size),
+        image_size=config.data.image_size,
+        patch_size=patch_size,
+        max_bad_fraction=1.0,
+    )
 
 
 def eval_batches(
@@ -89,14 +94,9 @@ def eval_batches(
     """This rank's evaluation batches (up to ``size`` good samples each), none without shards."""
     if not shards:
         return
-    from ray.data import ExecutionResources
+    from pipeline.data.dataset import build_dataset, for_one_rank, iter_batches
 
-    from pipeline.data.dataset import build_dataset, iter_batches
-
-    dataset = build_dataset(shards, config, train=False)
-    dataset.context.enable_progress_bars = False
-    dataset.context.print_on_execution_start = False
-    dataset.context.execution_options.resource_limits = ExecutionResources(cpu=data_cpus)
+    dataset = for_one_rank(build_dataset(shards, config, train=False), data_cpus)
     bad = BadSamples.from_config(config)
     for batch in iter_batches(dataset, size, config, epoch=0, shuffle=False, bad_samples=bad):
         if len(batch["label"]):
@@ -143,13 +143,10 @@ def _evaluate(
                 batch = next(batches, None)
             except Exception as e:
                 error = f"evaluation data: {type(e).__name__}: {e}"
-        flags = torch.tensor([batch is not None, bool(error)], dtype=torch.float64)
-        dist.all_reduce(flags, group=group)
-        if flags[1] > 0:
-            errors: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error, group=group)
-            raise RuntimeError(next(e for e in errors if e))
-        if flags[0] == 0:
+        error, (have,) = agree_on_error(error, group, counts=(batch is not None,))
+        if error:
+            raise RuntimeError(error)
+        if have == 0:
             break
         if batch is None:
             model(idle)

@@ -45,7 +45,7 @@ from pipeline import dcp, storage
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
-from pipeline.train import checkpoint, finetune, sinks
+from pipeline.train import checkpoint, finetune, mfu, sinks
 from pipeline.train.config import TrainConfig
 from pipeline.train.cursor import EpochCursor, stream_fingerprint
 from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
@@ -63,7 +63,7 @@ from pipeline.train.state import (
     control_group,
     gather_bad_samples,
 )
-from pipeline.train.step import StepStats, TrainStep, peak_tflops
+from pipeline.train.step import StepStats, TrainStep
 
 
 class StopRun(Exception):
@@ -112,7 +112,7 @@ class Trainer:
             "data": self.data_config.to_dict(),
             **self.objective.checkpoint_meta(),
         }
-        self.peak_tflops, peak_note = peak_tflops(self.device)
+        self.peak_tflops, peak_note = mfu.peak_tflops(self.device)
         self.flops_per_image = self.objective.flops_per_image()
         self.last_metrics: dict[str, Any] = {}
         self.first_step, self.run_start = self.state.step, time.perf_counter()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import storage
+from pipeline.train.mfu import mfu
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -82,9 +83,6 @@ class MetricsWindow:
         memory = torch.tensor([_memory_gib(self.device)], dtype=torch.float64, device=self.device)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         images_per_s = count / elapsed
-        mfu = None
-        if peak_tflops:
-            mfu = images_per_s * flops_per_image / (world * peak_tflops * 1e12)
         return {
             "step": step,
             "epoch": epoch,
@@ -94,7 +92,7 @@ class MetricsWindow:
             "grad_norm": grad_norm.item(),
             "images_per_s": images_per_s,
             "images_per_s_per_worker": images_per_s / world,
-            "mfu": mfu,
+            "mfu": mfu(images_per_s, flops_per_image, peak_tflops, devices=world),
             "data_wait_share": wait / (world * elapsed),
             "samples_seen": int(seen),
             "bad_samples": int(n_bad),

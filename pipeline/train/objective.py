@@ -24,6 +24,7 @@ from torch import nn
 
 import vit
 from pipeline.train.config import TrainConfig
+from pipeline.train.mfu import train_flops
 from pipeline.train.mixing import Mixer
 from pipeline.train.model import mae_config, model_config
 
@@ -72,9 +73,8 @@ class Objective:
         (losses.sum() * 0.0).backward()
 
     def flops_per_image(self) -> float:
-        """Model FLOPs of one training image: forward + backward (2x forward). Recomputation from
-        activation checkpointing is not counted, as is usual for MFU."""
-        return 3.0 * vit.count_flops(self.model_config)
+        """Model FLOPs of one training image (`pipeline.train.mfu.train_flops` of the ViT's forward)."""
+        return train_flops(vit.count_flops(self.model_config))
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """What a checkpoint records of the objective; a resume must find the same."""
@@ -111,8 +111,8 @@ class MAEObjective(Objective):
         return visible, masked, torch.arange(c.num_patches, device=device).unsqueeze(0)
 
     def flops_per_image(self) -> float:
-        """3 x (encoder over the visible tokens + decoder over all), `vit.count_mae_flops`."""
-        return 3.0 * vit.count_mae_flops(self.model_config, self.mae_config, self.num_visible)
+        """`train_flops` of the encoder over the visible tokens + the decoder over all, `vit.count_mae_flops`."""
+        return train_flops(vit.count_mae_flops(self.model_config, self.mae_config, self.num_visible))
 
     def checkpoint_meta(self) -> dict[str, Any]:
         return {
@@ -134,9 +134,11 @@ def _num_visible(num_patches: int, mask_ratio: float) -> int:
     return num_visible(num_patches, mask_ratio)
 
 
-OBJECTIVES: dict[str, type[Objective]] = {"supervised": Objective, "mae": MAEObjective}
+# One class per name in `pipeline.train.config.OBJECTIVES`, the names' one home: the config checks
+# --objective without importing torch, and this module imports the config (never the other way).
+CLASSES: tuple[type[Objective], ...] = (Objective, MAEObjective)
 
 
 def objective_for(config: TrainConfig) -> Objective:
     """The objective `config.task.objective` names."""
-    return OBJECTIVES[config.task.objective](config)
+    return next(cls for cls in CLASSES if cls.name == config.task.objective)(config)

@@ -2,12 +2,15 @@
 
 `TrainState` is the part of a checkpoint that is not model or optimizer state (`train_state.json`).
 The agreements are the loop's collectives, each named by what the ranks settle: whether everyone has
-a full step of data, the first data error, every rank's bad-sample counts.
+a full step of data, the first data error, every rank's bad-sample counts. `agree_on_error` is the one
+way the ranks settle on an error (the step's here, fine-tuning's evaluation in `pipeline.train.finetune`):
+every rank learns the same message and ends the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,17 +76,26 @@ def agree_on_step(samples: int, ran_dry: bool, error: str, group: dist.ProcessGr
     Every rank calls it once per step, so no rank waits in a step's collectives that another rank,
     out of data, never joins. `group` is `control_group()`'s.
     """
-    flags = torch.tensor([samples, ran_dry, bool(error)], dtype=torch.float64)
+    error, (total, dry) = agree_on_error(error, group, counts=(samples, ran_dry))
+    return StepAgreement(int(total), dry > 0, error)
+
+
+def agree_on_error(
+    mine: str, group: dist.ProcessGroup | None, counts: Sequence[float] = ()
+) -> tuple[str, list[float]]:
+    """Collective: (the lowest failing rank's error message, "" when no rank has one; every rank's
+    ``counts`` summed). Every rank calls it with its own error ("" for none) and as many counts; the
+    counts ride on the same all-reduce as the failure flag, and the messages are gathered only when
+    some rank failed, so a step without errors costs one small all-reduce. `group`: as `agree_on_step`.
+    """
+    flags = torch.tensor([*counts, bool(mine)], dtype=torch.float64)
     dist.all_reduce(flags, group=group)
-    total, dry, failed = flags.tolist()
-    return StepAgreement(int(total), dry > 0, first_error(error, group) if failed > 0 else "")
-
-
-def first_error(mine: str, group: dist.ProcessGroup | None) -> str:
-    """Collective: the lowest rank's non-empty error message (call only when some rank has one)."""
+    *sums, failed = flags.tolist()
+    if failed == 0:
+        return "", sums
     errors: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, mine, group=group)
-    return next(e for e in errors if e)
+    return next(e for e in errors if e), sums
 
 
 def gather_bad_samples(mine: BadSamples, group: dist.ProcessGroup | None) -> list[dict[str, Any]]:

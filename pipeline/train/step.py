@@ -1,4 +1,4 @@
-"""The optimizer step, without Ray: forward/backward over micro-batches, clip, update; and MFU's terms.
+"""The optimizer step, without Ray: forward/backward over micro-batches, clip, update.
 
 It runs under Ray Train workers, under `torchrun`, or in one plain process, which is how
 `jobs/benchmark.py train` measures a variant on a bare GPU machine.
@@ -12,32 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import vit
 from pipeline.train.config import TrainConfig
 from pipeline.train.mixing import mix_seed
 from pipeline.train.objective import Objective, objective_for
 from pipeline.train.optim import build_optimizer, lr_factor
-
-# Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s), for MFU, keyed by the exact
-# name torch.cuda.get_device_name() reports. Exact, not by substring: "NVIDIA L4" is inside
-# "NVIDIA L40S", and an H100 NVL or PCIe card is not the SXM part; a name missing here gets no MFU
-# rather than another part's peak (add it from its datasheet: half the "with sparsity" figure).
-PEAK_BF16_TFLOPS = {
-    "NVIDIA H100 80GB HBM3": 989.0,  # SXM5
-    "NVIDIA H100 PCIe": 756.0,
-    "NVIDIA H100 NVL": 835.0,
-    "NVIDIA H200": 989.0,  # SXM
-    "NVIDIA H200 NVL": 835.0,
-    "NVIDIA GH200 480GB": 989.0,
-    "NVIDIA A100-SXM4-80GB": 312.0,
-    "NVIDIA A100-SXM4-40GB": 312.0,
-    "NVIDIA A100-PCIE-40GB": 312.0,
-    "NVIDIA A100 80GB PCIe": 312.0,
-    "NVIDIA L40S": 362.0,
-    "NVIDIA L40": 181.0,
-    "NVIDIA L4": 121.0,
-    "NVIDIA A10G": 70.0,
-}
 
 
 @dataclass
@@ -124,20 +102,3 @@ class TrainStep:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(loss_sum, correct, count, grad_norm.detach(), lr, skipped)
-
-
-def peak_tflops(device: torch.device) -> tuple[float | None, str]:
-    """(dense bf16 peak in TFLOP/s, where it comes from) for MFU; (None, why not) off GPU."""
-    if device.type != "cuda":
-        return None, "no MFU on CPU"
-    name = torch.cuda.get_device_name(device)
-    tflops = PEAK_BF16_TFLOPS.get(name.strip())
-    if tflops is None:
-        return None, f"{name}: unknown GPU, MFU not reported"
-    return tflops, f"{name}: {tflops:.0f} TFLOP/s dense bf16 (datasheet)"
-
-
-def train_flops_per_image(config: vit.ViTConfig) -> float:
-    """Model FLOPs of one training image: forward + backward (2x forward). Recomputation from
-    activation checkpointing is not counted, as is usual for MFU."""
-    return 3.0 * vit.count_flops(config)

@@ -7,11 +7,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from pipeline.data import dataset
 from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples, LabelsMissingError
 from pipeline.data.config import DataConfig, shard_order
 from pipeline.data.dataset import build_dataset, check_shards, iter_batches
@@ -94,6 +96,30 @@ def test_shard_order_is_a_pure_function_of_seed_and_epoch():
 def test_the_data_side_imports_without_ray():
     code = "import sys; sys.modules['ray'] = None; import pipeline, pipeline.data, pipeline.data.bad_samples"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
+
+
+def test_a_ranks_training_pipeline_is_quiet_and_held_to_its_cpu_share(monkeypatch):
+    from ray.data import DataContext
+
+    built = []  # datasets that are only their own context: no Ray needed
+
+    def build(shards, config, *, train, epoch=0):
+        built.append(SimpleNamespace(context=DataContext()))
+        return built[-1]
+
+    monkeypatch.setattr(dataset, "build_dataset", build)
+    monkeypatch.setattr(
+        dataset, "iter_batches", lambda ds, size, config, **kw: iter([{"label": np.zeros(size)}])
+    )
+    bad = BadSamples.from_config(CONFIG)
+    taken = dataset.micro_batches(["a.tar"], CONFIG, epoch=0, rank=0, size=2, bad_samples=bad, data_cpus=1.5)
+    assert len(list(taken)) == 1
+    context = built[0].context
+    assert not context.enable_progress_bars and not context.print_on_execution_start
+    assert context.execution_options.resource_limits.cpu == 1.5
+    assert DataContext().print_on_execution_start  # a fresh context is not quieted: only this dataset's
+    evaluation = SimpleNamespace(context=DataContext())  # fine-tuning's evaluation takes the same
+    assert dataset.for_one_rank(evaluation, 0.5) is evaluation and not evaluation.context.enable_progress_bars
 
 
 def test_check_shards_fails_fast_on_unlabeled_or_imageless_shards(tmp_path, synthetic_shards):

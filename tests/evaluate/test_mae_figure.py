@@ -10,10 +10,10 @@ import torch.distributed.checkpoint as dcp_io
 
 import vit
 from pipeline import dcp
+from pipeline.data.config import DataConfig
 from pipeline.evaluate.config import AnalyzeConfig
 from pipeline.evaluate.inspection import analyze
 from pipeline.evaluate.reconstruction import MAE_PNG, find_mae_checkpoint, load_mae, reconstruct
-from pipeline.evaluate.samples import eval_config
 from vit.mae import encoder_state_dict
 
 
@@ -43,7 +43,7 @@ def test_visible_patches_are_kept_and_hidden_ones_drawn_gray(tmp_path, synthetic
         assert torch.equal(loaded.state_dict()[name], value), name
     rng = np.random.default_rng(0)
     patches = rng.integers(0, 256, (2, 64, 8 * 8 * 3), dtype=np.uint8)
-    config = eval_config(None, image_size=64, patch_size=8)
+    config = DataConfig.for_eval(None, image_size=64, patch_size=8, label_key=None, require_labels=False)
     original, masked, rebuilt = reconstruct(loaded, patches, config, saved["mask_ratio"])
     assert original.shape == masked.shape == rebuilt.shape == (2, 64, 64, 3)
     assert np.array_equal(original, vit.unpatchify(patches, 8, (8, 8)))

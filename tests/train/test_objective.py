@@ -14,9 +14,9 @@ from pipeline.data.config import DataConfig
 from pipeline.data.masking import mask_batch
 from pipeline.model_source import load_model_source
 from pipeline.train import checkpoint, finetune
-from pipeline.train.config import TrainConfig
+from pipeline.train.config import OBJECTIVES, TrainConfig
 from pipeline.train.model import build_model, model_config
-from pipeline.train.objective import MAEObjective, Objective, objective_for
+from pipeline.train.objective import CLASSES, MAEObjective, Objective, objective_for
 from pipeline.train.step import TrainStep
 from tests.configs import tiny_config
 
@@ -93,6 +93,11 @@ def test_a_rank_without_samples_joins_with_zero_gradients(world, config):
     after = full(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
     model.zero_grad(set_to_none=True)
+
+
+def test_every_objective_name_the_config_takes_has_its_objective_and_no_other_exists():
+    assert [cls.name for cls in CLASSES] == list(OBJECTIVES)
+    assert [type(objective_for(c)).name for c in (SUPERVISED, MAE)] == list(OBJECTIVES)
 
 
 def test_mae_model_config_is_an_encoder_without_classifier_pooled_by_average():
@@ -187,3 +192,17 @@ def test_finetuning_refuses_weights_that_do_not_fit(world):
 def test_eval_data_config_uses_no_mask_and_never_fails_on_bad_samples():
     cfg = finetune.eval_data_config(SUPERVISED, 8)
     assert isinstance(cfg, DataConfig) and cfg.max_bad_fraction == 1.0 and cfg.require_labels
+
+
+def test_the_evaluation_pipeline_is_set_up_as_each_ranks_training_one(monkeypatch):
+    from pipeline.data import dataset
+
+    set_up = []
+    monkeypatch.setattr(dataset, "build_dataset", lambda shards, config, *, train: ("dataset", train))
+    monkeypatch.setattr(dataset, "for_one_rank", lambda ds, cpus: set_up.append((ds, cpus)) or ds)
+    monkeypatch.setattr(
+        dataset, "iter_batches", lambda ds, size, config, **kw: iter([{"label": np.zeros(2)}])
+    )
+    config = finetune.eval_data_config(SUPERVISED, 8)
+    assert len(list(finetune.eval_batches(["a.tar"], config, 2, data_cpus=0.5))) == 1
+    assert set_up == [(("dataset", False), 0.5)]

@@ -1,11 +1,15 @@
-"""MFU's denominator: the datasheet peak of exactly the GPU torch reports, or no MFU at all."""
+"""MFU (`pipeline.train.mfu`): its denominator, the datasheet peak of exactly the GPU torch reports (or no
+MFU at all), and the formula over model FLOPs per image."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline.train.step import peak_tflops
+import vit
+from pipeline.train.config import TrainConfig
+from pipeline.train.mfu import PEAK_BF16_TFLOPS, achieved_tflops, mfu, peak_tflops, train_flops
+from pipeline.train.objective import MAEObjective, Objective
 
 CUDA = torch.device("cuda", 0)
 
@@ -49,3 +53,27 @@ def test_an_unknown_gpu_gets_no_mfu(gpu_named, name):
 
 def test_cpu_has_no_mfu():
     assert peak_tflops(torch.device("cpu")) == (None, "no MFU on CPU")
+
+
+def test_mfu_is_model_flops_per_second_over_every_devices_peak():
+    b16 = 3 * 35.2e9  # a ViT-B/16 training image at 224 px
+    assert achieved_tflops(1000.0, b16) == pytest.approx(105.6)
+    assert mfu(1000.0, b16, 989.0) == pytest.approx(105.6 / 989.0)
+    assert mfu(8000.0, b16, 989.0, devices=8) == pytest.approx(mfu(1000.0, b16, 989.0))  # images over all
+    assert mfu(1000.0, b16, None) is None and mfu(1000.0, b16, 0.0) is None  # no peak (CPU, unknown GPU)
+
+
+def test_half_an_h100_trains_about_490_vit_h14_images_a_second():
+    # The vit_h14_224 preset's expected figure: 3 x 334.8 GFLOPs an image against 989 TFLOP/s.
+    per_image = train_flops(vit.count_flops(vit.get_config("vit_h14")))
+    assert per_image / 1e9 == pytest.approx(3 * 334.8, rel=0.01)
+    assert mfu(490.0, per_image, PEAK_BF16_TFLOPS["NVIDIA H100 80GB HBM3"]) == pytest.approx(0.5, abs=0.01)
+
+
+def test_the_objectives_count_three_forwards_per_training_image():
+    config = TrainConfig(model="vit_tiny_test", image_size=32, num_classes=4, decoder_dim=32, decoder_depth=1)
+    supervised = Objective(config)
+    assert supervised.flops_per_image() == 3 * vit.count_flops(supervised.model_config)
+    mae = MAEObjective(config.replace(objective="mae", label_key=None, decoder_num_heads=4))
+    forward = vit.count_mae_flops(mae.model_config, mae.mae_config, mae.num_visible)
+    assert mae.flops_per_image() == 3 * forward

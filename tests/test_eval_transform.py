@@ -1,0 +1,122 @@
+"""The evaluation transform has one home, `DataConfig.for_eval`: the embedding, analyze and fine-tuning
+jobs take their eval configs from it, each equal to what that job settled on before it had one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import vit
+from pipeline.data.config import DataConfig
+from pipeline.embed.config import EmbedConfig
+from pipeline.embed.job import eval_data_config as embed_eval_config
+from pipeline.evaluate import inspection
+from pipeline.evaluate.config import AnalyzeConfig
+from pipeline.train import finetune
+from pipeline.train.config import TrainConfig, data_config
+from pipeline.weights import load_model_source
+
+# What a training run stored: its own crop share, eval filter, label key and class count.
+TRAINED = DataConfig(
+    image_size=64,
+    patch_size=16,
+    crop_fraction=0.9,
+    eval_interpolation="bilinear",
+    label_key="json:label",
+    num_classes=10,
+    seed=7,
+)
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """A vit_tiny_test export (32 px, patch 8) whose config.json carries `TRAINED` as preprocessing."""
+    torch.manual_seed(0)
+    model = vit.create_model("vit_tiny_test", num_classes=4)
+    path = tmp_path_factory.mktemp("export")
+    vit.save_pretrained(path, model.state_dict(), model.config, extra={"preprocessing": TRAINED.to_dict()})
+    return str(path)
+
+
+@pytest.fixture
+def made(monkeypatch):
+    """Every config `DataConfig.for_eval` returns, in order."""
+    out: list[DataConfig] = []
+    original = DataConfig.for_eval.__func__
+
+    def spy(cls, *args, **kwargs):
+        out.append(original(cls, *args, **kwargs))
+        return out[-1]
+
+    monkeypatch.setattr(DataConfig, "for_eval", classmethod(spy))
+    return out
+
+
+def test_the_model_sizes_replace_the_stored_ones_and_the_rest_is_the_training_runs():
+    config = DataConfig.for_eval(TRAINED.to_dict(), image_size=32, patch_size=8)
+    assert config == dataclasses.replace(TRAINED, image_size=32, patch_size=8)
+    assert DataConfig.for_eval(TRAINED, image_size=32, patch_size=8) == config  # a DataConfig base alike
+
+
+def test_crop_share_filter_and_other_fields_override_where_given():
+    config = DataConfig.for_eval(
+        TRAINED.to_dict(), image_size=32, patch_size=8, crop_fraction=0.5, interpolation="nearest", seed=1
+    )
+    assert (config.crop_fraction, config.eval_interpolation, config.seed) == (0.5, "nearest", 1)
+    assert config.label_key == "json:label"
+
+
+def test_without_stored_preprocessing_the_defaults_apply_and_bad_sizes_are_one_line():
+    assert DataConfig.for_eval(None, image_size=32, patch_size=8) == DataConfig(image_size=32, patch_size=8)
+    assert DataConfig.for_eval({}, image_size=32, patch_size=8) == DataConfig(image_size=32, patch_size=8)
+    with pytest.raises(ValueError, match="not divisible by patch_size 8"):
+        DataConfig.for_eval(None, image_size=30, patch_size=8)
+
+
+def test_the_embedding_jobs_eval_config_comes_from_it(export, made):
+    source = load_model_source(export)
+    flags = EmbedConfig(
+        data="x", weights=export, out="y", max_bad_fraction=0.2, storage_options={"anon": True}
+    )
+    config = embed_eval_config(source, flags)
+    assert made == [config]
+    assert config == dataclasses.replace(
+        TRAINED,
+        image_size=32,
+        patch_size=8,
+        require_labels=False,
+        num_classes=None,
+        max_bad_fraction=0.2,
+        storage_options={"anon": True},
+    )
+    flagged = embed_eval_config(
+        source, flags.replace(crop_fraction=0.5, interpolation="nearest", label_key=None)
+    )
+    assert (flagged.crop_fraction, flagged.eval_interpolation, flagged.label_key) == (0.5, "nearest", None)
+
+
+def test_the_analyze_jobs_eval_config_comes_from_it(export, synthetic_shards, monkeypatch, made):
+    taken = []
+
+    def eval_patches(shards, config, count):  # stop where the images would be decoded
+        taken.append(config)
+        raise InterruptedError
+
+    monkeypatch.setattr(inspection, "eval_patches", eval_patches)
+    with pytest.raises(InterruptedError):
+        inspection.analyze(
+            AnalyzeConfig(weights=export, data=synthetic_shards.dir, out="unused", cpu=True), log=str
+        )
+    assert made == taken
+    assert taken[0] == dataclasses.replace(
+        TRAINED, image_size=32, patch_size=8, label_key=None, require_labels=False
+    )
+
+
+def test_fine_tunings_eval_config_comes_from_it(made):
+    run = TrainConfig(model="vit_tiny_test", image_size=32, num_classes=4, crop_ratio=(0.5, 2.0), seed=3)
+    config = finetune.eval_data_config(run, patch_size=8)
+    assert made == [config]
+    assert config == dataclasses.replace(data_config(run, patch_size=8), max_bad_fraction=1.0)
