@@ -39,28 +39,28 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from pipeline.embed import job, progress
+        from pipeline.embed import devices, job, progress
 
         config = EmbedConfig(**cli.overrides(args, EmbedConfig))
         local = cli.ray_address(args) is None
-        chosen = job.choose_device(config, gpu=args.gpu, cpu=args.cpu, local=local)
+        chosen = devices.choose_device(config, gpu=args.gpu, cpu=args.cpu, local=local)
         if args.print_config:
             cli.print_config(chosen or config)
             return 0
         connected = chosen is None
         if connected:  # a joined cluster, neither --gpu nor --cpu: what it has now decides
             cli.connect_ray(args, needed_cpus=0)
-            chosen = job.gpus_from_cluster(config)
+            chosen = devices.gpus_from_cluster(config)
         plan = job.prepare(chosen)
         print(plan.describe(), flush=True)
         if plan.work.pending:
             if local:
-                plan.config = job.local_actor_cpus(
+                plan.config = devices.local_actor_cpus(
                     plan.config, given=args.cpus_per_actor is not None, num_cpus=args.num_cpus
                 )
             if not connected:
-                cli.connect_ray(args, needed_cpus=job.local_cpus_needed(plan.config))
-            job.describe_actors(plan.config)
+                cli.connect_ray(args, needed_cpus=devices.local_cpus_needed(plan.config))
+            devices.describe_actors(plan.config)
         cli.start_work()
         summary = job.run(plan, on_commit=progress.EmbedProgress(len(plan.work.pending)).on_commit)
         print("\n" + summary.format(), flush=True)

@@ -41,7 +41,7 @@ class EmbedConfig:
     image_size: int | None = setting(None, "input resolution (none: the model's; others resample pos_embed)")
     batch_size: int | None = setting(None, "images per forward pass (none: 64 on CPU, 256 per GPU)")
     concurrency: int = setting(1, "model actors, one GPU each on GPU")
-    # Chosen by --gpu / --cpu or from the cluster (`pipeline.embed.job.choose_device`).
+    # Chosen by --gpu / --cpu or from the cluster (`pipeline.embed.devices.choose_device`).
     use_gpu: bool = setting(False, "one GPU per model actor, bf16", flag=None)
     cpus_per_actor: float = setting(
         1.0,

@@ -16,7 +16,7 @@ import torch
 
 import vit
 from pipeline.data.config import DataConfig
-from pipeline.embed import job
+from pipeline.embed import devices, job
 from pipeline.embed.config import EmbedConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,27 +59,27 @@ CONFIG = EmbedConfig(data="d", weights="w", out="o")
 
 
 def test_gpu_asks_for_gpus_without_looking_at_the_cluster(no_cluster_lookup, monkeypatch):
-    monkeypatch.setattr(job, "_local_gpus", lambda: 0)  # the driver's machine: a CPU-only head
-    assert job.choose_device(CONFIG, gpu=True, cpu=False, local=False).use_gpu is True
-    assert job.choose_device(CONFIG, gpu=False, cpu=True, local=False).use_gpu is False
-    assert job.choose_device(CONFIG, gpu=False, cpu=False, local=False) is None  # the cluster decides
+    monkeypatch.setattr(devices, "_local_gpus", lambda: 0)  # the driver's machine: a CPU-only head
+    assert devices.choose_device(CONFIG, gpu=True, cpu=False, local=False).use_gpu is True
+    assert devices.choose_device(CONFIG, gpu=False, cpu=True, local=False).use_gpu is False
+    assert devices.choose_device(CONFIG, gpu=False, cpu=False, local=False) is None  # the cluster decides
 
 
 def test_a_joined_cluster_without_gpus_now_says_how_to_get_them(monkeypatch, capsys):
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0})
-    assert job.gpus_from_cluster(CONFIG).use_gpu is False
+    assert devices.gpus_from_cluster(CONFIG).use_gpu is False
     assert "--gpu asks the autoscaler for GPUs" in capsys.readouterr().out
 
 
 def test_local_runs_decide_from_this_machine(no_cluster_lookup, monkeypatch):
-    monkeypatch.setattr(job, "_local_gpus", lambda: 0)
-    assert job.choose_device(CONFIG, gpu=False, cpu=False, local=True).use_gpu is False
+    monkeypatch.setattr(devices, "_local_gpus", lambda: 0)
+    assert devices.choose_device(CONFIG, gpu=False, cpu=False, local=True).use_gpu is False
     with pytest.raises(ValueError, match="--gpu on a machine without a CUDA GPU"):
-        job.choose_device(CONFIG, gpu=True, cpu=False, local=True)
-    monkeypatch.setattr(job, "_local_gpus", lambda: 2)
-    assert job.choose_device(CONFIG, gpu=False, cpu=False, local=True).use_gpu is True
+        devices.choose_device(CONFIG, gpu=True, cpu=False, local=True)
+    monkeypatch.setattr(devices, "_local_gpus", lambda: 2)
+    assert devices.choose_device(CONFIG, gpu=False, cpu=False, local=True).use_gpu is True
     with pytest.raises(ValueError, match="--gpu and --cpu"):
-        job.choose_device(CONFIG, gpu=True, cpu=True, local=True)
+        devices.choose_device(CONFIG, gpu=True, cpu=True, local=True)
 
 
 def test_the_command_line_takes_gpu(tmp_path):
