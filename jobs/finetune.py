@@ -42,17 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             cli.print_config(config)
             return 0
-        from pipeline.train import driver, finetune
+        from pipeline.train import driver
 
-        config = finetune.resolve_pretrained(config)  # the weights' model, a new head: one line if wrong
-        shards = driver.prepare(config)
-        eval_shards = driver.prepare_eval(config)
-        local = cli.connect_ray(args, needed_cpus=driver.local_cpus_needed(config))
-        driver.check_cluster(config, local_ray=local)
-        cli.start_work()
-        summary = driver.fit(config, shards, eval_shards)
-        print(driver.format_summary(summary, config))
-        return 0
+        return driver.train(config, args)
 
     from pipeline.train.driver import TrainingError
 

@@ -81,15 +81,21 @@ def is_root(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
     return not path.strip("/")
 
 
-def list_entries(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, bool] | None:
-    """``{name: is a directory}`` of what directory ``uri`` holds, in one listing; {} when it does not
-    exist, None when ``uri`` is a file."""
+def _listing(uri: str, storage_options: dict[str, Any] | None) -> tuple[str, list[dict[str, Any]]]:
+    """(path, entries) of one fresh listing of ``uri`` (the filesystem's listing cache dropped first);
+    no entries where nothing is there."""
     fs, path = filesystem(uri, storage_options)
     fs.invalidate_cache(path)
     try:
-        entries = fs.ls(path, detail=True)
+        return path, fs.ls(path, detail=True)
     except (FileNotFoundError, NotADirectoryError):
-        return {}
+        return path, []
+
+
+def list_entries(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, bool] | None:
+    """``{name: is a directory}`` of what directory ``uri`` holds, in one listing; {} when it does not
+    exist, None when ``uri`` is a file."""
+    path, entries = _listing(uri, storage_options)
     base = path.rstrip("/")
     if len(entries) == 1 and entries[0]["name"].rstrip("/") == base and entries[0].get("type") == "file":
         return None
@@ -276,12 +282,7 @@ def list_files(uri: str, storage_options: dict[str, Any] | None = None) -> dict[
 
     One listing request on object stores, read fresh (the filesystem's listing cache is dropped first).
     """
-    fs, path = filesystem(uri, storage_options)
-    fs.invalidate_cache(path)
-    try:
-        entries = fs.ls(path, detail=True)
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
+    _, entries = _listing(uri, storage_options)
     return {
         entry["name"].rstrip("/").rsplit("/", 1)[-1]: int(entry.get("size") or 0)
         for entry in entries

@@ -9,6 +9,7 @@ Running the same command again with the same `--out` resumes from the latest che
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline import console, storage
+from pipeline import cli, console, storage
 from pipeline.data.dataset import check_shards
 from pipeline.data.shards import expand_shards
 from pipeline.train.config import TrainConfig
@@ -229,3 +230,21 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
         f"samples read: {bad['total']}, skipped as bad: {bad['bad']} ({reasons})\n"
         f"run directory: {config.run.out} (checkpoints, metrics.jsonl, final/)"
     )
+
+
+def train(config: TrainConfig, args: argparse.Namespace) -> int:
+    """A training job once its config is resolved (`jobs/pretrain.py`, `jobs/finetune.py`): every check
+    that needs no cluster, then Ray (`pipeline.cli.connect_ray` with ``args``), the run, its summary.
+    A config with ``weights`` is a fine-tuning run: the weights' model with a new head."""
+    if config.arch.weights:
+        from pipeline.train.finetune import resolve_pretrained
+
+        config = resolve_pretrained(config)  # one line if the weights do not load
+    shards = prepare(config)
+    eval_shards = prepare_eval(config)
+    local = cli.connect_ray(args, needed_cpus=local_cpus_needed(config))
+    check_cluster(config, local_ray=local)
+    cli.start_work()
+    summary = fit(config, shards, eval_shards)
+    print(format_summary(summary, config))
+    return 0
