@@ -20,7 +20,8 @@ PRETRAIN = ROOT / "jobs" / "pretrain.py"
 FLAGS = {
     "--preset", "--print-config", "--verbose", "--help", "--address", "--num-cpus",
     # arch, task
-    "--model", "--num-classes", "--objective", "--mask-ratio", "--norm-pix-loss", "--no-norm-pix-loss",
+    "--model", "--num-classes", "--drop-path-rate", "--dropout", "--objective", "--label-smoothing",
+    "--mixup-alpha", "--cutmix-alpha", "--mix-prob", "--switch-prob", "--mask-ratio", "--norm-pix-loss", "--no-norm-pix-loss",
     "--decoder-dim", "--decoder-depth", "--decoder-num-heads",
     # data
     "--image-size", "--crop-scale", "--crop-ratio", "--hflip", "--no-hflip", "--crop-fraction",
