@@ -11,6 +11,12 @@ one corrupt image in the first batch does not fail a job; past that, it is the p
 of a pass (``final=True``) the share over everything seen decides, so a small dataset is judged by its
 real share. ``max_bad_fraction=0`` fails on the first bad sample.
 
+Lost shards: a shard that yields no readable sample (zeros, an HTML error page saved under a shard's
+name, an empty tar, a tar whose every sample is bad) is no bad sample but a lost shard, marked by one
+``lost shard`` row (`pipeline.data.rows.read_shard`). Lost shards are counted apart, once per shard
+however often it is read (training reads it every epoch), and held to a budget of their own,
+``max_lost_shards`` (0 by default: any lost shard fails the job, naming it).
+
 Labeled jobs over unlabeled shards: when every sample seen so far lacks its label (at least
 ``LABEL_PROBE`` of them, or all at the end), `LabelsMissingError` says so instead of a budget error.
 """
@@ -25,6 +31,7 @@ import numpy as np
 
 LABEL_PROBE = 16  # samples that must all lack labels before declaring the shards unlabeled
 MISSING_LABEL = "missing label"
+LOST_SHARD = "lost shard"  # the reason category of the row that marks a shard without a readable sample
 
 
 class BadSampleBudgetError(RuntimeError):
@@ -51,21 +58,34 @@ class BadSamples:
     bad: int = 0
     by_reason: Counter = field(default_factory=Counter)
     examples: list[dict[str, str]] = field(default_factory=list)
+    max_lost_shards: int = 0
+    lost: dict[str, str] = field(default_factory=dict)  # url -> why it gave no readable sample
 
     @classmethod
     def from_config(cls, config: Any) -> BadSamples:
-        """From a `pipeline.data.config.DataConfig` (its ``max_bad_fraction`` and ``bad_grace_samples``)."""
-        return cls(max_bad_fraction=config.max_bad_fraction, grace_samples=config.bad_grace_samples)
+        """From a `pipeline.data.config.DataConfig` (its ``max_bad_fraction``, ``bad_grace_samples`` and
+        ``max_lost_shards``)."""
+        return cls(
+            max_bad_fraction=config.max_bad_fraction,
+            grace_samples=config.bad_grace_samples,
+            max_lost_shards=config.max_lost_shards,
+        )
 
     def filter(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Record the batch's error rows and return the batch without them (the same dict if none)."""
         errors = batch["error"]
-        self.total += len(errors)
         bad = np.fromiter((bool(e) for e in errors), dtype=bool, count=len(errors))
         if not bad.any():
+            self.total += len(errors)
             return batch
         for i in np.flatnonzero(bad):
-            self.record(str(batch["url"][i]), str(batch["key"][i]), str(errors[i]), counted=True)
+            reason = str(errors[i])
+            if reason_category(reason) == LOST_SHARD:
+                self.lost.setdefault(str(batch["url"][i]), reason.split(":", 1)[-1].strip())
+            else:
+                self.total += 1
+                self.record(str(batch["url"][i]), str(batch["key"][i]), reason, counted=True)
+        self.total += int((~bad).sum())
         keep = ~bad
         return {name: column[keep] for name, column in batch.items()}
 
@@ -79,7 +99,14 @@ class BadSamples:
             self.examples.append({"url": url, "key": key, "reason": reason})
 
     def check_budget(self, *, final: bool = False) -> None:
-        """Raise `LabelsMissingError` or `BadSampleBudgetError` (one line each) when the rule above says so."""
+        """Raise `LabelsMissingError` or `BadSampleBudgetError` (one line each) when the rules above say so."""
+        if len(self.lost) > self.max_lost_shards:
+            named = [f"{url} ({why})" for url, why in list(self.lost.items())[:3]]
+            more = f" and {len(self.lost) - 3} more" if len(self.lost) > 3 else ""
+            raise BadSampleBudgetError(
+                f"{len(self.lost)} shard(s) gave no readable sample (max_lost_shards {self.max_lost_shards}): "
+                f"{', '.join(named)}{more}; replace or remove them, or raise max_lost_shards"
+            )
         missing = self.by_reason.get(MISSING_LABEL, 0)
         if missing and missing == self.total and (final or self.total >= LABEL_PROBE):
             example = self.examples[0]["reason"] if self.examples else MISSING_LABEL
@@ -109,6 +136,8 @@ class BadSamples:
         self.by_reason.update(other.by_reason)
         room = self.max_examples - len(self.examples)
         self.examples.extend(other.examples[: max(room, 0)])
+        for url, why in other.lost.items():
+            self.lost.setdefault(url, why)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,6 +149,8 @@ class BadSamples:
             "examples": list(self.examples),
             "max_bad_fraction": self.max_bad_fraction,
             "grace_samples": self.grace_samples,
+            "lost_shards": dict(self.lost),
+            "max_lost_shards": self.max_lost_shards,
         }
 
     @classmethod
@@ -131,4 +162,6 @@ class BadSamples:
             bad=values["bad"],
             by_reason=Counter(values.get("by_reason", {})),
             examples=list(values.get("examples", [])),
+            max_lost_shards=values.get("max_lost_shards", 0),
+            lost=dict(values.get("lost_shards", {})),
         )

@@ -71,6 +71,9 @@ class DataConfig:
     seed: int = setting(0, "seed of shard order, crops and shuffling", flag=None)
     shuffle_buffer: int = setting(1024, "samples in each worker's local shuffle buffer (0: none)")
     max_bad_fraction: float = setting(0.01, "share of corrupt samples that fails the job")
+    max_lost_shards: int = setting(
+        0, "shards that give no readable sample (zeros, an HTML page, an empty tar) before the job fails"
+    )
     bad_grace_samples: int = setting(
         1000, "bad samples are held to --max-bad-fraction of at least this many samples seen"
     )
@@ -125,6 +128,7 @@ class DataConfig:
                 f"interpolation must be one of {', '.join(INTERPOLATIONS)}",
             ),
             (not 0 <= self.max_bad_fraction <= 1, "max_bad_fraction must be in [0, 1]"),
+            (self.max_lost_shards < 0, f"max_lost_shards must be 0 or more, got {self.max_lost_shards}"),
             (
                 self.shuffle_buffer < 0 or self.block_rows <= 0,
                 "shuffle_buffer >= 0 and block_rows > 0 please",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from pipeline.data.bad_samples import BadSampleBudgetError
+from pipeline.data.bad_samples import LOST_SHARD, BadSampleBudgetError
 from pipeline.data.shards import open_shard
 from pipeline.data.tar import Sample, ShardReadError, iter_samples, open_tar_stream
 
@@ -167,24 +167,32 @@ def read_shard(
     """Arrow blocks of rows for one shard, in tar order; never raises on bad data.
 
     A storage failure is retried as ``retry`` says (see the module docstring); a shard still unreadable
-    then adds one ``unreadable shard`` error row (key "") after the rows read before; a shard without
-    samples gives one ``empty shard`` error row.
+    then adds one ``unreadable shard`` error row (key "") after the rows read before; a shard that gives
+    no readable sample (no sample at all, or only bad ones: zeros, an HTML page, a tar of broken images)
+    ends with one ``lost shard`` row (key ""), counted apart from bad samples (`BadSamples.lost`).
     """
     retry = retry or Retry()
     rows: list[tuple[str, bytes, int, str]] = []
     nbytes, done, last_key = 0, 0, ""  # done: samples made into rows, by every try so far
+    good, first_error = 0, ""  # rows without an error; the first error row's reason
     failures, waited = 0, 0.0
     while True:
         try:
             for row in _rows_after(url, spec, storage_options, done, last_key):
                 rows.append(row)
                 nbytes += len(row[1])
-                done, last_key = done + 1, row[0]
+                done, last_key, good = done + 1, row[0], good + (not row[3])
+                first_error = first_error or row[3]
                 if len(rows) >= block_rows or nbytes >= MAX_BLOCK_BYTES:
                     yield _table(rows, url)
                     rows, nbytes = [], 0
-            if not done:  # so that consumers tracking shards (the embedding job) still see this one
-                rows.append(("", b"", -1, "empty shard: the tar holds no samples"))
+            if not good:  # a lost shard, not a bad sample: counted apart (`BadSamples.lost`)
+                why = (
+                    f"{done} row(s), none readable, first: {first_error}"
+                    if done
+                    else "the tar holds no samples"
+                )
+                rows.append(("", b"", -1, f"{LOST_SHARD}: {why}"))
             break
         except Exception as e:  # a vanished, unreachable or unreadable shard
             failures += 1

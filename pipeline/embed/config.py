@@ -60,6 +60,9 @@ class EmbedConfig:
         None, "resize filter (none: the training run's, else bicubic)", choices=INTERPOLATIONS
     )
     max_bad_fraction: float = setting(0.01, "share of corrupt samples that fails the job")
+    max_lost_shards: int = setting(
+        0, "shards that give no readable sample (zeros, an HTML page, an empty tar) before the job fails"
+    )
     storage_options: dict | None = setting(
         None,
         'fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\' '

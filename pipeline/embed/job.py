@@ -103,6 +103,7 @@ class EmbedSummary:
             f"{len(self.failed)} failed, of {self.shards}",
             f"rows written: {self.rows} ({self.rows_in_output} in the output), {self.model}, D = {self.dim}",
             f"bad samples skipped: {self.bad_samples['bad']} ({reasons}); keys and reasons in {MANIFEST}",
+            f"lost shards (no readable sample): {len(self.bad_samples.get('lost_shards', {}))}",
             f"speed: {self.images_per_s:,.1f} images/s over {self.seconds:.1f} s "
             f"({self.startup_s:.1f} s of it starting the model actors)",
             f"output: {self.out}",
@@ -136,6 +137,7 @@ def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
         require_labels=False,
         num_classes=None,  # any label is kept as it is: the training run's class count is no rule here
         max_bad_fraction=config.max_bad_fraction,
+        max_lost_shards=config.max_lost_shards,
         storage_options=config.storage_options,
     )
 

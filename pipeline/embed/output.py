@@ -62,6 +62,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
+from pipeline.data.bad_samples import LOST_SHARD, reason_category
 from pipeline.data.shards import SHARD_SUFFIXES
 from pipeline.embed import identity
 from pipeline.embed.identity import difference
@@ -269,7 +270,13 @@ class EmbeddingOutput:
         commits, failures = self.read_records()
         self.shards = {**self.shards, **commits}
         self.failed = {u: r for u, r in {**failures, **self.failed}.items() if u not in self.shards}
-        manifest = {**self.header, "shards": self.shards, "failed": self.failed}
+        lost = {
+            url: skip["reason"]
+            for url, record in self.shards.items()
+            for skip in record.get("skipped", [])
+            if reason_category(skip["reason"]) == LOST_SHARD
+        }
+        manifest = {**self.header, "shards": self.shards, "failed": self.failed, "lost_shards": lost}
         text = json.dumps(manifest, indent=1, sort_keys=False) + "\n"
         storage.write_text(self.path(MANIFEST), text, self.storage_options)
 

@@ -214,6 +214,7 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     """What a finished run prints: its last step's loss and accuracy (and evaluation accuracy), the
     samples read and skipped. A run resumed at the end of its schedule trained no step: it says so."""
     metrics, bad = summary["metrics"], summary["bad_samples"]
+    lost = sorted(bad.get("lost_shards", {}))
     reasons = ", ".join(f"{n} {reason}" for reason, n in bad["by_reason"].items()) or "none"
     scores = "".join(
         f", {label} {100 * metrics[key]:.1f}%"
@@ -228,6 +229,7 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     return (
         f"\n{finished}\n"
         f"samples read: {bad['total']}, skipped as bad: {bad['bad']} ({reasons})\n"
+        f"lost shards (no readable sample): {len(lost)}{' (' + ', '.join(lost) + ')' if lost else ''}\n"
         f"run directory: {config.run.out} (checkpoints, metrics.jsonl, final/)"
     )
 

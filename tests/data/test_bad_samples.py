@@ -99,3 +99,44 @@ def test_counts_merge_across_workers_and_round_trip_through_dicts():
     assert len(merged.examples) == 3
     again = BadSamples.from_dict(merged.to_dict())
     assert again.to_dict() == {**merged.to_dict(), "max_bad_fraction": 0.01, "grace_samples": 1000}
+
+
+# --- lost shards ---------------------------------------------------------------------------------
+def lost(url: str, why: str = "the tar holds no samples") -> dict[str, np.ndarray]:
+    rows = batch([f"lost shard: {why}"])
+    rows["url"] = np.array([url], dtype=object)
+    rows["key"] = np.array([""], dtype=object)
+    return rows
+
+
+def test_a_lost_shard_is_counted_apart_from_bad_samples_once_per_shard():
+    bad = BadSamples(max_lost_shards=2)
+    out = bad.filter(lost("a.tar"))
+    assert len(out["key"]) == 0 and (bad.total, bad.bad) == (0, 0) and bad.by_reason == {}
+    bad.filter(lost("a.tar"))  # read again in the next epoch: still one lost shard
+    bad.filter(lost("b.tar", "1 row(s), none readable, first: corrupt tar: not a tar"))
+    assert bad.lost == {
+        "a.tar": "the tar holds no samples",
+        "b.tar": "1 row(s), none readable, first: corrupt tar: not a tar",
+    }
+    bad.check_budget(final=True)  # 2 allowed
+    again = BadSamples.from_dict(bad.to_dict())
+    assert again.lost == bad.lost and again.max_lost_shards == 2
+    merged = BadSamples().merge(bad).merge(BadSamples.from_dict(bad.to_dict()))  # two ranks, same shards
+    assert len(merged.lost) == 2
+
+
+def test_lost_shards_past_their_budget_fail_in_one_line_naming_them():
+    bad = BadSamples()  # none allowed by default
+    for i in range(5):
+        bad.filter(lost(f"s3://b/train-{i:06d}.tar"))
+    with pytest.raises(BadSampleBudgetError) as info:
+        bad.check_budget()
+    message = str(info.value)
+    assert message.startswith(
+        "5 shard(s) gave no readable sample (max_lost_shards 0): s3://b/train-000000.tar"
+    )
+    assert (
+        message.endswith("and 2 more; replace or remove them, or raise max_lost_shards")
+        and "\n" not in message
+    )

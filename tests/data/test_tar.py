@@ -268,7 +268,7 @@ def test_read_shard_yields_arrow_blocks_and_survives_a_missing_file(tmp_path):
             "url": str(tmp_path / "empty.tar"),
             "image": b"",
             "label": -1,
-            "error": "empty shard: the tar holds no samples",
+            "error": "lost shard: the tar holds no samples",
         }
     ]
 
@@ -293,3 +293,26 @@ def test_random_damage_never_raises_and_keeps_clean_samples_first():
         assert [g for g in got if not g[2]][:whole] == full[:whole], trial
         kept_somewhere += whole
     assert kept_somewhere > 100  # the damage left clean samples before it often enough to test them
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"\0" * 10240, "the tar holds no samples"),  # zeros: a tar's end marker and nothing else
+        (b"<html><body>503 Service Unavailable</body></html>\n" * 40, "none readable"),  # a saved error page
+        (tar_bytes([("a.txt", b"x"), ("b.txt", b"y")]), "none readable"),  # members, no image
+    ],
+    ids=["zeros", "html-page", "no-image"],
+)
+def test_a_shard_that_gives_no_readable_sample_ends_with_one_lost_shard_row(tmp_path, content, why):
+    path = tmp_path / "train-000007.tar"
+    path.write_bytes(content)
+    table = pa.concat_tables(read_shard(str(path), RowSpec(require_labels=True), None, block_rows=4))
+    errors = table.column("error").to_pylist()
+    assert errors[-1].startswith("lost shard: ") and why in errors[-1], errors
+    assert sum(e.startswith("lost shard") for e in errors) == 1
+    # A shard with one good sample among bad ones is no lost shard.
+    mixed = tmp_path / "mixed.tar"
+    mixed.write_bytes(tar_bytes([("a.txt", b"x"), ("b.jpg", b"jpeg"), ("b.cls", b"1")]))
+    table = pa.concat_tables(read_shard(str(mixed), RowSpec(require_labels=True), None, block_rows=4))
+    assert not any(e.startswith("lost shard") for e in table.column("error").to_pylist())

@@ -23,7 +23,7 @@ from PIL import Image
 
 import vit
 from pipeline import storage
-from pipeline.data.bad_samples import reason_category
+from pipeline.data.bad_samples import BadSampleBudgetError, reason_category
 from pipeline.data.config import DataConfig
 from pipeline.data.synthetic import encode, render
 from pipeline.data.tar import iter_samples
@@ -299,7 +299,7 @@ def test_bad_samples_are_listed_in_the_manifest_and_absent_from_rows(
     config = EmbedConfig(
         data=f"{mixed},{empty}", weights=export[0], out=str(tmp_path), batch_size=4, max_bad_fraction=0.5
     )
-    summary = run(prepare(config))
+    summary = run(prepare(config.replace(max_lost_shards=1)))
     rows = read_rows(tmp_path)
     labels = dict(zip(rows["key"], rows["label"], strict=True))
     assert sorted(labels) == [f"good{i}" for i in range(6)] + ["nolabel"]
@@ -316,10 +316,20 @@ def test_bad_samples_are_listed_in_the_manifest_and_absent_from_rows(
         "bad-cut": "truncated image",
     }
     assert [reason_category(s["reason"]) for s in manifest(tmp_path)["shards"][empty]["skipped"]] == [
-        "empty shard"
+        "lost shard"
     ]
-    assert summary.bad_samples["by_reason"] == {"empty image": 1, "empty shard": 1, "truncated image": 1}
-    assert "bad samples skipped: 3 (1 empty image, 1 empty shard, 1 truncated image)" in summary.format()
+    assert manifest(tmp_path)["lost_shards"] == {empty: "lost shard: the tar holds no samples"}
+    # Counted in its own figure, not as a bad sample.
+    assert summary.bad_samples["by_reason"] == {"empty image": 1, "truncated image": 1}
+    assert summary.bad_samples["lost_shards"] == {empty: "the tar holds no samples"}
+    assert "bad samples skipped: 2 (1 empty image, 1 truncated image)" in summary.format()
+    assert "lost shards (no readable sample): 1" in summary.format()
+    # None allowed by default: the job fails in one line naming the shard.
+    refused = config.replace(out=str(tmp_path / "refused"))
+    with pytest.raises(
+        BadSampleBudgetError, match=r"^1 shard\(s\) gave no readable sample \(max_lost_shards 0\)"
+    ):
+        run(prepare(refused))
 
 
 def test_an_unreadable_shard_is_not_committed_and_the_next_run_retries_it(

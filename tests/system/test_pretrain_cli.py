@@ -26,7 +26,7 @@ FLAGS = {
     # data
     "--image-size", "--crop-scale", "--crop-ratio", "--hflip", "--no-hflip", "--crop-fraction",
     "--train-interpolation", "--eval-interpolation", "--jpeg-draft", "--no-jpeg-draft", "--reducing-gap",
-    "--image-keys", "--label-key", "--shuffle-buffer", "--max-bad-fraction", "--bad-grace-samples",
+    "--image-keys", "--label-key", "--shuffle-buffer", "--max-bad-fraction", "--max-lost-shards", "--bad-grace-samples",
     "--max-image-pixels", "--storage-options", "--block-rows", "--block-bytes", "--read-concurrency",
     "--read-attempts", "--read-backoff-s",
     # optim

@@ -10,6 +10,7 @@ Arithmetic: 2 shards x 16 samples, micro-batch 4, batch 8 (one micro-batch per r
 - Within budget (0.2): one shard's first 2 samples are corrupt -> that rank has 14 good samples, 3 full
   micro-batches, so each epoch is 3 steps and its first step's input has read both shards whole.
   Logged at steps 3 and 6: 32 and 64 samples read, 2 and 4 bad (12.5% of that rank's, within 20%).
+- A lost shard (no sample at all): the run stops in one line naming it, none being allowed.
 - Over budget (0.6): one shard's first 10 samples are corrupt. That rank's share is 10 of 16 (62.5%);
   over both ranks it would be 10 of 32 (31%), within the budget. The run stops when that rank's pass
   ends, after the one step its 6 good samples make.
@@ -33,6 +34,7 @@ CORRUPT = {"mem://mixed": 2, "mem://corrupt": 10}  # shard -> its first N sample
 RUNS = {
     "within": (["mem://clean-a", "mem://mixed"], 0.2),
     "over": (["mem://clean-b", "mem://corrupt"], 0.6),
+    "lost": (["mem://clean-c", "mem://lost"], 0.2),  # a shard that gives no sample: none allowed
 }
 
 
@@ -48,6 +50,15 @@ class InMemoryDataset:
 
         n, patches = SAMPLES_PER_SHARD, (self.image_size // self.patch_size) ** 2
         for url in self.shards:
+            if url == "mem://lost":  # what `read_shard` gives for a shard of zeros
+                yield {
+                    "key": np.array([""]),
+                    "url": np.array([url]),
+                    "patches": np.zeros((1, patches, self.patch_size**2 * 3), dtype=np.uint8),
+                    "label": np.array([-1]),
+                    "error": np.array(["lost shard: the tar holds no samples"], dtype=object),
+                }
+                continue
             bad = CORRUPT.get(url, 0)
             g = np.random.default_rng(len(url))
             yield {
@@ -152,3 +163,15 @@ def test_one_worker_over_its_own_budget_stops_the_run_in_one_line(runs, capsys):
 
     assert cli.run_job(fit, failures=(TrainingError,)) == cli.EXIT_RUN_FAILED
     assert capsys.readouterr().err == f"error: {error}\n"
+
+
+def test_a_lost_shard_stops_the_run_in_one_line_naming_it_and_counts_no_bad_sample(runs):
+    _, summaries, _ = runs
+    summary = summaries["lost"]
+    assert summary["error"] == (
+        "1 shard(s) gave no readable sample (max_lost_shards 0): mem://lost (the tar holds no samples); "
+        "replace or remove them, or raise max_lost_shards"
+    )
+    assert summary["bad_samples"]["bad"] == 0 and summary["bad_samples"]["lost_shards"] == {
+        "mem://lost": "the tar holds no samples"
+    }
