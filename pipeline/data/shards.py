@@ -4,12 +4,14 @@
 
 - a local file, or a directory (every .tar / .tar.gz / .tgz directly inside it, sorted)
 - a glob: ``/data/train-*.tar``, ``s3://bucket/train-*.tar``
-- a brace range or list: ``train-{000000..000127}.tar``, ``{train,val}-000000.tar`` (as in WebDataset)
+- a brace range or list: ``train-{000000..000127}.tar``, ``{train,val}-000000.tar`` (as in WebDataset),
+  expanded lazily, at most `MAX_SHARDS_PER_URL` (1,000,000) names per URL
 - ``s3://``, ``gs://`` or any other fsspec URL; credentials and endpoints come from the environment
   (e.g. ``AWS_ENDPOINT_URL``) or from ``storage_options`` (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``)
 
-It checks that every shard exists (one listing per remote directory, not one request per shard) and
-fails with a `ShardError` naming what is wrong and what to do, before any Ray work starts.
+It checks that every shard exists (local shards one by one, stopping at the first missing one; remote
+ones with one listing per directory, not one request per shard) and fails with a `ShardError` naming
+what is wrong and what to do, before any Ray work starts.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import glob as globlib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, Any
 
 from pipeline import compat
@@ -25,6 +27,9 @@ from pipeline.storage import filesystem, is_local, local_path
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 READ_BLOCK_BYTES = 8 << 20  # remote read size: few requests per shard, little memory
+# Names one URL's braces may expand to: far above any real dataset's shard count (ImageNet-21k is
+# ~2,000 shards of 1 GB), far below what would exhaust the driver's memory (~100 bytes a name).
+MAX_SHARDS_PER_URL = 1_000_000
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 
@@ -44,7 +49,10 @@ def expand_shards(urls: str | Sequence[str], storage_options: dict | None = None
         raise ShardError("no shard URL given; pass a path, directory, glob or brace range of .tar shards")
     shards: list[str] = []
     for item in items:
-        shards.extend(_expand_one(item, storage_options or {}))
+        try:
+            shards.extend(_expand_one(item, storage_options or {}))
+        except RecursionError as e:  # braces nested thousands deep
+            raise ShardError(f"braces nested too deeply in {item[:80]!r}; write plain ranges") from e
     return list(dict.fromkeys(shards))  # keeps the first occurrence: a shard read twice would repeat samples
 
 
@@ -65,32 +73,73 @@ def split_top_level(text: str, sep: str) -> list[str]:
     return out
 
 
-def expand_braces(pattern: str) -> list[str]:
+def expand_braces(pattern: str) -> Iterator[str]:
     """Brace expansion as WebDataset does it: ``{000..002}`` keeps zero padding, ``{a,b}`` lists.
 
     Several groups expand as a product, leftmost slowest: ``{a,b}-{0..1}`` -> a-0, a-1, b-0, b-1.
+    The names come lazily; a pattern naming more than `MAX_SHARDS_PER_URL` is a `ShardError` at once,
+    before any name is made (``{0..999999999}`` would otherwise hold gigabytes of names).
     """
+    count = brace_count(pattern)
+    if count > MAX_SHARDS_PER_URL:
+        raise ShardError(
+            f"{pattern!r} names {count:,} shards, more than the {MAX_SHARDS_PER_URL:,} one URL may name; "
+            "check the range, or split it into several comma-separated URLs"
+        )
+    return _iter_braces(pattern)
+
+
+def brace_count(pattern: str) -> int:
+    """How many names ``pattern`` expands to, counted without making them."""
+    group = _first_group(pattern)
+    if group is None:
+        return 1
+    _, body, tail = group
+    ranged = _range(body, pattern)
+    n = len(ranged[0]) if ranged else sum(brace_count(part) for part in split_top_level(body, ","))
+    return n * brace_count(tail)
+
+
+def _iter_braces(pattern: str) -> Iterator[str]:
+    group = _first_group(pattern)
+    if group is None:
+        yield pattern
+        return
+    head, body, tail = group
+    ranged = _range(body, pattern)
+    if ranged:
+        numbers, width = ranged
+        choices: Iterable[str] = (str(i).zfill(width) for i in numbers)
+    else:
+        choices = (c for part in split_top_level(body, ",") for c in _iter_braces(part))
+    for choice in choices:
+        for rest in _iter_braces(tail):
+            yield head + choice + rest
+
+
+def _first_group(pattern: str) -> tuple[str, str, str] | None:
+    """``"a{1..2}b{x}"`` -> ``("a", "1..2", "b{x}")``; None without braces."""
     start = pattern.find("{")
     if start < 0:
-        return [pattern]
+        return None
     depth = 0
     for end in range(start, len(pattern)):
         depth += {"{": 1, "}": -1}.get(pattern[end], 0)
         if depth == 0:
-            break
-    else:
-        raise ShardError(f"unbalanced braces in {pattern!r}; write ranges as train-{{000000..000127}}.tar")
-    head, body, tail = pattern[:start], pattern[start + 1 : end], pattern[end + 1 :]
+            return pattern[:start], pattern[start + 1 : end], pattern[end + 1 :]
+    raise ShardError(f"unbalanced braces in {pattern!r}; write ranges as train-{{000000..000127}}.tar")
+
+
+def _range(body: str, pattern: str) -> tuple[range, int] | None:
+    """``"007..010"`` -> ``(range(7, 11), 3)``: the numbers and their zero-padded width (0: none)."""
     match = _RANGE.match(body)
-    if match:
-        lo, hi = match.group(1), match.group(2)
-        if int(hi) < int(lo):
-            raise ShardError(f"brace range {{{body}}} in {pattern!r} runs backwards; write {{{hi}..{lo}}}")
-        width = len(lo) if lo.startswith("0") and len(lo) > 1 else 0
-        choices = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
-    else:
-        choices = [c for part in split_top_level(body, ",") for c in expand_braces(part)]
-    return [head + c + t for c in choices for t in expand_braces(tail)]
+    if not match:
+        return None
+    lo, hi = match.group(1), match.group(2)
+    if int(hi) < int(lo):
+        raise ShardError(f"brace range {{{body}}} in {pattern!r} runs backwards; write {{{hi}..{lo}}}")
+    width = len(lo) if lo.startswith("0") and len(lo) > 1 else 0
+    return range(int(lo), int(hi) + 1), width
 
 
 def is_shard_name(path: str) -> bool:
@@ -109,7 +158,7 @@ def open_shard(url: str, storage_options: dict | None = None) -> IO[bytes]:
 def _expand_one(item: str, storage_options: dict) -> list[str]:
     candidates = expand_braces(item)
     if is_local(item):
-        return _expand_local([local_path(c) for c in candidates], item)
+        return _expand_local((local_path(c) for c in candidates), item)
     fs, _ = _filesystem(item, storage_options)
     out: list[str] = []
     plain: list[str] = []
@@ -120,7 +169,7 @@ def _expand_one(item: str, storage_options: dict) -> list[str]:
             if not found:
                 raise ShardError(f"{candidate} matches no files; check the pattern and bucket")
             out.extend(fs.unstrip_protocol(p) for p in found)
-        elif len(candidates) == 1 and _call(fs.isdir, path, item):
+        elif brace_count(item) == 1 and _call(fs.isdir, path, item):
             found = sorted(p for p in _call(fs.ls, path, item, detail=False) if is_shard_name(p))
             if not found:
                 raise ShardError(f"{candidate} holds no .tar/.tar.gz/.tgz shards; point at the shard files")
@@ -133,9 +182,10 @@ def _expand_one(item: str, storage_options: dict) -> list[str]:
     return out
 
 
-def _expand_local(paths: list[str], item: str) -> list[str]:
+def _expand_local(paths: Iterable[str], item: str) -> list[str]:
+    """Every shard of ``paths``, checked one by one: the first missing one is the error, so that a long
+    range of shards that are not there fails at once instead of after a stat of each."""
     out: list[str] = []
-    missing: list[str] = []
     for path in paths:
         path = os.path.abspath(os.path.expanduser(path))
         if globlib.has_magic(path):
@@ -151,10 +201,7 @@ def _expand_local(paths: list[str], item: str) -> list[str]:
         elif os.path.isfile(path):
             out.append(path)
         else:
-            missing.append(path)
-    if missing:
-        more = f" and {len(missing) - 1} more of {len(paths)}" if len(missing) > 1 else ""
-        raise ShardError(f"shard not found: {missing[0]}{more} (from {item!r}); check the path or range")
+            raise ShardError(f"shard not found: {path} (from {item!r}); check the path or range")
     return out
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import fsspec
 import pytest
 
-from pipeline.data.shards import ShardError, expand_braces, expand_shards, split_top_level
+from pipeline.data.shards import (
+    MAX_SHARDS_PER_URL,
+    ShardError,
+    brace_count,
+    expand_braces,
+    expand_shards,
+    split_top_level,
+)
 
 
 @pytest.fixture
@@ -20,11 +27,42 @@ def shard_dir(tmp_path):
 
 
 def test_brace_range_keeps_zero_padding_and_lists_expand_as_a_product():
-    assert expand_braces("t-{000008..000011}.tar") == [f"t-{i:06d}.tar" for i in range(8, 12)]
-    assert expand_braces("t-{8..11}.tar") == ["t-8.tar", "t-9.tar", "t-10.tar", "t-11.tar"]
-    assert expand_braces("{a,b}-{0..1}") == ["a-0", "a-1", "b-0", "b-1"]
-    assert expand_braces("{a,b{1..2}}") == ["a", "b1", "b2"]
-    assert expand_braces("plain.tar") == ["plain.tar"]
+    assert list(expand_braces("t-{000008..000011}.tar")) == [f"t-{i:06d}.tar" for i in range(8, 12)]
+    assert list(expand_braces("t-{8..11}.tar")) == ["t-8.tar", "t-9.tar", "t-10.tar", "t-11.tar"]
+    assert list(expand_braces("{a,b}-{0..1}")) == ["a-0", "a-1", "b-0", "b-1"]
+    assert list(expand_braces("{a,b{1..2}}")) == ["a", "b1", "b2"]
+    assert list(expand_braces("plain.tar")) == ["plain.tar"]
+    assert [brace_count(p) for p in ("t-{8..11}.tar", "{a,b}-{0..1}", "{a,b{1..2}}", "x")] == [4, 4, 3, 1]
+
+
+@pytest.mark.timeout(5)
+@pytest.mark.parametrize(
+    ("pattern", "words"),
+    [
+        # A million names (the bound), none there: one stat, not a million.
+        ("x-{0..999999}.tar", ["shard not found", "x-0.tar"]),
+        # Two there, then the first missing one is named (the rest are never made).
+        ("train-{000000..999999}.tar", ["shard not found", "train-000005.tar"]),
+        # Over the bound: refused before a single name is made (60 s and 2.2 GB without an answer
+        # before, and killed by the kernel at 24 GB for the second).
+        ("x-{0..9999999}.tar", ["names 10,000,000 shards", "more than the 1,000,000"]),
+        ("x-{0..999999999}.tar", ["names 1,000,000,000 shards", "more than the 1,000,000"]),
+        ("x-{0..999}-{0..999}-{0..9}.tar", ["names 10,000,000 shards"]),
+        ("{a,b}" * 21 + ".tar", [f"names {2**21:,} shards"]),
+    ],
+)
+def test_a_huge_brace_range_fails_at_once_in_one_line(shard_dir, pattern, words):
+    with pytest.raises(ShardError) as info:
+        expand_shards(f"{shard_dir}/{pattern}")
+    assert "\n" not in str(info.value)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_a_range_at_the_bound_is_still_lazy():
+    names = expand_braces("t-{0..999999}.tar")  # exactly the bound: accepted, nothing made yet
+    assert (next(names), next(names)) == ("t-0.tar", "t-1.tar")
+    assert brace_count("t-{0..999999}.tar") == MAX_SHARDS_PER_URL
 
 
 def test_commas_split_only_outside_braces():
@@ -56,7 +94,7 @@ def test_file_glob_range_and_comma_list(shard_dir, monkeypatch):
 @pytest.mark.parametrize(
     ("pattern", "words"),
     [
-        ("train-{000003..000009}.tar", ["shard not found", "train-000005.tar", "and 4 more of 7"]),
+        ("train-{000003..000009}.tar", ["shard not found", "train-000005.tar"]),
         ("nothing-here.tar", ["shard not found", "nothing-here.tar"]),
         ("*.parquet", ["matches no files"]),
         ("sub", ["holds no .tar"]),
