@@ -14,9 +14,9 @@ from pipeline.embed.config import EmbedConfig
 from pipeline.embed.job import eval_data_config as embed_eval_config
 from pipeline.evaluate import inspection
 from pipeline.evaluate.config import AnalyzeConfig
+from pipeline.model_source import load_model_source
 from pipeline.train import finetune
-from pipeline.train.config import TrainConfig, data_config
-from pipeline.weights import load_model_source
+from pipeline.train.config import TrainConfig
 
 # What a training run stored: its own crop share, eval filter, label key and class count.
 TRAINED = DataConfig(
@@ -116,7 +116,9 @@ def test_the_analyze_jobs_eval_config_comes_from_it(export, synthetic_shards, mo
 
 
 def test_fine_tunings_eval_config_comes_from_it(made):
-    run = TrainConfig(model="vit_tiny_test", image_size=32, num_classes=4, crop_ratio=(0.5, 2.0), seed=3)
+    run = TrainConfig().replace(
+        model="vit_tiny_test", image_size=32, num_classes=4, crop_ratio=(0.5, 2.0), seed=3
+    )
     config = finetune.eval_data_config(run, patch_size=8)
     assert made == [config]
-    assert config == dataclasses.replace(data_config(run, patch_size=8), max_bad_fraction=1.0)
+    assert config == dataclasses.replace(run.data_for(8), max_bad_fraction=1.0)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import vit
-from pipeline.train.config import TaskConfig
+from pipeline.train.sections import TaskConfig
 
 
 @dataclass(frozen=True)

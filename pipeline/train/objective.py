@@ -134,7 +134,7 @@ def _num_visible(num_patches: int, mask_ratio: float) -> int:
     return num_visible(num_patches, mask_ratio)
 
 
-# One class per name in `pipeline.train.config.OBJECTIVES`, the names' one home: the config checks
+# One class per name in `pipeline.train.sections.OBJECTIVES`, the names' one home: the config checks
 # --objective without importing torch, and this module imports the config (never the other way).
 CLASSES: tuple[type[Objective], ...] = (Objective, MAEObjective)
 

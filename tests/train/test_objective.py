@@ -14,9 +14,10 @@ from pipeline.data.config import DataConfig
 from pipeline.data.masking import mask_batch
 from pipeline.model_source import load_model_source
 from pipeline.train import checkpoint, finetune
-from pipeline.train.config import OBJECTIVES, TrainConfig
+from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import CLASSES, MAEObjective, Objective, objective_for
+from pipeline.train.sections import OBJECTIVES
 from pipeline.train.step import TrainStep
 from tests.configs import tiny_config
 

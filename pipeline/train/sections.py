@@ -1,0 +1,289 @@
+"""The sections of a training run (`pipeline.train.config.TrainConfig`), each a frozen dataclass of
+settings (`pipeline.settings.setting`: one field, one doc line, one flag) that validates itself; the
+messages name the flags through the same declaration.
+
+They live here, beside each other, rather than in the modules that read them (`optim.py`, `model.py`,
+`objective.py` import torch): printing or checking a config never loads torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline import settings
+from pipeline.settings import setting
+from vit.config import REGULARIZATION_FIELDS
+
+OBJECTIVES = ("supervised", "mae")  # pipeline.train.objective has one class for each
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("cosine", "linear")
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _at_least(section: Any, names: tuple[str, ...], minimum: int = 1) -> None:
+    for name in names:
+        if getattr(section, name) < minimum:
+            raise ValueError(
+                f"{settings.flag(type(section), name)} must be at least {minimum}, got {getattr(section, name)}"
+            )
+
+
+def _one_of(section: Any, name: str, allowed: tuple[str, ...]) -> None:
+    if getattr(section, name) not in allowed:
+        raise ValueError(
+            f"{settings.flag(type(section), name)} must be one of {', '.join(allowed)}, "
+            f"got {getattr(section, name)!r}"
+        )
+
+
+def _within(section: Any, names: tuple[str, ...], upto: float = 1.0, closed: bool = False) -> None:
+    """Each field in [0, upto) or, ``closed``, [0, upto] (NaN in neither)."""
+    for name in names:
+        value = getattr(section, name)
+        if not (0 <= value <= upto if closed else 0 <= value < upto):
+            interval = f"[0, {upto:g}{']' if closed else ')'}"
+            raise ValueError(f"{settings.flag(type(section), name)} must be in {interval}, got {value}")
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Which network is trained, and from what."""
+
+    model: str = setting("vit_b16", "model variant, e.g. vit_b16, vit_h14 (see vit.VARIANTS)")
+    num_classes: int = setting(1000, "number of label classes of the head")
+    model_overrides: dict[str, Any] = setting(
+        help="ViTConfig fields that replace the variant's, as JSON", factory=dict, flag=None
+    )
+    weights: str | None = setting(
+        None, "pretrained weights: export (final/), run dir, checkpoint_* dir or weights file"
+    )
+    drop_path_rate: float = setting(
+        0.0,
+        "stochastic depth: block i of D drops each residual branch per sample at this rate x i/(D-1) "
+        "(0: off; DeiT: 0.1)",
+    )
+    dropout: float = setting(
+        0.0, "dropout after the position embeddings, the attention projection and both MLP layers (0: off)"
+    )
+
+    def validate(self) -> None:
+        if self.num_classes < 1:
+            raise ValueError(f"--num-classes must be at least 1, got {self.num_classes}")
+        _within(self, REGULARIZATION_FIELDS)
+        both = sorted(set(REGULARIZATION_FIELDS) & set(self.model_overrides))
+        if both:
+            raise ValueError(
+                f"model_overrides may not set {', '.join(both)}: use {settings.flag(type(self), both[0])}"
+            )
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The objective: supervised classification, or MAE (He et al. 2022)."""
+
+    objective: str = setting(
+        "supervised",
+        "supervised (labels, classifier) or mae (masked autoencoding, no labels)",
+        choices=OBJECTIVES,
+    )
+    mask_ratio: float = setting(0.75, "MAE: share of each image's patches hidden from the encoder")
+    norm_pix_loss: bool = setting(True, "MAE: reconstruct each patch's standardized pixels, not raw ones")
+    decoder_dim: int = setting(512, "MAE: width of the decoder's tokens")
+    decoder_depth: int = setting(8, "MAE: decoder blocks")
+    decoder_num_heads: int = setting(16, "MAE: decoder attention heads (must divide the decoder's width)")
+    label_smoothing: float = setting(
+        0.0, "supervised: share of each target spread evenly over all classes (0: off; DeiT: 0.1)"
+    )
+    mixup_alpha: float = setting(
+        0.0,
+        "supervised: Mixup, each micro-batch blended with itself reversed by a weight ~ Beta(a, a) "
+        "(0: off; DeiT: 0.8)",
+    )
+    cutmix_alpha: float = setting(
+        0.0,
+        "supervised: CutMix, a box of the reversed micro-batch pasted in, its share ~ Beta(a, a) "
+        "(0: off; DeiT: 1.0)",
+    )
+    mix_prob: float = setting(1.0, "with --mixup-alpha or --cutmix-alpha: chance that a micro-batch is mixed")
+    switch_prob: float = setting(
+        0.5, "with --mixup-alpha and --cutmix-alpha: chance that a mixed micro-batch takes CutMix"
+    )
+
+    def validate(self) -> None:
+        _one_of(self, "objective", OBJECTIVES)
+        _within(self, ("label_smoothing",))
+        _within(self, ("mix_prob", "switch_prob"), closed=True)
+        _within(self, ("mixup_alpha", "cutmix_alpha"), upto=math.inf)
+        if self.objective == "supervised":
+            return
+        soft = [n for n in ("label_smoothing", "mixup_alpha", "cutmix_alpha") if getattr(self, n)]
+        if soft:
+            raise ValueError(
+                f"{', '.join(settings.flag(type(self), n) for n in soft)}: soft targets of supervised "
+                f"training; drop them for --objective {self.objective}"
+            )
+        if not 0 < self.mask_ratio < 1:
+            raise ValueError(
+                f"--mask-ratio must be strictly between 0 and 1 (MAE's is 0.75), got {self.mask_ratio}"
+            )
+        _at_least(self, ("decoder_dim", "decoder_depth", "decoder_num_heads"))
+        if self.decoder_dim % 4 or self.decoder_dim % self.decoder_num_heads:
+            raise ValueError(
+                f"--decoder-dim {self.decoder_dim} must be a multiple of 4 and of --decoder-num-heads "
+                f"{self.decoder_num_heads}, e.g. 512 with 16 heads"
+            )
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimization; the defaults are the ViT paper's pretraining recipe."""
+
+    optimizer: str = setting(
+        "adamw", "adamw, or sgd with momentum (the paper's fine-tuning)", choices=OPTIMIZERS
+    )
+    momentum: float = setting(0.9, "SGD momentum")
+    batch_size: int = setting(4096, "global batch: images per optimizer step across all workers")
+    micro_batch_size: int = setting(
+        64, "images per worker per forward/backward (accumulation covers the rest)"
+    )
+    lr: float = setting(1e-3, "peak learning rate, after warmup")
+    min_lr: float = setting(0.0, "learning rate at the end of the decay")
+    weight_decay: float = setting(0.1, "weight decay (not on biases, norms, pos/CLS embeddings)")
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas B1,B2", metavar="B1,B2")
+    warmup_steps: int = setting(10_000, "linear warmup steps")
+    max_steps: int = setting(100_000, "optimizer steps of the schedule")
+    lr_schedule: str = setting("cosine", "decay after warmup: cosine or linear", choices=LR_SCHEDULES)
+    grad_clip: float = setting(1.0, "global gradient-norm clipping threshold")
+    max_skipped_steps: int = setting(
+        5, "steps in a row skipped for a non-finite loss or gradient that fail the run"
+    )
+
+    def validate(self) -> None:
+        _at_least(self, ("batch_size", "micro_batch_size", "max_steps", "max_skipped_steps"))
+        _one_of(self, "optimizer", OPTIMIZERS)
+        _one_of(self, "lr_schedule", LR_SCHEDULES)
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.warmup_steps >= self.max_steps and self.max_steps > 1:
+            raise ValueError(
+                f"--warmup-steps {self.warmup_steps} leaves no decay within --max-steps {self.max_steps}; "
+                "use fewer warmup steps"
+            )
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    """Speed switches; each computes what its default does (tests/train/test_speed_paths.py)."""
+
+    activation_checkpointing: bool = setting(False, "recompute blocks in backward")
+    ac_mode: str = setting(
+        "full", "with --activation-checkpointing: full, alternate (every other block) or ops",
+        choices=("full", "alternate", "ops"),
+    )  # fmt: skip
+    compile: bool = setting(False, "torch.compile the model (see --compile-scope)")
+    compile_scope: str = setting(
+        "blocks", "with --compile: blocks (one graph per block) or model (the whole forward)",
+        choices=("blocks", "model"),
+    )  # fmt: skip
+    optimizer_impl: str = setting(
+        "auto", "AdamW kernels: auto (fused on CUDA, else foreach), fused, foreach, for-loop",
+        choices=("auto", "fused", "foreach", "for-loop"),
+    )  # fmt: skip
+    fp8: bool = setting(
+        False, "float8 training of the blocks' Linear layers (torchao; H100 or newer; with --compile)"
+    )
+    prefetch_steps: int = setting(
+        2, "steps of input built ahead on a background thread (0: built by the step)"
+    )
+
+    def validate(self) -> None:
+        _one_of(self, "ac_mode", ("full", "alternate", "ops"))
+        _one_of(self, "compile_scope", ("blocks", "model"))
+        _one_of(self, "optimizer_impl", ("auto", "fused", "foreach", "for-loop"))
+        _at_least(self, ("prefetch_steps",), minimum=0)
+        if self.fp8 and importlib.util.find_spec("torchao") is None:
+            raise ValueError("--fp8 needs the torchao package: pip install 'vitray[fp8]'")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The shape of the run on the cluster."""
+
+    num_workers: int = setting(2, "training workers (one GPU each unless --cpu)")
+    use_gpu: bool = setting(True, "train on GPU workers (NCCL); --cpu: CPU workers (gloo)", negative="cpu")
+    cpus_per_worker: float = setting(1.0, "CPUs reserved per training worker; the rest decode data")
+    placement_strategy: str = setting(
+        "PACK", "workers over nodes: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD", choices=PLACEMENTS
+    )
+    data_cpus_per_worker: float | None = setting(
+        None,
+        "decode CPUs of each worker's data pipeline (none: the cluster's spare CPUs, re-read each epoch)",
+    )
+    shard_group_size: int | None = setting(
+        None, "workers per FSDP shard group; groups replicate each other (HSDP) (none: the workers of a node)"
+    )
+    shared_out: bool = setting(
+        False, "a local --out is one filesystem mounted at the same path on every node"
+    )
+
+    def validate(self) -> None:
+        _at_least(self, ("num_workers",))
+        _one_of(self, "placement_strategy", PLACEMENTS)
+        if self.data_cpus_per_worker is not None and self.data_cpus_per_worker <= 0:
+            raise ValueError(f"--data-cpus-per-worker must be positive, got {self.data_cpus_per_worker}")
+        if self.shard_group_size is not None and (
+            self.shard_group_size < 1 or self.num_workers % self.shard_group_size
+        ):
+            raise ValueError(
+                f"--shard-group-size {self.shard_group_size} does not divide --num-workers {self.num_workers}; "
+                "use a divisor of it (usually the GPUs of one node), or leave it out"
+            )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What the run reads and writes, and when."""
+
+    shards: str = setting(
+        "", "shard URL(s): path, directory, glob, brace range, s3://, gs://; comma-separated", flag="data"
+    )
+    eval_shards: str = setting(
+        "", "held-out shards evaluated every --eval-every steps and at the end (labeled)", flag="eval-data"
+    )
+    out: str = setting("", "run directory (local path, s3:// or gs://); rerun with the same --out to resume")
+    overwrite: bool = setting(
+        False, "write into an --out that holds files no training run wrote (they may be replaced)"
+    )
+    seed: int = setting(0, "seed of initialization, shard order, crops and shuffling")
+    eval_every: int = setting(0, "steps between evaluations of --eval-data (0: only at the end)")
+    log_every: int = setting(10, "steps between log lines / metrics.jsonl rows")
+    checkpoint_every: int = setting(1000, "steps between checkpoints")
+    keep_checkpoints: int = setting(3, "checkpoints kept (oldest deleted first)")
+    max_failures: int = setting(3, "worker-group restarts from the latest checkpoint after a failure")
+    stop_at_step: int | None = setting(
+        None, "end this run at that step (schedule unchanged); rerun to continue"
+    )
+    tensorboard: bool = setting(False, "also write TensorBoard event files under <out>/tensorboard/")
+    wandb: str | None = setting(
+        None, "also log to this Weights & Biases project (WANDB_MODE=offline: no network)", metavar="PROJECT"
+    )
+
+    def validate(self) -> None:
+        if not self.shards:
+            raise ValueError(
+                "no training data: pass --data with a shard URL (path, glob, brace range, s3://...)"
+            )
+        if not self.out:
+            raise ValueError(
+                "no output location: pass --out with a run directory (local path, s3:// or gs://)"
+            )
+        _at_least(self, ("log_every", "checkpoint_every"))
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be 0 (only at the end) or more, got {self.eval_every}")
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb needs the wandb package: pip install 'vitray[wandb]'")
