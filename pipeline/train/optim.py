@@ -15,21 +15,45 @@ from pipeline.train.config import TrainConfig
 NO_DECAY_NAMES = ("pos_embed", "cls_token")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: matrices decay; biases, norm scales, position and CLS embeddings do not."""
-    decay, no_decay = [], []
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0) -> list[dict]:
+    """AdamW groups: matrices decay; biases, norm scales, position and CLS embeddings do not. With
+    ``layer_decay`` < 1 (layer-wise learning-rate decay, as MAE and BEiT fine-tune) each of those splits
+    by layer (`layer_of`), and a group's ``lr_scale`` is ``layer_decay ** (depth + 1 - layer)``: the
+    embeddings learn slowest, the head at the full rate. At 1, the two groups without a scale."""
+    depth = 1 + max(
+        (int(n.split(".")[1]) for n, _ in model.named_parameters() if n.startswith("blocks.")), default=-1
+    )
+    groups: dict[tuple[int, bool], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         # ndim counts the global shape for FSDP2's DTensor parameters too.
-        if param.ndim <= 1 or any(key in name for key in NO_DECAY_NAMES):
-            no_decay.append(param)
-        else:
-            decay.append(param)
+        decays = not (param.ndim <= 1 or any(key in name for key in NO_DECAY_NAMES))
+        layer = layer_of(name, depth) if layer_decay != 1 else depth + 1
+        groups.setdefault((layer, decays), []).append(param)
+    if layer_decay == 1:
+        return [
+            {"params": groups.get((depth + 1, True), []), "weight_decay": weight_decay},
+            {"params": groups.get((depth + 1, False), []), "weight_decay": 0.0},
+        ]
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {
+            "params": params,
+            "weight_decay": weight_decay if decays else 0.0,
+            "lr_scale": layer_decay ** (depth + 1 - layer),
+        }
+        for (layer, decays), params in sorted(groups.items())
     ]
+
+
+def layer_of(name: str, depth: int) -> int:
+    """A parameter's layer for layer-wise lr decay: 0 for the patch embedding (a hybrid's CNN too), [CLS]
+    and position embeddings; i + 1 for block i; ``depth + 1`` for the final norm and the head."""
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    if name.startswith(("patch_embed", "cls_token", "pos_embed")):
+        return 0
+    return depth + 1
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -37,14 +61,14 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     ViT paper: momentum 0.9, no weight decay unless ``weight_decay`` asks for it)."""
     if config.optim.optimizer == "sgd":
         return torch.optim.SGD(
-            param_groups(model, config.optim.weight_decay),
+            param_groups(model, config.optim.weight_decay, config.optim.layer_decay),
             lr=config.optim.lr,
             momentum=config.optim.momentum,
             foreach=True,
         )
     impl = adamw_impl(config.speed.optimizer_impl, _device_of(model))
     optimizer = torch.optim.AdamW(
-        param_groups(model, config.optim.weight_decay),
+        param_groups(model, config.optim.weight_decay, config.optim.layer_decay),
         lr=config.optim.lr,
         betas=config.optim.betas,
         foreach=impl == "foreach",

@@ -160,9 +160,16 @@ class OptimConfig:
     max_skipped_steps: int = setting(
         5, "steps in a row skipped for a non-finite loss or gradient that fail the run"
     )
+    layer_decay: float = setting(
+        1.0,
+        "layer-wise lr decay: block i of D trains at lr x decay^(D - i), the embeddings at decay^(D + 1), "
+        "the final norm and head at lr (MAE/BEiT fine-tuning: 0.65-0.75; 1: off)",
+    )
 
     def validate(self) -> None:
         _at_least(self, ("batch_size", "micro_batch_size", "max_steps", "max_skipped_steps"))
+        if not 0 < self.layer_decay <= 1:
+            raise ValueError(f"--layer-decay must be in (0, 1], got {self.layer_decay}")
         _one_of(self, "optimizer", OPTIMIZERS)
         _one_of(self, "lr_schedule", LR_SCHEDULES)
         if not 0 <= self.momentum < 1:

@@ -89,7 +89,7 @@ class TrainStep:
             grad_norm = grad_norm.full_tensor()
         lr = self.config.optim.lr * lr_factor(step, self.config)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # layer-wise decay (`optim.param_groups`)
         # A non-finite loss on any rank makes that rank's gradients, hence the global norm, non-finite,
         # so every rank reaches the same verdict here without a collective of its own.
         skipped = ~torch.isfinite(grad_norm.detach())
