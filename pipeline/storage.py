@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
-from fsspec.core import url_to_fs
+from fsspec.core import split_protocol, url_to_fs
 
 
 def is_local(uri: str) -> bool:
@@ -77,8 +77,10 @@ def is_root(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
     if is_local(uri):
         path = os.path.abspath(local_path(uri) or ".")
         return os.path.dirname(path) == path
-    _, path = filesystem(uri, storage_options)
-    return not path.strip("/")
+    # From the URL alone: making the filesystem would connect nothing, but would cache an instance
+    # holding today's environment (endpoint, credentials) for every later user of the same options.
+    _, path = split_protocol(uri)
+    return not path.split("::")[0].strip("/")
 
 
 def _listing(uri: str, storage_options: dict[str, Any] | None) -> tuple[str, list[dict[str, Any]]]:

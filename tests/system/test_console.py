@@ -197,7 +197,7 @@ def test_a_failing_run_still_shows_its_error(tmp_path):
             tar.addfile(member, io.BytesIO(data))
     import vit
 
-    model = vit.create_model(tiny().model, num_classes=10)
+    model = vit.create_model(tiny().arch.model, num_classes=10)
     vit.save_pretrained(tmp_path / "export", model.state_dict(), model.config)
 
     result = job("embed.py", "--data", shards.dir, "--weights", str(tmp_path / "export"),

@@ -71,7 +71,9 @@ def test_half_an_h100_trains_about_490_vit_h14_images_a_second():
 
 
 def test_the_objectives_count_three_forwards_per_training_image():
-    config = TrainConfig(model="vit_tiny_test", image_size=32, num_classes=4, decoder_dim=32, decoder_depth=1)
+    config = TrainConfig().replace(
+        model="vit_tiny_test", image_size=32, num_classes=4, decoder_dim=32, decoder_depth=1
+    )
     supervised = Objective(config)
     assert supervised.flops_per_image() == 3 * vit.count_flops(supervised.model_config)
     mae = MAEObjective(config.replace(objective="mae", label_key=None, decoder_num_heads=4))
