@@ -11,7 +11,10 @@ Rows (one per sample, Arrow blocks of up to ``block_rows`` samples, no per-sampl
 A shard that cannot be opened, a truncated tar or a sample with a problem becomes an error row;
 reading never raises on bad data. Pure Python + pyarrow: no Ray here (`pipeline.data.source` wraps it).
 
-Storage failures are retried (`Retry`): the shard is opened again and read from its start, the samples
+Storage failures, and only they, are retried (`Retry`): a failure to open the shard or to read its bytes
+(`ShardReadError`). Whatever a sample's content makes a parser raise is that sample's error row
+(`sample_rows`), so it is never taken for a storage failure. A retry opens the shard again and reads it
+from its start, the samples
 already made into rows are skipped (their keys checked), so a retry neither repeats nor drops a sample.
 A shard still unreadable after the last try ends in one ``unreadable shard`` row: its samples are
 unknown, so a consumer must not count it as one bad sample (training stops with `ShardLostError`;
@@ -20,11 +23,14 @@ the embedding job commits nothing for it and retries it on its next run).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import IO
 
 import pyarrow as pa
 
@@ -43,6 +49,9 @@ SCHEMA = pa.schema(
 )
 MAX_BLOCK_BYTES = 64 << 20  # encoded bytes per block; far below Arrow's 2 GiB binary-array limit
 UNREADABLE = "unreadable shard"
+INT64_MAX = 2**63 - 1
+_DIGITS = re.compile(r"[0-9]+")
+_ASCII_SPACE = " \t\n\r\x0b\x0c"
 # Failures that another try cannot mend: the shard is not there, or not ours to read.
 _FINAL = (FileNotFoundError, IsADirectoryError, PermissionError)
 
@@ -101,7 +110,8 @@ class RowSpec:
         return None
 
     def label(self, sample: Sample) -> tuple[int, str]:
-        """``(label, error)``: -1 when absent; an error only when labels are required."""
+        """``(label, error)``: -1 when absent, an error then only when labels are required; a label
+        member that holds no class index is an error in every job (``bad label``)."""
         member = self.label_member
         if member is None:  # a job that requires labels refuses a missing label key before it reads
             return -1, "missing label: no label key given" if self.require_labels else ""
@@ -113,52 +123,74 @@ class RowSpec:
         try:
             label = parse_label(raw, self.label_key)
         except ValueError as e:
-            return -1, f"bad label: {e}" if self.require_labels else ""
+            return -1, f"bad label: {e}"
         if self.num_classes is not None and label >= self.num_classes:
             return -1, f"label out of range: {label} is not in [0, {self.num_classes}) (num_classes)"
         return label, ""
 
 
 def parse_label(raw: bytes, label_key: str) -> int:
-    """A non-negative class index from a label member; ValueError says why not."""
+    """A class index from a label member; ValueError says why not.
+
+    A class index is written in ASCII digits, surrounding ASCII whitespace allowed (``b"7\\n"``), and
+    fits int64: Python's `int` would also take ``"٣"``, ``"７"``, ``"1_0"`` and ``"+2"``, and a number
+    past int64 would break the Arrow column of the whole block. A ``.json`` field may also hold it as a
+    JSON integer.
+    """
     if label_key.startswith("json:"):
         try:
             value = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: arrays nested thousands deep
             raise ValueError(".json member is not valid JSON") from e
         for part in label_key[len("json:") :].split("."):
             if not isinstance(value, dict) or part not in value:
                 raise ValueError(f".json member has no field {label_key[5:]!r}")
             value = value[part]
-        if isinstance(value, bool) or not isinstance(value, int | str):
-            raise ValueError(f"field {label_key[5:]!r} holds {value!r}, not an integer")
-        text = str(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 0:
+                raise ValueError(f"label {value} is negative")
+            return _class_index(str(value) if value <= INT64_MAX else "9" * 20)
+        if not isinstance(value, str):
+            raise ValueError(f"field {label_key[5:]!r} holds {str(value)[:40]}, not an integer")
+        text = value
     else:
-        text = raw.decode("utf-8", "replace").strip()
-    try:
-        label = int(text)
-    except ValueError as e:
-        raise ValueError(f"label {text[:40]!r} is not an integer") from e
-    if label < 0:
-        raise ValueError(f"label {label} is negative")
-    return label
+        text = raw.decode("utf-8", "replace")
+    return _class_index(text.strip(_ASCII_SPACE))
+
+
+def _class_index(text: str) -> int:
+    if not _DIGITS.fullmatch(text):
+        raise ValueError(f"label {text[:40]!r} is not a class index (ASCII digits 0-9)")
+    if len(text.lstrip("0")) > len(str(INT64_MAX)) or int(text) > INT64_MAX:
+        raise ValueError(f"label {text[:40]} does not fit int64")
+    return int(text)
 
 
 def sample_rows(samples: Iterable[Sample], spec: RowSpec) -> Iterator[tuple[str, bytes, int, str]]:
-    """``(key, image, label, error)`` per sample; the first problem found is the row's error."""
+    """``(key, image, label, error)`` per sample; the first problem found is the row's error.
+
+    Whatever a sample's bytes make a parser raise is that sample's error, never an exception: one
+    escaping from here would be taken for a storage failure of the whole shard.
+    """
     for sample in samples:
         image, label, error = b"", -1, sample.error
         if not error:
-            found = spec.image(sample)
-            if found is None:
-                exts = ", ".join(sorted(sample.members)) or "none wanted"
-                error = f"missing image: no {'/'.join('.' + k for k in spec.image_keys)} member ({exts})"
-            else:
-                image = found
-                label, error = spec.label(sample)
+            try:
+                image, label, error = _sample_row(sample, spec)
+            except Exception as e:
+                error = f"bad sample: {type(e).__name__}: {_one_line(e)}"
         if error:
-            image = b""
+            image, label = b"", -1
         yield sample.key, image, label, error
+
+
+def _sample_row(sample: Sample, spec: RowSpec) -> tuple[bytes, int, str]:
+    found = spec.image(sample)
+    if found is None:
+        exts = ", ".join(sorted(sample.members)) or "none wanted"
+        return b"", -1, f"missing image: no {'/'.join('.' + k for k in spec.image_keys)} member ({exts})"
+    label, error = spec.label(sample)
+    return found, label, error
 
 
 def read_shard(
@@ -194,7 +226,7 @@ def read_shard(
                 )
                 rows.append(("", b"", -1, f"{LOST_SHARD}: {why}"))
             break
-        except Exception as e:  # a vanished, unreachable or unreadable shard
+        except (ShardReadError, *_FINAL, _ShardChangedError) as e:  # storage, never a sample's content
             failures += 1
             if failures >= retry.attempts or isinstance(e, (*_FINAL, _ShardChangedError)):
                 tries = "1 try" if failures == 1 else f"{failures} tries over {waited:.1f} s"
@@ -214,14 +246,35 @@ def _rows_after(
     url: str, spec: RowSpec, storage_options: dict | None, skip: int, last_key: str
 ) -> Iterator[tuple[str, bytes, int, str]]:
     """The shard's rows from its ``skip``-th sample on; sample ``skip - 1`` must have key ``last_key``."""
-    with open_shard(url, storage_options) as fileobj:
-        for index, sample in enumerate(iter_samples(open_tar_stream(fileobj, url), spec.wanted)):
+    with _opened(url, storage_options) as stream:
+        for index, sample in enumerate(iter_samples(stream, spec.wanted)):
             if index >= skip:
                 yield from sample_rows([sample], spec)
             elif index == skip - 1 and sample.key != last_key:
                 raise _ShardChangedError(
                     f"shard changed between tries: sample {index} is {sample.key!r}, was {last_key!r}"
                 )
+
+
+@contextlib.contextmanager
+def _opened(url: str, storage_options: dict | None) -> Iterator[IO[bytes]]:
+    """The shard's tar stream. Whatever opening it raises is a storage failure: a `ShardReadError`
+    (tried again), or one of `_FINAL` as it is (not)."""
+    try:
+        fileobj = open_shard(url, storage_options)
+    except _FINAL:
+        raise
+    except Exception as e:
+        raise ShardReadError(f"{type(e).__name__}: {_one_line(e)}") from e
+    try:
+        try:
+            stream = open_tar_stream(fileobj, url)  # reads the first bytes (gzip or not)
+        except Exception as e:
+            raise ShardReadError(f"{type(e).__name__}: {_one_line(e)}") from e
+        yield stream
+    finally:
+        with contextlib.suppress(Exception):  # a read-only file: closing it loses nothing
+            fileobj.close()
 
 
 def raise_lost_shard(batch: dict) -> None:

@@ -172,3 +172,55 @@ def test_training_stops_in_one_line_on_a_lost_shard_instead_of_counting_one_bad_
     assert f"shard {url} was lost: unreadable shard: TimeoutError" in message and "\n" not in message
     assert "run the same command again" in message
     assert bad.bad == 0  # not one bad sample among the good ones
+
+
+# --- a sample's content is never a storage failure -------------------------------------------------
+
+HOSTILE_LABELS = [
+    ("0000", b"cls", b"1"),
+    ("0001", b"cls", str(2**63).encode()),  # past int64: broke the block's Arrow column, retried as storage
+    ("0002", b"cls", "٣".encode()),  # a digit to Python's int(), no class index
+    ("0003", b"json", b'{"label": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),  # RecursionError in json
+    ("0004", b"json", b'{"label": 99999999999999999999}'),
+    ("0005", b"cls", b"5"),
+]
+
+
+@pytest.mark.parametrize("label_key", ["cls", "json:label"])
+@pytest.mark.parametrize("require_labels", [True, False], ids=["training", "embedding"])
+def test_a_label_that_breaks_a_parser_is_a_bad_sample_read_once(flaky, label_key, require_labels):
+    members = []
+    for key, ext, raw in HOSTILE_LABELS:
+        member = "cls" if label_key == "cls" else "json"
+        if ext.decode() != member:  # the same label in the other member kind
+            raw = b'{"label": "%s"}' % raw if member == "json" else raw.removeprefix(b'{"label": ')[:-1]
+        members += [(f"{key}.{member}", raw), (f"{key}.jpg", b"J")]
+    url = put(flaky, "s.tar", tar_bytes(members))
+    flaky.opens = 0  # the write above opened it once
+    spec = RowSpec(
+        label_key=label_key, require_labels=require_labels, num_classes=10 if require_labels else None
+    )
+    rows = pa.concat_tables(read_shard(url, spec, None, 2, Retry(attempts=4, backoff_s=0.01))).to_pylist()
+    assert flaky.opens == 1  # never tried again
+    assert [(r["key"], r["label"]) for r in rows if not r["error"]] == [("0000", 1), ("0005", 5)]
+    errors = {r["key"]: r["error"] for r in rows if r["error"]}
+    assert sorted(errors) == ["0001", "0002", "0003", "0004"]
+    assert all(e.startswith("bad label: ") for e in errors.values()), errors
+    assert "does not fit int64" in errors["0001"] and "not a class index" in errors["0002"]
+
+
+def test_any_exception_from_a_sample_is_that_samples_error_not_a_retry(flaky, monkeypatch):
+    url = put(flaky, "s.tar", tar_bytes(MEMBERS))
+    flaky.opens = 0  # the write above opened it once
+    image = RowSpec.image
+
+    def breaks_on_sample_3(self, sample):
+        if sample.key == "0003":
+            raise OverflowError("a parser's bug")
+        return image(self, sample)
+
+    monkeypatch.setattr(RowSpec, "image", breaks_on_sample_3)
+    rows = rows_of(url)
+    assert flaky.opens == 1
+    assert [r["key"] for r in rows] == [f"{i:04d}" for i in range(12)]
+    assert [r["error"] for r in rows if r["error"]] == ["bad sample: OverflowError: a parser's bug"]

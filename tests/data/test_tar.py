@@ -174,17 +174,55 @@ def test_truncated_gzip_and_corrupt_header_are_one_error_each():
 
 def test_labels_from_a_member_or_a_json_field():
     assert parse_label(b" 7\n", "cls") == 7
+    assert parse_label(b"\t007\r\n", "cls") == 7
+    assert parse_label(b"9223372036854775807", "cls") == 2**63 - 1  # int64's largest
     assert parse_label(b'{"label": 3}', "json:label") == 3
     assert parse_label(b'{"meta": {"y": "12"}}', "json:meta.y") == 12
     for raw, key, words in [
-        (b"cat", "cls", "not an integer"),
-        (b"-1", "cls", "negative"),
+        (b"cat", "cls", "not a class index"),
+        (b"", "cls", "not a class index"),
+        (b"-1", "cls", "not a class index"),
         (b'{"x": 1}', "json:label", "no field"),
         (b"{nope", "json:label", "not valid JSON"),
         (b'{"label": true}', "json:label", "not an integer"),
+        (b'{"label": 7.0}', "json:label", "not an integer"),
+        (b'{"label": -1}', "json:label", "negative"),
     ]:
         with pytest.raises(ValueError, match=words):
             parse_label(raw, key)
+
+
+# What Python's int() takes but a class index is not, and numbers past int64 (2**63 crashed the read
+# task and was retried as a storage failure), as a .cls member and as a .json field.
+NOT_CLASS_INDICES = [
+    ("٣".encode(), "not a class index"),  # Arabic-Indic three
+    ("７".encode(), "not a class index"),  # fullwidth seven
+    (b"1_0", "not a class index"),
+    (b"+2", "not a class index"),
+    (b"1 2", "not a class index"),
+    (b"\xa07", "not a class index"),  # a no-break space is not ASCII whitespace
+    (str(2**63).encode(), "does not fit int64"),
+    (b"0" * 30 + b"1" * 20, "does not fit int64"),
+    (b"9" * 5000, "does not fit int64"),  # past int()'s 4300-digit limit
+]
+
+
+@pytest.mark.parametrize(("raw", "words"), NOT_CLASS_INDICES)
+def test_a_label_must_be_ascii_digits_that_fit_int64(raw, words):
+    with pytest.raises(ValueError, match=words):
+        parse_label(raw, "cls")
+    if b"\xa0" not in raw:
+        as_string = b'{"label": "' + raw + b'"}'
+        with pytest.raises(ValueError, match=words):
+            parse_label(as_string, "json:label")
+    if raw.isdigit() and not raw.startswith(b"0") and len(raw) < 4000:  # as a JSON integer too
+        with pytest.raises(ValueError, match=words):
+            parse_label(b'{"label": ' + raw + b"}", "json:label")
+
+
+def test_json_nested_thousands_deep_is_a_bad_label():
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_label(b'{"label": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "json:label")
 
 
 def test_rows_take_the_first_image_key_and_report_missing_members():
@@ -207,12 +245,13 @@ def test_rows_take_the_first_image_key_and_report_missing_members():
         ("0004", "bad label"),
     ]
     assert all(image == b"" for _, image, _, e in required if e)  # error rows carry no bytes
+    # Optional labels: a sample without one is good; a label member that holds no class index is not.
     optional = list(sample_rows(samples, RowSpec(label_key="cls", require_labels=False)))
     assert [(k, label, e.split(":")[0]) for k, _, label, e in optional] == [
         ("0001", 1, ""),
         ("0002", -1, ""),
         ("0003", -1, "missing image"),
-        ("0004", -1, ""),
+        ("0004", -1, "bad label"),
     ]
 
 
