@@ -42,7 +42,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--train-images", type=int, default=60000, help="training images in the shards")
     p.add_argument("--probe-train", type=int, default=10000, help="training images the probes fit on")
     p.add_argument("--pretrain-steps", type=int, default=None, help="--max-steps of pretraining (preset's)")
-    p.add_argument("--finetune-steps", type=int, default=150, help="--max-steps of fine-tuning")
+    p.add_argument("--finetune-steps", type=int, default=150, help="--max-steps of fine-tuning (0: none)")
+    p.add_argument(
+        "--presets",
+        default="small",
+        help="comma-separated training presets compared at equal steps (e.g. small,small_recipe); each "
+        "run's classifier is also scored on the test shards",
+    )
     p.add_argument("--mae", action="store_true", help="also MAE pretraining and random weights")
     p.add_argument("--json", help="write the figures as JSON")
     return p.parse_args(argv)
@@ -95,13 +101,13 @@ def main(argv: list[str]) -> dict[str, Any]:
     rows.append({"what": "raw pixels, linear probe", "accuracy": probe})
     print(f"raw pixels: linear probe {probe:.1%}", flush=True)
 
-    def pretrain(name: str, *extra: str) -> Path:
+    def pretrain(name: str, *extra: str, preset: str = "small") -> Path:
         run = out / name
         steps = ["--max-steps", str(args.pretrain_steps)] if args.pretrain_steps else []
         seconds = job(
             "pretrain.py",
             "--preset",
-            "small",
+            preset,
             "--data",
             str(shards["train"]),
             "--out",
@@ -144,16 +150,22 @@ def main(argv: list[str]) -> dict[str, Any]:
             {"what": f"{name}: fine-tuned at 48 px", "accuracy": final_eval_accuracy(run), "seconds": seconds}
         )
 
-    supervised = pretrain("supervised")
-    probe_rows("supervised", supervised / "final")
-    finetune("supervised", supervised / "final")
+    for preset in args.presets.split(","):
+        name = "supervised" if preset == "small" else preset
+        run = pretrain(name, "--eval-data", str(shards["test"]), preset=preset)
+        rows.append({"what": f"{name}: its classifier", "accuracy": final_eval_accuracy(run)})
+        probe_rows(name, run / "final")
+        if args.finetune_steps:
+            finetune(name, run / "final")
     if args.mae:
         mae = pretrain("mae", "--objective", "mae", "--label-key", "none")
         probe_rows("mae", mae / "final")
-        finetune("mae", mae / "final")
+        if args.finetune_steps:
+            finetune("mae", mae / "final")
         random_run = pretrain("random", "--max-steps", "1", "--warmup-steps", "0", "--lr", "1e-12")
         probe_rows("random", random_run / "final")
-        finetune("random", random_run / "final")
+        if args.finetune_steps:
+            finetune("random", random_run / "final")
 
     print_table(
         "Fashion-MNIST: accuracy on the 10,000 test images",

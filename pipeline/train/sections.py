@@ -156,7 +156,7 @@ class OptimConfig:
     warmup_steps: int = setting(10_000, "linear warmup steps")
     max_steps: int = setting(100_000, "optimizer steps of the schedule")
     lr_schedule: str = setting("cosine", "decay after warmup: cosine or linear", choices=LR_SCHEDULES)
-    grad_clip: float = setting(1.0, "global gradient-norm clipping threshold")
+    grad_clip: float = setting(1.0, "global gradient-norm clipping threshold (0: no clipping; DeiT trains without)")
     max_skipped_steps: int = setting(
         5, "steps in a row skipped for a non-finite loss or gradient that fail the run"
     )
@@ -181,6 +181,8 @@ class OptimConfig:
             )
         if not math.isfinite(self.lr) or self.lr <= 0:
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if not self.grad_clip >= 0:
+            raise ValueError(f"--grad-clip must be a norm >= 0 (0: no clipping), got {self.grad_clip}")
 
 
 @dataclass(frozen=True)

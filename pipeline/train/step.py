@@ -6,6 +6,8 @@ It runs under Ray Train workers, under `torchrun`, or in one plain process, whic
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +86,10 @@ class TrainStep:
             if hits is not None:
                 correct += hits
             count += losses.shape[0]
-        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), self.config.optim.grad_clip, foreach=True)
+        # The global norm is measured either way (it is logged, and tells a non-finite step); at a
+        # threshold of inf the scale is 1, so grad_clip 0 leaves the gradients as they are.
+        max_norm = self.config.optim.grad_clip or math.inf
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         lr = self.config.optim.lr * lr_factor(step, self.config)

@@ -267,3 +267,21 @@ def test_rebatch_cuts_exact_sizes_and_drops_the_tail():
     assert [len(x["label"]) for x in out] == [4, 4, 4]
     assert np.concatenate([x["label"] for x in out]).tolist() == list(range(12))
     assert out[2]["url"].tolist() == ["u8", "u9", "u10", "u11"]
+
+
+def test_grad_clip_zero_trains_unclipped_and_a_negative_threshold_is_refused(world):
+    """0 is "no clipping" (DeiT's recipe), not a threshold that scales every gradient to zero."""
+    patches, labels = batch(8, seed=4)
+    after = {}
+    for clip in (0.0, 1e9):
+        torch.manual_seed(0)
+        config = tiny_config(grad_clip=clip)
+        model = build_model(config, world)
+        before = params(model)
+        TrainStep(model, config, world)(0, [(patches, labels)], 8)
+        after[clip] = params(model)
+        assert any(not torch.equal(before[k], after[clip][k]) for k in before)
+    for name, value in after[0.0].items():
+        torch.testing.assert_close(value, after[1e9][name], rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="--grad-clip must be a norm >= 0"):
+        tiny_config(grad_clip=-1.0).validate()
