@@ -156,7 +156,9 @@ class OptimConfig:
     warmup_steps: int = setting(10_000, "linear warmup steps")
     max_steps: int = setting(100_000, "optimizer steps of the schedule")
     lr_schedule: str = setting("cosine", "decay after warmup: cosine or linear", choices=LR_SCHEDULES)
-    grad_clip: float = setting(1.0, "global gradient-norm clipping threshold (0: no clipping; DeiT trains without)")
+    grad_clip: float = setting(
+        1.0, "global gradient-norm clipping threshold (0: no clipping; DeiT trains without)"
+    )
     max_skipped_steps: int = setting(
         5, "steps in a row skipped for a non-finite loss or gradient that fail the run"
     )

@@ -7,7 +7,6 @@ It runs under Ray Train workers, under `torchrun`, or in one plain process, whic
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
