@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         report = evaluation.evaluate(config, train, test)
         print(report.format())
         if config.json:
-            evaluation.write_json(report, config.json, config.storage_options)
+            evaluation.write_json(report, config.location(config.json))
             print(f"\nwrote {config.json}")
         return 0
 

@@ -47,7 +47,7 @@ def checkpoint_name(step: int) -> str:
     return f"checkpoint_{step:08d}"
 
 
-def is_complete(directory: str | Path, storage_options: dict[str, Any] | None = None) -> bool:
+def is_complete(directory: storage.Location | str | Path) -> bool:
     """True once a checkpoint directory (local or URL) holds its `.metadata`, `train_state.json` and
     `config.json` (those two readable JSON) and every shard file the metadata names, each as long as the
     metadata says. Rank 0 writes the first three, so they alone do not show that the other ranks'
@@ -55,7 +55,7 @@ def is_complete(directory: str | Path, storage_options: dict[str, Any] | None = 
     mounted `--out` writes files in place) leaves files that exist but are short. Metadata cut short
     makes the directory incomplete; metadata naming what `MetadataUnpickler` refuses was written to run
     code, not cut short, and raises `CheckpointRefusedError` (one line) rather than being passed over."""
-    fs, path = storage.filesystem(str(directory), storage_options)
+    fs, path = storage.filesystem(directory if isinstance(directory, storage.Location) else str(directory))
     fs.invalidate_cache(path)  # a listing cached before the last rank's upload would hide its file
     try:
         entries = fs.ls(path, detail=True)
@@ -81,15 +81,16 @@ def is_complete(directory: str | Path, storage_options: dict[str, Any] | None = 
     return all(name in sizes and sizes[name] >= end for name, end in ends.items())
 
 
-def latest_complete(run_dir: str | Path, storage_options: dict[str, Any] | None = None) -> str | None:
+def latest_complete(run_dir: storage.Location | str | Path) -> storage.Location | None:
     """The complete ``checkpoint_<step>`` with the highest step under a run directory, or None."""
-    fs, root = storage.filesystem(str(run_dir), storage_options)
+    run_dir = run_dir if isinstance(run_dir, storage.Location) else storage.Location(str(run_dir))
+    fs, root = run_dir.fs()
     if not fs.isdir(root):
         return None
     names = sorted((p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)), reverse=True)
     for name in names:
-        if name.startswith("checkpoint_") and is_complete(storage.join(str(run_dir), name), storage_options):
-            return storage.join(str(run_dir), name)
+        if name.startswith("checkpoint_") and is_complete(run_dir.join(name)):
+            return run_dir.join(name)
     return None
 
 
@@ -130,7 +131,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def load_model_state(
-    directory: str, config: vit.ViTConfig, storage_options: dict | None = None, prefix: str = ""
+    directory: storage.Location | str, config: vit.ViTConfig, prefix: str = ""
 ) -> dict[str, torch.Tensor]:
     """The model part of a DCP checkpoint as a full CPU state dict; one process, no process group.
     ``prefix``: where the ViT sits in the trained module (``encoder.`` in a masked autoencoder).
@@ -140,7 +141,7 @@ def load_model_state(
     one line, never built."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _read_metadata(safe_reader(directory, storage_options), directory)
+    metadata = _read_metadata(safe_reader(directory), directory)
     head = f"model.{prefix}"
     try:
         entries = {n: e for n, e in metadata.state_dict_metadata.items() if n.startswith(head)}
@@ -152,10 +153,10 @@ def load_model_state(
         raise ValueError(f"--weights {directory}: its {METADATA} is damaged ({e})") from e
     check_shapes(shapes, config, f"--weights {directory}")
     model = vit.VisionTransformer(config, device="meta").to_empty(device="cpu")
-    return load_module_state(directory, model, storage_options, prefix)
+    return load_module_state(directory, model, prefix)
 
 
-def _read_metadata(reader: Any, directory: str) -> Any:
+def _read_metadata(reader: Any, directory: storage.Location | str) -> Any:
     try:
         return reader.read_metadata()  # on its own: DCP would bury a refusal in its own exception
     except (pickle.UnpicklingError, EOFError) as e:
@@ -163,13 +164,13 @@ def _read_metadata(reader: Any, directory: str) -> Any:
 
 
 def load_module_state(
-    directory: str, module: torch.nn.Module, storage_options: dict | None = None, prefix: str = ""
+    directory: storage.Location | str, module: torch.nn.Module, prefix: str = ""
 ) -> dict[str, torch.Tensor]:
     """The entries ``model.<prefix><name>`` of a DCP checkpoint for every ``name`` of ``module``'s state
     dict, as a CPU state dict under ``module``'s names (``module`` gives the shapes: build it on CPU)."""
     import torch.distributed.checkpoint as dcp
 
-    reader = safe_reader(directory, storage_options)
+    reader = safe_reader(directory)
     metadata = _read_metadata(reader, directory)
     # Only the model: the optimizer's tensors are never read.
     state = {"model": {prefix + name: value for name, value in module.state_dict().items()}}
@@ -187,7 +188,7 @@ def load_module_state(
     return {name[len(prefix) :]: value for name, value in state["model"].items()}
 
 
-def _refuse_non_tensors(directory: str, metadata: Any, names: list[str]) -> None:
+def _refuse_non_tensors(directory: storage.Location | str, metadata: Any, names: list[str]) -> None:
     """DCP reads a non-tensor entry with ``torch.load(weights_only=False)``, which runs whatever the
     entry's pickle says: every entry this load reads must be a tensor (other entries are never read)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -214,14 +215,15 @@ def _tensors_only_planner() -> Any:
     return TensorsOnlyPlanner()
 
 
-def safe_reader(directory: str, storage_options: dict | None = None) -> Any:
+def safe_reader(directory: storage.Location | str) -> Any:
     """A DCP storage reader for a checkpoint directory (local or URL) whose ``.metadata`` goes through
     `MetadataUnpickler`."""
     import torch.distributed.checkpoint as dcp
 
-    if storage.is_local(directory):
-        return _safe_reader(dcp.FileSystemReader)(storage.local_path(directory))
-    return _safe_reader(compat.fsspec_checkpoint_reader())(directory, **(storage_options or {}))
+    directory = storage.as_location(directory)
+    if directory.is_local:
+        return _safe_reader(dcp.FileSystemReader)(directory.local_path)
+    return _safe_reader(compat.fsspec_checkpoint_reader())(directory.url, **directory.options)
 
 
 def plain_data_planner() -> Any:

@@ -57,29 +57,31 @@ class ModelSource:
 
 
 def load_model_source(
-    path: str,
+    weights: storage.Location | str,
     *,
     weights_format: str = "auto",
     model: str | None = None,
     image_size: int | None = None,
-    storage_options: dict[str, Any] | None = None,
 ) -> ModelSource:
-    """Resolve and load ``--weights``; ``image_size`` runs the model at another resolution (the
-    position embeddings are resampled as they load). Raises a one-line ValueError on anything wrong."""
+    """Resolve and load ``--weights`` (a path or URL, or a `pipeline.storage.Location` with the job's
+    storage options); ``image_size`` runs the model at another resolution (the position embeddings
+    are resampled as they load). Raises a one-line ValueError on anything wrong."""
     if weights_format not in FORMATS:
         raise ValueError(f"unknown --weights-format {weights_format!r}; choose one of {', '.join(FORMATS)}")
     named = vit.get_config(model) if model else None  # an unknown name fails here, in one line
-    path = path.rstrip("/") or path
-    kind, where = _resolve(path, weights_format, storage_options)
+    weights = storage.as_location(weights)
+    path = weights.url.rstrip("/") or weights.url
+    kind, where = _resolve(weights.at(path), weights_format)
     preprocessing = None
     if kind == "export":
-        config, meta = vit.load_config(where)
+        # vit reads a remote export with fsspec's defaults: the options go with it.
+        config, meta = vit.load_config(where.url, storage_options=where.options)
         preprocessing = _data_config_dict(meta.get("preprocessing"))
         if named is not None:
             _check_named(config, named, path)
-        state_dict, config = vit.load_pretrained(where, as_state_dict=True)
+        state_dict, config = vit.load_pretrained(where.url, as_state_dict=True, storage_options=where.options)
     elif kind == "checkpoint":
-        saved = _read_json(storage.join(where, CONFIG_FILE), storage_options)
+        saved = _read_json(where.join(CONFIG_FILE))
         if not isinstance(saved, dict) or "model_config" not in saved:
             raise ValueError(f"{where}/{CONFIG_FILE} has no model_config; is it a vitray checkpoint?")
         try:
@@ -91,16 +93,16 @@ def load_model_source(
             _check_named(config, named, path)
         # A masked autoencoder's checkpoint holds the ViT as its encoder (the decoder is not read).
         prefix = "encoder." if saved.get("objective") == "mae" else ""
-        state_dict = dcp.load_model_state(where, config, storage_options, prefix)
+        state_dict = dcp.load_model_state(where, config, prefix)
     else:
-        state_dict, config, kind = _load_converted(where, kind, named, path, storage_options)
+        state_dict, config, kind = _load_converted(where, kind, named, path)
     check_weights(state_dict, config, f"--weights {path}")
     if kind != "export":  # an export's values were checked as it loaded
         check_values(state_dict, f"--weights {path}")
     state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
     if image_size is not None and image_size != config.image_size:
         config = config.replace(image_size=image_size)  # validates divisibility by the patch size
-    return ModelSource(config, state_dict, state_dict_sha256(state_dict), kind, where, preprocessing)
+    return ModelSource(config, state_dict, state_dict_sha256(state_dict), kind, where.url, preprocessing)
 
 
 def state_dict_sha256(state_dict: dict[str, torch.Tensor]) -> str:
@@ -130,44 +132,45 @@ def unpack_state_dict(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 # --- resolving a path ----------------------------------------------------------------------------
 
 
-def _resolve(path: str, weights_format: str, storage_options: dict | None) -> tuple[str, str]:
-    """``(kind, location)`` of what ``path`` holds; a one-line ValueError when it holds nothing usable."""
-    fs, fs_path = storage.filesystem(path, storage_options)
+def _resolve(weights: storage.Location, weights_format: str) -> tuple[str, storage.Location]:
+    """``(kind, location)`` of what ``weights`` holds; a one-line ValueError when it holds nothing usable."""
+    path = weights.url
+    fs, fs_path = weights.fs()
     if not fs.exists(fs_path):
         raise ValueError(
             f"--weights {path} does not exist; pass an export, run, checkpoint dir or weights file"
         )
     if not fs.isdir(fs_path):
         if path.endswith((WEIGHTS_FILE, CONFIG_FILE)) and weights_format in ("auto", "vitray"):
-            return "export", path.rsplit("/", 1)[0]
+            return "export", weights.at(path.rsplit("/", 1)[0])
         if not path.endswith(FILE_SUFFIXES):
             raise ValueError(
                 f"--weights {path} is a file but not {'/'.join(FILE_SUFFIXES)}; pass a weights file or a directory"
             )
         if weights_format == "vitray":
             raise ValueError(f"--weights {path} is a single file; a vitray export is a directory (final/)")
-        return (weights_format if weights_format != "auto" else "file"), path
-    names = set(storage.list_files(path, storage_options))
+        return (weights_format if weights_format != "auto" else "file"), weights
+    names = set(storage.list_files(weights))
     if weights_format in ("timm", "torchvision"):
         raise ValueError(
             f"--weights {path} is a directory; {weights_format} weights are one file (.pth/.safetensors)"
         )
     if weights_format in ("auto", "hf") and CONFIG_FILE in names and names & set(HF_WEIGHT_FILES):
-        hf_config = _read_json(storage.join(path, CONFIG_FILE), storage_options)
+        hf_config = _read_json(weights.join(CONFIG_FILE))
         if not isinstance(hf_config, dict) or hf_config.get("format") != "vitray":
-            return "hf", path
+            return "hf", weights
     if weights_format == "hf":
         raise ValueError(
             f"--weights {path} is not a transformers model directory (config.json + model.safetensors)"
         )
     if WEIGHTS_FILE in names and CONFIG_FILE in names:
-        return "export", path
+        return "export", weights
     if dcp.METADATA in names:
-        return "checkpoint", path
-    final = storage.join(path, "final")
-    if {WEIGHTS_FILE, CONFIG_FILE} <= set(storage.list_files(final, storage_options)):
+        return "checkpoint", weights
+    final = weights.join("final")
+    if {WEIGHTS_FILE, CONFIG_FILE} <= set(storage.list_files(final)):
         return "export", final
-    latest = dcp.latest_complete(path, storage_options)
+    latest = dcp.latest_complete(weights)
     if latest is not None:
         return "checkpoint", latest
     raise ValueError(
@@ -176,9 +179,9 @@ def _resolve(path: str, weights_format: str, storage_options: dict | None) -> tu
     )
 
 
-def _read_json(file: str, storage_options: dict | None) -> Any:
+def _read_json(file: storage.Location) -> Any:
     try:
-        return json.loads(storage.read_text(file, storage_options))
+        return json.loads(storage.read_text(file))
     except (UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"--weights {file} is not JSON ({e})") from e
 
@@ -215,15 +218,15 @@ def _check_named(config: vit.ViTConfig, named: vit.ViTConfig, path: str) -> None
 
 
 def _load_converted(
-    where: str, kind: str, named: vit.ViTConfig | None, path: str, storage_options: dict | None
+    where: storage.Location, kind: str, named: vit.ViTConfig | None, path: str
 ) -> tuple[dict[str, torch.Tensor], vit.ViTConfig, str]:
     """timm / torchvision / transformers weights -> (vitray state dict, config, source format)."""
     overrides: dict[str, Any] = {}
-    if kind == "hf" and not where.endswith(FILE_SUFFIXES):  # a transformers model directory
-        hf_config = _read_json(storage.join(where, CONFIG_FILE), storage_options)
-        names = storage.list_files(where, storage_options)
-        file = storage.join(where, next(n for n in HF_WEIGHT_FILES if n in names))
-        raw = _read_tensors(file, storage_options)
+    if kind == "hf" and not where.url.endswith(FILE_SUFFIXES):  # a transformers model directory
+        hf_config = _read_json(where.join(CONFIG_FILE))
+        names = storage.list_files(where)
+        file = where.join(next(n for n in HF_WEIGHT_FILES if n in names))
+        raw = _read_tensors(file)
         try:
             base = vit.config_from_hf(hf_config)
         except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -232,7 +235,7 @@ def _load_converted(
             ) from e
         overrides = {"num_heads": base.num_heads, "norm_eps": base.norm_eps}
     else:
-        raw = _read_tensors(where, storage_options)
+        raw = _read_tensors(where)
         if kind == "file":
             kind = _guess_source(raw, path)
     if kind == "vitray":  # a bare vitray state dict file, without its config.json
@@ -278,9 +281,10 @@ def _guess_source(state_dict: dict[str, torch.Tensor], path: str) -> str:
     )
 
 
-def _read_tensors(file: str, storage_options: dict | None) -> dict[str, torch.Tensor]:
+def _read_tensors(where: storage.Location) -> dict[str, torch.Tensor]:
     """Tensors of a .safetensors / .pth / .bin file; pickles only through ``weights_only=True``."""
-    fs, fs_path = storage.filesystem(file, storage_options)
+    file = where.url
+    fs, fs_path = where.fs()
     data = fs.cat_file(fs_path)
     if file.endswith(".safetensors"):
         from safetensors.torch import load

@@ -17,6 +17,8 @@ import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from pipeline.storage import Location
+
 FAULTS = ("503", "stall", "500", "drop")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"}
 READ_TIMEOUT_S = 1.0
@@ -77,6 +79,10 @@ class FlakyS3:
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
             "config_kwargs": {"connect_timeout": 1, "read_timeout": READ_TIMEOUT_S},
         }
+
+    def location(self, url: str) -> Location:
+        """``url`` on this store, reached with `storage_options`."""
+        return Location(url, self.storage_options)
 
     def next_fault(self, method: str) -> str | None:
         with self.lock:

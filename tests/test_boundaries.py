@@ -355,7 +355,7 @@ from pipeline.data.config import DataConfig
 from pipeline.data.decode import preprocess_batch
 from pipeline.data.rows import read_shard
 config = DataConfig(image_size=32, patch_size=8)
-for block in read_shard({synthetic_shards.urls[0]!r}, config.row_spec, None, 8):
+for block in read_shard({synthetic_shards.urls[0]!r}, config.row_spec, 8):
     rows = preprocess_batch(block.to_pydict() | {{}}, config=config, train=True, epoch=0)
 print(rows["patches"].shape, "torch" in sys.modules)
 """

@@ -4,7 +4,8 @@
 ...extra}``; the extra keys (a training summary, say) are the caller's. The weights hold the input
 normalization as buffers (``patch_embed.mean`` / ``patch_embed.std``), so a model loaded from them
 normalizes uint8 patches exactly as it was trained to. Directories may be local paths or fsspec
-URLs (``s3://``, ``gs://``); remote files go through a local temporary copy.
+URLs (``s3://``, ``gs://``); remote files go through a local temporary copy, reached with
+``storage_options`` (fsspec's: endpoint, credentials) where given, else the environment's.
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ def save_pretrained(
     return str(directory)
 
 
-def load_config(path: str | os.PathLike) -> tuple[ViTConfig, dict[str, Any]]:
+def load_config(
+    path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None
+) -> tuple[ViTConfig, dict[str, Any]]:
     """The ViTConfig of an export (its directory, or either file in it), and the whole config.json."""
-    with _local_dir(_export_dir(path), files=(CONFIG_FILE,)) as local:
+    with _local_dir(_export_dir(path), files=(CONFIG_FILE,), storage_options=storage_options) as local:
         file = local / CONFIG_FILE
         if not file.exists():
             raise FileNotFoundError(
@@ -104,6 +107,7 @@ def load_pretrained(
     map_location: torch.device | str = "cpu",
     *,
     as_state_dict: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
     **overrides: Any,
 ) -> tuple[VisionTransformer | dict[str, torch.Tensor], ViTConfig]:
     """Load an export: ``(model, config)``, or ``(state_dict, config)`` with ``as_state_dict=True``.
@@ -116,8 +120,8 @@ def load_pretrained(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    config, _ = load_config(path)
-    with _local_dir(_export_dir(path), files=(WEIGHTS_FILE,)) as local:
+    config, _ = load_config(path, storage_options=storage_options)
+    with _local_dir(_export_dir(path), files=(WEIGHTS_FILE,), storage_options=storage_options) as local:
         file = local / WEIGHTS_FILE
         if not file.exists():
             raise FileNotFoundError(f"no {WEIGHTS_FILE} in {_export_dir(path)}")
@@ -298,7 +302,10 @@ def _export_dir(path: str | os.PathLike) -> str:
 
 @contextmanager
 def _local_dir(
-    directory: str | os.PathLike, write: bool = False, files: tuple[str, ...] = ()
+    directory: str | os.PathLike,
+    write: bool = False,
+    files: tuple[str, ...] = (),
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Iterator[Path]:
     """A local directory standing for ``directory``: itself, or a temporary copy for an fsspec URL."""
     directory = str(directory)
@@ -310,7 +317,7 @@ def _local_dir(
         return
     import fsspec  # only for remote exports
 
-    fs, root = fsspec.core.url_to_fs(directory)
+    fs, root = fsspec.core.url_to_fs(directory, **(storage_options or {}))
     tmp = Path(tempfile.mkdtemp(prefix="vitray-export-"))
     try:
         for name in files:

@@ -175,7 +175,7 @@ def ceiling_run(shards: list[str], config: DataConfig) -> Run:
     """One process, no framework: read rows and run the fused transform over them."""
     count = 0
     for url in shards:
-        for table in read_shard(url, config.row_spec, None, config.block_rows):
+        for table in read_shard(url, config.row_spec, config.block_rows):
             batch = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
             count += len(preprocess_batch(batch, config=config, train=True, epoch=0)["label"])
     return Run(count)

@@ -170,7 +170,7 @@ def naive_loop(shards: list[str], data_config: Any, model: vit.VisionTransformer
 
     device, count = torch.device(args.device), 0
     for url in shards:
-        block = pa.concat_tables(read_shard(url, data_config.row_spec, None, data_config.block_rows))
+        block = pa.concat_tables(read_shard(url, data_config.row_spec, data_config.block_rows))
         batch = {name: block.column(name).to_numpy(zero_copy_only=False) for name in block.column_names}
         rows = preprocess_batch(batch, config=data_config, train=False, epoch=0)
         good = np.array([not e for e in rows["error"]])

@@ -20,6 +20,7 @@ from typing import Any
 from pipeline import settings
 from pipeline.data.rows import Retry, RowSpec
 from pipeline.settings import setting
+from pipeline.storage import Location
 
 # Resampling filters by name (`pipeline.data.decode.RESAMPLE` maps them to PIL's).
 INTERPOLATIONS = ("nearest", "box", "bilinear", "bicubic", "lanczos")
@@ -158,6 +159,10 @@ class DataConfig:
     @property
     def retry(self) -> Retry:
         return Retry(self.read_attempts, self.read_backoff_s)
+
+    def location(self, url: str) -> Location:
+        """``url`` (shards, or anything else the job reads or writes) with ``storage_options``."""
+        return Location(url, self.storage_options)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values; secrets in ``storage_options`` are replaced by ``"***"``."""

@@ -56,9 +56,8 @@ def build_dataset(shards: list[str], config: DataConfig, *, train: bool, epoch: 
             "no shards to read; pass at least one shard URL (see pipeline.data.shards.expand_shards)"
         )
     source = TarShardDatasource(
-        list(shards),
+        [config.location(url) for url in shards],
         config.row_spec,
-        storage_options=config.storage_options,
         block_rows=config.block_rows,
         retry=config.retry,
     )
@@ -139,7 +138,7 @@ def check_shards(shards: list[str], config: DataConfig, *, probe: int = 16) -> N
         raise ShardError("no shards to read; pass at least one shard URL")
     url, spec = shards[0], config.row_spec
     try:
-        with open_shard(url, config.storage_options) as fileobj:
+        with open_shard(config.location(url)) as fileobj:
             samples = []
             for sample in iter_samples(open_tar_stream(fileobj, url)):
                 samples.append(sample)

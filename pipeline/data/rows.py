@@ -37,6 +37,7 @@ import pyarrow as pa
 from pipeline.data.bad_samples import LOST_SHARD, BadSampleBudgetError
 from pipeline.data.shards import open_shard
 from pipeline.data.tar import Sample, ShardReadError, iter_samples, open_tar_stream
+from pipeline.storage import Location
 
 SCHEMA = pa.schema(
     [
@@ -194,7 +195,7 @@ def _sample_row(sample: Sample, spec: RowSpec) -> tuple[bytes, int, str]:
 
 
 def read_shard(
-    url: str, spec: RowSpec, storage_options: dict | None, block_rows: int, retry: Retry | None = None
+    shard: Location | str, spec: RowSpec, block_rows: int, retry: Retry | None = None
 ) -> Iterator[pa.Table]:
     """Arrow blocks of rows for one shard, in tar order; never raises on bad data.
 
@@ -203,14 +204,14 @@ def read_shard(
     no readable sample (no sample at all, or only bad ones: zeros, an HTML page, a tar of broken images)
     ends with one ``lost shard`` row (key ""), counted apart from bad samples (`BadSamples.lost`).
     """
-    retry = retry or Retry()
+    retry, url = retry or Retry(), str(shard)
     rows: list[tuple[str, bytes, int, str]] = []
     nbytes, done, last_key = 0, 0, ""  # done: samples made into rows, by every try so far
     good, first_error = 0, ""  # rows without an error; the first error row's reason
     failures, waited = 0, 0.0
     while True:
         try:
-            for row in _rows_after(url, spec, storage_options, done, last_key):
+            for row in _rows_after(shard, spec, done, last_key):
                 rows.append(row)
                 nbytes += len(row[1])
                 done, last_key, good = done + 1, row[0], good + (not row[3])
@@ -243,10 +244,10 @@ def read_shard(
 
 
 def _rows_after(
-    url: str, spec: RowSpec, storage_options: dict | None, skip: int, last_key: str
+    shard: Location | str, spec: RowSpec, skip: int, last_key: str
 ) -> Iterator[tuple[str, bytes, int, str]]:
     """The shard's rows from its ``skip``-th sample on; sample ``skip - 1`` must have key ``last_key``."""
-    with _opened(url, storage_options) as stream:
+    with _opened(shard) as stream:
         for index, sample in enumerate(iter_samples(stream, spec.wanted)):
             if index >= skip:
                 yield from sample_rows([sample], spec)
@@ -257,18 +258,18 @@ def _rows_after(
 
 
 @contextlib.contextmanager
-def _opened(url: str, storage_options: dict | None) -> Iterator[IO[bytes]]:
+def _opened(shard: Location | str) -> Iterator[IO[bytes]]:
     """The shard's tar stream. Whatever opening it raises is a storage failure: a `ShardReadError`
     (tried again), or one of `_FINAL` as it is (not)."""
     try:
-        fileobj = open_shard(url, storage_options)
+        fileobj = open_shard(shard)
     except _FINAL:
         raise
     except Exception as e:
         raise ShardReadError(f"{type(e).__name__}: {_one_line(e)}") from e
     try:
         try:
-            stream = open_tar_stream(fileobj, url)  # reads the first bytes (gzip or not)
+            stream = open_tar_stream(fileobj, str(shard))  # reads the first bytes (gzip or not)
         except Exception as e:
             raise ShardReadError(f"{type(e).__name__}: {_one_line(e)}") from e
         yield stream

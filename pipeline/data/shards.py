@@ -7,7 +7,8 @@
 - a brace range or list: ``train-{000000..000127}.tar``, ``{train,val}-000000.tar`` (as in WebDataset),
   expanded lazily, at most `MAX_SHARDS_PER_URL` (1,000,000) names per URL
 - ``s3://``, ``gs://`` or any other fsspec URL; credentials and endpoints come from the environment
-  (e.g. ``AWS_ENDPOINT_URL``) or from ``storage_options`` (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``)
+  (e.g. ``AWS_ENDPOINT_URL``) or from the options of the `pipeline.storage.Location` given (a job's
+  ``--storage-options``, e.g. ``{"client_kwargs": {"endpoint_url": ...}}``), which apply to every URL it lists
 
 It checks that every shard exists (local shards one by one, stopping at the first missing one; remote
 ones with one listing per directory, not one request per shard) and fails with a `ShardError` naming
@@ -23,7 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, Any
 
 from pipeline import compat
-from pipeline.storage import filesystem, is_local, local_path
+from pipeline.storage import Location, as_location, is_local, local_path
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 READ_BLOCK_BYTES = 8 << 20  # remote read size: few requests per shard, little memory
@@ -37,20 +38,22 @@ class ShardError(ValueError):
     """A shard URL that cannot be used; the message says what is wrong and what to do."""
 
 
-def expand_shards(urls: str | Sequence[str], storage_options: dict | None = None) -> list[str]:
-    """Every shard named by ``urls``, in order (directories and globs sorted), without duplicates.
+def expand_shards(urls: Location | str | Sequence[str]) -> list[str]:
+    """Every shard named by ``urls``, in order (directories and globs sorted), without duplicates; a
+    Location's URL may name several (comma-separated), all reached with its options.
 
     Local shards come back as absolute paths (Ray workers may run in another directory); remote
     ones as full URLs with their protocol. Raises `ShardError` when a part matches nothing.
     """
-    parts = [urls] if isinstance(urls, str) else list(urls)
+    options = urls.options if isinstance(urls, Location) else {}
+    parts = [str(urls)] if isinstance(urls, Location | str) else list(urls)
     items = [p.strip() for part in parts for p in split_top_level(part, ",") if p.strip()]
     if not items:
         raise ShardError("no shard URL given; pass a path, directory, glob or brace range of .tar shards")
     shards: list[str] = []
     for item in items:
         try:
-            shards.extend(_expand_one(item, storage_options or {}))
+            shards.extend(_expand_one(Location(item, options)))
         except RecursionError as e:  # braces nested thousands deep
             raise ShardError(f"braces nested too deeply in {item[:80]!r}; write plain ranges") from e
     return list(dict.fromkeys(shards))  # keeps the first occurrence: a shard read twice would repeat samples
@@ -146,20 +149,21 @@ def is_shard_name(path: str) -> bool:
     return path.lower().endswith(SHARD_SUFFIXES)
 
 
-def open_shard(url: str, storage_options: dict | None = None) -> IO[bytes]:
+def open_shard(shard: Location | str) -> IO[bytes]:
     """A binary file object for one shard (read sequentially; the caller closes it)."""
-    if is_local(url):
-        return open(local_path(url), "rb", buffering=1 << 20)
-    fs, path = _filesystem(url, storage_options or {})
+    if is_local(shard):
+        return open(local_path(shard), "rb", buffering=1 << 20)
+    fs, path = _filesystem(as_location(shard))
     # Read-ahead caching suits a tar stream read front to back exactly once.
     return fs.open(path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
 
 
-def _expand_one(item: str, storage_options: dict) -> list[str]:
+def _expand_one(where: Location) -> list[str]:
+    item = where.url
     candidates = expand_braces(item)
     if is_local(item):
         return _expand_local((local_path(c) for c in candidates), item)
-    fs, _ = _filesystem(item, storage_options)
+    fs, _ = _filesystem(where)
     out: list[str] = []
     plain: list[str] = []
     for candidate in candidates:
@@ -225,11 +229,11 @@ def _check_remote_exist(fs: Any, paths: list[str], item: str) -> None:
         )
 
 
-def _filesystem(url: str, storage_options: dict) -> tuple[Any, str]:
+def _filesystem(where: Location) -> tuple[Any, str]:
     try:
-        return filesystem(url, storage_options)
+        return where.fs()
     except ValueError as e:
-        raise ShardError(f"cannot read {url!r}: {e}") from e
+        raise ShardError(f"cannot read {where.url!r}: {e}") from e
 
 
 def _call(fn: Any, path: str, item: str, **kwargs: Any) -> Any:
@@ -243,5 +247,5 @@ def _call(fn: Any, path: str, item: str, **kwargs: Any) -> Any:
         first = str(e).splitlines()[0] if str(e) else ""
         raise ShardError(
             f"cannot list {path} (from {item!r}): {kind}: {first}; "
-            "check credentials, endpoint (AWS_ENDPOINT_URL or storage_options) and network"
+            "check credentials, endpoint (AWS_ENDPOINT_URL or --storage-options) and network"
         ) from e

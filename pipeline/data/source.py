@@ -1,7 +1,8 @@
 """The read stage on Ray: a Datasource with one read task per tar shard, streaming rows in tar order.
 
-Each read task runs `pipeline.data.rows.read_shard` for its shard (retrying storage failures itself). ``storage_options`` travel inside each
-read task, so Ray worker processes reach the same endpoint with the same credentials as the driver.
+Each read task runs `pipeline.data.rows.read_shard` for its shard (retrying storage failures itself). The
+shard travels as a `pipeline.storage.Location`, its options inside, so Ray worker processes reach the same
+endpoint with the same credentials as the driver.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from pipeline.data.rows import Retry, RowSpec, read_shard
+from pipeline.storage import Location
 
 
 class TarShardDatasource(Datasource):
@@ -19,17 +21,15 @@ class TarShardDatasource(Datasource):
 
     def __init__(
         self,
-        shards: list[str],
+        shards: list[Location],
         spec: RowSpec,
         *,
-        storage_options: dict | None = None,
         block_rows: int = 256,
         retry: Retry | None = None,
     ):
         super().__init__()
         self._shards = list(shards)
         self._spec = spec
-        self._storage_options = storage_options
         self._block_rows = block_rows
         self._retry = retry or Retry()
 
@@ -39,13 +39,11 @@ class TarShardDatasource(Datasource):
         # One task per shard whatever `parallelism` asks: the shard is the unit of ordering and resumption.
         return [
             ReadTask(
-                functools.partial(
-                    read_shard, url, self._spec, self._storage_options, self._block_rows, self._retry
-                ),
-                BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=[url]),
+                functools.partial(read_shard, shard, self._spec, self._block_rows, self._retry),
+                BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=[shard.url]),
                 per_task_row_limit=per_task_row_limit,
             )
-            for url in self._shards
+            for shard in self._shards
         ]
 
     def estimate_inmemory_data_size(self) -> int | None:

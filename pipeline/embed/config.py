@@ -11,6 +11,7 @@ from pipeline import cli
 from pipeline.data.config import INTERPOLATIONS
 from pipeline.model_source import FORMATS
 from pipeline.settings import setting
+from pipeline.storage import Location
 
 EMBEDDINGS = ("cls", "pre_logits")
 CPU_BATCH_SIZE, GPU_BATCH_SIZE = 64, 256  # default images per forward
@@ -88,6 +89,10 @@ class EmbedConfig:
         """Images per forward: ``batch_size``, else 64 on CPU (a few hundred MB of activations at 224 px)
         and 256 on a GPU, where ViT-B/16 to ViT-H/14 at 224 px need that many to keep it busy."""
         return self.batch_size or (GPU_BATCH_SIZE if self.use_gpu else CPU_BATCH_SIZE)
+
+    def location(self, url: str) -> Location:
+        """``url`` (--data, --weights, --out) with ``storage_options``."""
+        return Location(url, self.storage_options)
 
     def replace(self, **changes: Any) -> EmbedConfig:
         return dataclasses.replace(self, **changes)

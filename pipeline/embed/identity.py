@@ -88,11 +88,11 @@ def difference(
     return None
 
 
-def read(out: str, storage_options: dict | None = None) -> dict[str, Any] | None:
+def read(out: storage.Location | str) -> dict[str, Any] | None:
     """The claim in output directory ``out`` (a header), or None; a one-line ValueError when it is not one."""
-    uri = storage.join(out, CLAIM)
+    uri = storage.as_location(out).join(CLAIM)
     try:
-        text = storage.read_text(uri, storage_options)
+        text = storage.read_text(uri)
     except FileNotFoundError:
         return None
     try:
@@ -104,21 +104,20 @@ def read(out: str, storage_options: dict | None = None) -> dict[str, Any] | None
     return claim
 
 
-def claim(
-    out: str, header: dict[str, Any], run_id: str, storage_options: dict | None = None, *, replace: bool
-) -> None:
+def claim(out: storage.Location | str, header: dict[str, Any], run_id: str, *, replace: bool) -> None:
     """Claim ``out`` for ``header``'s identity (``replace``: whatever claim is there), then `check` it."""
     text = json.dumps({**header, "run": run_id}, indent=1) + "\n"
+    where = storage.as_location(out).join(CLAIM)
     if replace:
-        storage.write_text(storage.join(out, CLAIM), text, storage_options)
+        storage.write_text(where, text)
     else:
-        storage.create_text(storage.join(out, CLAIM), text, storage_options)
-    check(out, header, storage_options)
+        storage.create_text(where, text)
+    check(out, header)
 
 
-def check(out: str, header: dict[str, Any], storage_options: dict | None = None) -> None:
+def check(out: storage.Location | str, header: dict[str, Any]) -> None:
     """`OutputClaimedError` unless the claim in ``out`` names ``header``'s identity."""
-    held = read(out, storage_options)
+    held = read(out)
     why = f"{CLAIM} is gone" if held is None else difference(held, header)
     if why is not None:
         raise OutputClaimedError(

@@ -145,20 +145,16 @@ def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
 def prepare(config: EmbedConfig) -> EmbedPlan:
     """Every check that needs no cluster, in the order that fails cheapest first; raises ValueError."""
     config.validate()
+    out = config.location(config.out)
     storage.check_output_dir(  # an output's manifest is written before its first commit: it marks it
-        config.out,
-        job="the embedding job",
-        owns=lambda entries: MANIFEST in entries,
-        overwrite=config.overwrite,
-        storage_options=config.storage_options,
+        out, job="the embedding job", owns=lambda entries: MANIFEST in entries, overwrite=config.overwrite
     )
-    shards = expand_shards(config.data, config.storage_options)
+    shards = expand_shards(config.location(config.data))
     source = load_model_source(
-        config.weights,
+        config.location(config.weights),
         weights_format=config.weights_format,
         model=config.model,
         image_size=config.image_size,
-        storage_options=config.storage_options,
     )
     if config.embedding == "pre_logits" and source.config.head != "pretrain":
         raise ValueError(
@@ -179,7 +175,7 @@ def prepare(config: EmbedConfig) -> EmbedPlan:
         "compute": compute_identity(config.use_gpu),
     }
     header = json.loads(json.dumps(header))
-    output = EmbeddingOutput(config.out, header, config.storage_options)
+    output = EmbeddingOutput(out, header)
     work = output.plan(shards, overwrite=config.overwrite)
     return EmbedPlan(config, shards, source, data_config, header, output, work)
 

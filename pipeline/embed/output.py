@@ -151,26 +151,26 @@ class OutputPlan:
 class EmbeddingOutput:
     """``--out``: reads and plans against what is there, then commits shards and rewrites the manifest."""
 
-    def __init__(self, uri: str, header: dict[str, Any], storage_options: dict | None = None):
-        self.uri = uri.rstrip("/") or uri
+    def __init__(self, out: storage.Location | str, header: dict[str, Any]):
+        out = storage.as_location(out)
+        self.out = out.at(out.url.rstrip("/") or out.url)  # a Location: str() is the URL alone
         self.header = header
-        self.storage_options = storage_options
         self.shards: dict[str, dict] = {}  # url -> record: every committed shard this run knows of
         self.failed: dict[str, str] = {}  # url -> reason
         self.names: dict[str, str] = {}  # url -> output file name, for this run's shards
         self._read_cache: dict[tuple[str, int], dict] = {}  # (record name, size) -> its contents
         self.run_id = uuid.uuid4().hex  # in the claim this run writes: which run wrote the one that stands
 
-    def path(self, name: str) -> str:
-        return storage.join(self.uri, name)
+    def path(self, name: str) -> storage.Location:
+        return self.out.join(name)
 
     def read_manifest(self) -> dict[str, Any] | None:
         """The manifest that is there, or None; a one-line ValueError when it is not one."""
         uri = self.path(MANIFEST)
-        if not storage.exists(uri, self.storage_options):
+        if not storage.exists(uri):
             return None
         try:
-            manifest = json.loads(storage.read_text(uri, self.storage_options))
+            manifest = json.loads(storage.read_text(uri))
         except ValueError as e:
             raise ValueError(
                 f"{uri} is not valid JSON ({e}); pass --overwrite to start this output anew"
@@ -182,10 +182,10 @@ class EmbeddingOutput:
     def plan(self, shards: list[str], *, overwrite: bool) -> OutputPlan:
         """Compare ``--out`` with this run (no side effects): a one-line ValueError when it holds another
         model's embeddings and ``overwrite`` is not set."""
-        files = storage.list_files(self.uri, self.storage_options)
+        files = storage.list_files(self.out)
         old = self.read_manifest()
         # The claim names the output's identity; an output written before claims has its manifest's.
-        held = identity.read(self.uri, self.storage_options) or old
+        held = identity.read(self.out) or old
         temporaries = sorted(n for n in files if storage.is_temporary(n) and self._stale(n))
         commits, _ = self.read_records()
         listed = {**(old or {}).get("shards", {}), **commits}  # records are newer than any manifest
@@ -193,7 +193,7 @@ class EmbeddingOutput:
             why = difference(held, self.header)
             if why is not None:
                 raise ValueError(
-                    f"{self.uri} holds embeddings of another configuration ({why}); pass --overwrite to "
+                    f"{self.out} holds embeddings of another configuration ({why}); pass --overwrite to "
                     "replace them, or choose another --out"
                 )
         if overwrite:
@@ -201,18 +201,18 @@ class EmbeddingOutput:
             stale = sorted({r["file"] for r in listed.values()} & set(files))
             mine = set(names.values()) | set(stale)
             strays = sorted(n for n in files if n.endswith(PARQUET) and n not in mine)
-            records = [f"{RECORDS}/{n}" for n in storage.list_files(self.path(RECORDS), self.storage_options)]
+            records = [f"{RECORDS}/{n}" for n in storage.list_files(self.path(RECORDS))]
             delete = temporaries + stale + records
             return OutputPlan(names, {}, list(shards), delete, strays, {}, overwrite=True)
         hidden = sorted(r["file"] for r in listed.values() if not visible(r["file"]))
         if hidden:
             raise ValueError(
-                f"{self.uri} holds {len(hidden)} file(s) that Parquet readers skip (e.g. {hidden[0]}), "
+                f"{self.out} holds {len(hidden)} file(s) that Parquet readers skip (e.g. {hidden[0]}), "
                 "named by an older vitray; pass --overwrite to rewrite it under visible names"
             )
         if held is None and any(n.endswith(PARQUET) for n in files):
             raise ValueError(
-                f"{self.uri} holds Parquet files but no {MANIFEST}: not a vitray embedding output; choose "
+                f"{self.out} holds Parquet files but no {MANIFEST}: not a vitray embedding output; choose "
                 "an empty --out, or pass --overwrite to write beside them"
             )
         names = assign_names(shards, {u: r["file"] for u, r in listed.items()})
@@ -229,9 +229,9 @@ class EmbeddingOutput:
     def start(self, plan: OutputPlan) -> None:
         """Claim the output (`OutputClaimedError` when another identity holds it: nothing written), remove
         leftovers, then write the manifest: this run's header and every shard committed so far."""
-        identity.claim(self.uri, self.header, self.run_id, self.storage_options, replace=plan.overwrite)
+        identity.claim(self.out, self.header, self.run_id, replace=plan.overwrite)
         for name in plan.delete:
-            storage.remove(self.path(name), self.storage_options)
+            storage.remove(self.path(name))
         self.names = dict(plan.names)
         self.shards = {**plan.others, **plan.done}
         self.failed = {}
@@ -240,26 +240,23 @@ class EmbeddingOutput:
     def commit(self, url: str, name: str, table: pa.Table, skipped: list[dict[str, str]]) -> dict[str, Any]:
         """Write one shard's file whole, publish it, then its record; returns the record."""
         target = self.path(name)
-        with storage.staged_file(target, self.storage_options) as local:
+        with storage.staged_file(target) as local:
             pq.write_table(table, local, compression="zstd")
             size = os.path.getsize(local)
-            identity.check(
-                self.uri, self.header, self.storage_options
-            )  # last thing before the file is published: a lost claim publishes nothing
+            # Last thing before the file is published: a lost claim publishes nothing.
+            identity.check(self.out, self.header)
         record = {"file": name, "rows": table.num_rows, "bytes": size, "skipped": skipped}
-        storage.write_text(
-            self._record_path(name), json.dumps({"url": url, **record}) + "\n", self.storage_options
-        )
+        storage.write_text(self._record_path(name), json.dumps({"url": url, **record}) + "\n")
         self.shards[url] = record
         if self.failed.pop(url, None) is not None:
-            storage.remove(self._record_path(name, FAILED), self.storage_options)
+            storage.remove(self._record_path(name, FAILED))
         return record
 
     def fail(self, url: str, reason: str) -> None:
         """Record a shard that could not be read (nothing committed; the next run tries it again)."""
         self.failed[url] = reason
         record = json.dumps({"url": url, "reason": reason}) + "\n"
-        storage.write_text(self._record_path(self.names[url], FAILED), record, self.storage_options)
+        storage.write_text(self._record_path(self.names[url], FAILED), record)
 
     def finish(self) -> None:
         """The run ended: write the manifest once, merging every record there (other runs' too)."""
@@ -278,21 +275,19 @@ class EmbeddingOutput:
         }
         manifest = {**self.header, "shards": self.shards, "failed": self.failed, "lost_shards": lost}
         text = json.dumps(manifest, indent=1, sort_keys=False) + "\n"
-        storage.write_text(self.path(MANIFEST), text, self.storage_options)
+        storage.write_text(self.path(MANIFEST), text)
 
     def read_records(self) -> tuple[dict[str, dict], dict[str, str]]:
         """``(commits, failures)`` from ``_records/``: url -> record, url -> reason. One listing, and one
         read per record not read before (in parallel)."""
-        listed = storage.list_files(self.path(RECORDS), self.storage_options)
+        listed = storage.list_files(self.path(RECORDS))
         todo = [(n, b) for n, b in sorted(listed.items()) if not storage.is_temporary(n)]
 
         def read(item: tuple[str, int]) -> tuple[tuple[str, int], dict | None]:
             if item in self._read_cache:
                 return item, self._read_cache[item]
             try:
-                return item, json.loads(
-                    storage.read_text(self.path(f"{RECORDS}/{item[0]}"), self.storage_options)
-                )
+                return item, json.loads(storage.read_text(self.path(f"{RECORDS}/{item[0]}")))
             except (OSError, ValueError):  # gone (an overwrite) or cut: the shard counts as not done
                 return item, None
 
@@ -310,15 +305,15 @@ class EmbeddingOutput:
                 commits[record["url"]] = {k: v for k, v in record.items() if k != "url"}
         return commits, {u: r for u, r in failures.items() if u not in commits}
 
-    def _record_path(self, name: str, suffix: str = ".json") -> str:
+    def _record_path(self, name: str, suffix: str = ".json") -> storage.Location:
         return self.path(f"{RECORDS}/{name}{suffix}")
 
     def _stale(self, name: str) -> bool:
         """Old enough to be a crash's leftover, not a running commit's (temporaries are local-only)."""
-        if not storage.is_local(self.uri):
+        if not self.out.is_local:
             return True
         try:
-            return time.time() - os.path.getmtime(storage.local_path(self.path(name))) > STALE_TEMPORARY_S
+            return time.time() - os.path.getmtime(self.path(name).local_path) > STALE_TEMPORARY_S
         except OSError:
             return False
 
@@ -328,7 +323,7 @@ class EmbeddingOutput:
 
         def rows(item: tuple[str, str]) -> tuple[str, int | None]:
             url, name = item
-            fs, path = storage.filesystem(self.path(name), self.storage_options)
+            fs, path = self.path(name).fs()
             try:
                 with fs.open(path, "rb") as f:
                     meta = pq.read_metadata(f)

@@ -9,6 +9,7 @@ from typing import Any
 from pipeline import cli, settings
 from pipeline.model_source import FORMATS
 from pipeline.settings import setting
+from pipeline.storage import Location
 
 FEW_SHOTS = (1, 5, 10, 25)  # images per class, as in the paper's few-shot table
 
@@ -57,6 +58,10 @@ class EvaluateConfig:
         if self.l2_reg < 0 or self.probe_c <= 0:
             raise ValueError("--l2-reg must be >= 0 and --probe-c > 0")
 
+    def location(self, url: str) -> Location:
+        """``url`` (an input or output of the job) with ``storage_options``."""
+        return Location(url, self.storage_options)
+
     def to_dict(self) -> dict[str, Any]:
         return settings.to_dict(self)
 
@@ -96,6 +101,10 @@ class AnalyzeConfig:
             raise ValueError("--images and --batch-size must be positive")
         if self.weights_format not in FORMATS:
             raise ValueError(f"--weights-format must be one of {', '.join(FORMATS)}")
+
+    def location(self, url: str) -> Location:
+        """``url`` (an input or output of the job) with ``storage_options``."""
+        return Location(url, self.storage_options)
 
     def to_dict(self) -> dict[str, Any]:
         return settings.to_dict(self)

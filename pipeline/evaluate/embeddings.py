@@ -54,21 +54,25 @@ class Embeddings:
         return f"{self.uri}: {len(self.labels)} rows, D = {self.dim}, {classes} classes{model}"
 
 
-def output_files(uri: str, storage_options: dict | None = None) -> tuple[list[str], dict[str, Any]]:
-    """The Parquet files of an output (full URIs, sorted) and its manifest ({} without one)."""
-    uri = uri.rstrip("/") or uri
-    fs, path = storage.filesystem(uri, storage_options)
+def output_files(
+    where: storage.Location | str,
+) -> tuple[list[storage.Location], dict[str, Any]]:
+    """The Parquet files of an output (sorted) and its manifest ({} without one)."""
+    where = storage.as_location(where)
+    uri = where.url.rstrip("/") or where.url
+    where = where.at(uri)
+    fs, path = where.fs()
     if not fs.exists(path):
         raise ValueError(f"{uri} does not exist; pass a directory that jobs/embed.py wrote (its --out)")
     if not fs.isdir(path):
         if not uri.endswith(PARQUET):
             raise ValueError(f"{uri} is a file but not .parquet; pass an embedding output directory")
-        return [uri], {}
-    names = storage.list_files(uri, storage_options)
+        return [where], {}
+    names = storage.list_files(where)
     manifest: dict[str, Any] = {}
     if MANIFEST in names:
         try:
-            manifest = json.loads(storage.read_text(storage.join(uri, MANIFEST), storage_options))
+            manifest = json.loads(storage.read_text(where.join(MANIFEST)))
         except ValueError as e:
             raise ValueError(
                 f"{storage.join(uri, MANIFEST)} is not valid JSON ({e}); re-run jobs/embed.py"
@@ -84,22 +88,24 @@ def output_files(uri: str, storage_options: dict | None = None) -> tuple[list[st
         files = sorted(n for n in names if n.endswith(PARQUET) and not n.startswith(("_", ".")))
     if not files:
         raise ValueError(f"{uri} holds no embedding files (.parquet); pass the --out of jobs/embed.py")
-    return [storage.join(uri, f) for f in files], manifest
+    return [where.join(f) for f in files], manifest
 
 
-def load_embeddings(uri: str, storage_options: dict | None = None, *, name: str = "--train") -> Embeddings:
+def load_embeddings(where: storage.Location | str, *, name: str = "--train") -> Embeddings:
     """Read every row of an output; a one-line ValueError when it has no labels, mixes widths or is
     not an embedding output (``name`` is the flag that named it, for the message)."""
-    files, manifest = output_files(uri, storage_options)
-    claim = identity.read(uri, storage_options) if manifest else None  # a vitray output directory
+    files, manifest = output_files(where)
+    uri = str(where)
+    claim = identity.read(where) if manifest else None  # a vitray output directory
     # What every file must agree with: the claim, else the manifest, else the first file's footer.
     reference, where = (claim, identity.CLAIM) if claim else (manifest or None, MANIFEST)
     if claim and manifest:
         _same(name, uri, claim, identity.CLAIM, manifest, MANIFEST)
     tables = []
     about = manifest
-    for file in files:
-        fs, path = storage.filesystem(file, storage_options)
+    for location in files:
+        file = location.url
+        fs, path = location.fs()
         try:
             table = pq.read_table(io.BytesIO(fs.cat_file(path)), columns=["key", "embedding", "label"])
         except (pa.ArrowException, KeyError, OSError) as e:

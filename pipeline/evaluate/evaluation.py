@@ -84,9 +84,9 @@ def load(config: EvaluateConfig) -> tuple[Embeddings, Embeddings]:
     """Both outputs, checked against each other and the config; raises a one-line ValueError."""
     config.validate()
     if config.json:
-        check_json_target(config.json, overwrite=config.overwrite, storage_options=config.storage_options)
-    train = load_embeddings(config.train, config.storage_options, name="--train")
-    test = load_embeddings(config.test, config.storage_options, name="--test")
+        check_json_target(config.location(config.json), overwrite=config.overwrite)
+    train = load_embeddings(config.location(config.train), name="--train")
+    test = load_embeddings(config.location(config.test), name="--test")
     if len(np.unique(train.labels)) < 2:
         raise ValueError(f"--train {train.uri} holds one class only; a classifier needs two or more")
     check_pair(train, test)
@@ -129,15 +129,15 @@ def evaluate(config: EvaluateConfig, train: Embeddings, test: Embeddings) -> Eva
     return report
 
 
-def check_json_target(uri: str, *, overwrite: bool = False, storage_options: dict | None = None) -> None:
+def check_json_target(uri: storage.Location | str, *, overwrite: bool = False) -> None:
     """A one-line ValueError for a ``--json`` that is a root or a directory, or an existing file that is
     no evaluation report (unless ``overwrite``): a report of an earlier run is replaced."""
-    if storage.is_root(uri, storage_options) or storage.list_entries(uri, storage_options):
+    if storage.is_root(uri) or storage.list_entries(uri):
         raise ValueError(f"--json {uri} is a directory; name a file")
-    if overwrite or not storage.exists(uri, storage_options):
+    if overwrite or not storage.exists(uri):
         return
     try:
-        ours = "linear_probe" in json.loads(storage.read_text(uri, storage_options))
+        ours = "linear_probe" in json.loads(storage.read_text(uri))
     except (ValueError, TypeError, UnicodeDecodeError):
         ours = False
     if not ours:
@@ -147,5 +147,5 @@ def check_json_target(uri: str, *, overwrite: bool = False, storage_options: dic
         )
 
 
-def write_json(report: EvaluationReport, uri: str, storage_options: dict | None = None) -> None:
-    storage.write_text(uri, json.dumps(report.to_dict(), indent=2) + "\n", storage_options)
+def write_json(report: EvaluationReport, uri: storage.Location | str) -> None:
+    storage.write_text(uri, json.dumps(report.to_dict(), indent=2) + "\n")

@@ -75,22 +75,18 @@ def analyze(
     """Run the analysis; one-line ValueErrors for bad input, raised before any image is decoded.
     ``begin`` is called when the checks are done and the output is about to be written."""
     config.validate()
+    out = config.location(config.out)
     storage.check_output_dir(  # a rerun replaces its own files; anything else there is the user's
-        config.out,
+        out,
         job="the analysis",
         owns=lambda entries: all(name in OUTPUTS or storage.is_temporary(name) for name in entries),
         overwrite=config.overwrite,
-        storage_options=config.storage_options,
     )
     figures.check_matplotlib()
     start = time.perf_counter()
-    shards = expand_shards(config.data, config.storage_options)
-    source = load_model_source(
-        config.weights,
-        weights_format=config.weights_format,
-        model=config.model,
-        storage_options=config.storage_options,
-    )
+    shards = expand_shards(config.location(config.data))
+    weights = config.location(config.weights)
+    source = load_model_source(weights, weights_format=config.weights_format, model=config.model)
     model_config = source.config
     device = device_for(config)
     model = vit.create_model(model_config, device="meta")
@@ -140,7 +136,7 @@ def analyze(
     if begin is not None:
         begin()
     with tempfile.TemporaryDirectory() as scratch:
-        local = Path(storage.local_path(config.out)) if storage.is_local(config.out) else Path(scratch)
+        local = Path(out.local_path) if out.is_local else Path(scratch)
         local.mkdir(parents=True, exist_ok=True)
         files = []
         proj = getattr(model.patch_embed, "proj", None)
@@ -166,15 +162,13 @@ def analyze(
         )
         files.append(Path(path).name)
         # An MAE run's weights: its reconstructions too, with the decoder from the run's checkpoint.
-        mae = reconstruction.mae_figure(
-            config.weights, patches, data_config, str(local / reconstruction.MAE_PNG), config.storage_options
-        )
+        mae = reconstruction.mae_figure(weights, patches, data_config, str(local / reconstruction.MAE_PNG))
         if mae is not None:
             numbers["mae_reconstruction"] = mae
             files += [reconstruction.MAE_PNG] if "skipped" not in mae else []
         numbers["seconds"] = round(time.perf_counter() - start, 2)
         (local / ANALYSIS_JSON).write_text(json.dumps(numbers, indent=1) + "\n")
         files.append(ANALYSIS_JSON)
-        if not storage.is_local(config.out):
-            storage.upload_dir(local, config.out, config.storage_options)
+        if not out.is_local:
+            storage.upload_dir(local, out)
     return AnalysisResult(config.out, files, numbers)

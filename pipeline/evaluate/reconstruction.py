@@ -30,34 +30,32 @@ MAX_IMAGES = 6
 MASKED_GRAY = 128  # how a hidden patch is drawn in the masked input
 
 
-def find_mae_checkpoint(weights: str, storage_options: dict | None = None) -> str | None:
+def find_mae_checkpoint(weights: storage.Location | str) -> storage.Location | None:
     """The checkpoint holding an MAE's decoder for ``weights`` (a checkpoint dir, a run dir, or a run's
     ``final/``): that checkpoint, else the latest complete one of the run; None if it is no MAE run's."""
-    weights = weights.rstrip("/")
-    places = [weights]
-    if weights.rsplit("/", 1)[-1] == "final":  # an export inside its run directory
-        places.append(weights.rsplit("/", 1)[0])
+    weights = storage.as_location(weights)
+    url = weights.url.rstrip("/")
+    places = [weights.at(url)]
+    if url.rsplit("/", 1)[-1] == "final":  # an export inside its run directory
+        places.append(weights.at(url.rsplit("/", 1)[0]))
     for where in places:
-        found = (
-            where if dcp.is_complete(where, storage_options) else dcp.latest_complete(where, storage_options)
-        )
+        found = where if dcp.is_complete(where) else dcp.latest_complete(where)
         if found is None:
             continue
-        saved = json.loads(storage.read_text(storage.join(found, dcp.CONFIG), storage_options))
+        saved = json.loads(storage.read_text(found.join(dcp.CONFIG)))
         if saved.get("objective") == "mae" and "mae" in saved:
             return found
     return None
 
 
-def load_mae(
-    checkpoint: str, storage_options: dict | None = None
-) -> tuple[MaskedAutoencoder, dict[str, Any]]:
+def load_mae(checkpoint: storage.Location | str) -> tuple[MaskedAutoencoder, dict[str, Any]]:
     """The whole autoencoder of an MAE checkpoint on CPU, and the checkpoint's ``config.json``."""
-    saved = json.loads(storage.read_text(storage.join(checkpoint, dcp.CONFIG), storage_options))
+    checkpoint = storage.as_location(checkpoint)
+    saved = json.loads(storage.read_text(checkpoint.join(dcp.CONFIG)))
     model = MaskedAutoencoder(
         vit.ViTConfig.from_dict(saved["model_config"]), vit.MAEConfig.from_dict(saved["mae"])
     )
-    model.load_state_dict(dcp.load_module_state(checkpoint, model, storage_options))
+    model.load_state_dict(dcp.load_module_state(checkpoint, model))
     return model.eval().requires_grad_(False), saved
 
 
@@ -123,17 +121,17 @@ def plot_reconstructions(
 
 
 def mae_figure(
-    weights: str, patches: np.ndarray, data_config: DataConfig, path: str, storage_options: dict | None = None
+    weights: storage.Location | str, patches: np.ndarray, data_config: DataConfig, path: str
 ) -> dict[str, Any] | None:
     """Draw `MAE_PNG` at ``path`` when ``weights`` come from an MAE run; what analysis.json records of
     it, ``{"skipped": why}`` when the run's checkpoint is missing, None for other weights."""
-    checkpoint = find_mae_checkpoint(weights, storage_options)
+    checkpoint = find_mae_checkpoint(weights)
     if checkpoint is None:
         return None
-    model, saved = load_mae(checkpoint, storage_options)
+    model, saved = load_mae(checkpoint)
     if model.encoder.config.image_size != data_config.image_size:
         return {"skipped": "the checkpoint's image size differs from the analyzed images'"}
     ratio = float(saved.get("mask_ratio", 0.75))
     shown = patches[:MAX_IMAGES]
     plot_reconstructions(*reconstruct(model, shown, data_config, ratio), path, mask_ratio=ratio)
-    return {"checkpoint": checkpoint, "images": len(shown), "mask_ratio": ratio}
+    return {"checkpoint": checkpoint.url, "images": len(shown), "mask_ratio": ratio}

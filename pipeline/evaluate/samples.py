@@ -23,7 +23,7 @@ def eval_patches(shards: list[str], config: DataConfig, count: int) -> tuple[np.
     found: list[np.ndarray] = []
     have = 0
     for url in shards:
-        for table in read_shard(url, config.row_spec, config.storage_options, config.block_rows):
+        for table in read_shard(config.location(url), config.row_spec, config.block_rows):
             rows = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
             start = 0
             while start < table.num_rows:  # decode only as many rows as are still wanted

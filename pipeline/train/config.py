@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from pipeline import settings
 from pipeline.data.config import DataConfig
 from pipeline.settings import setting
+from pipeline.storage import Location
 from pipeline.train.sections import (
     ArchConfig,
     ClusterConfig,
@@ -66,6 +67,16 @@ class TrainConfig:
         }
         if any(getattr(self.data, k) != v for k, v in derived.items()):
             object.__setattr__(self, "data", dataclasses.replace(self.data, **derived))
+
+    def location(self, url: str) -> Location:
+        """``url`` with the job's ``--storage-options`` (the data section holds them; they apply to every
+        location the run reads or writes)."""
+        return self.data.location(url)
+
+    @property
+    def run_dir(self) -> Location:
+        """``--out`` as a Location: where every write of the run goes (marker, metrics, checkpoints, final/)."""
+        return self.location(self.run.out)
 
     def data_for(self, patch_size: int) -> DataConfig:
         """The data section with the model's patch size: what the data pipeline runs with."""

@@ -1,10 +1,17 @@
 """The driver side of pretraining: the checks before any cluster work, then a Ray `TorchTrainer`
 around the worker loop (`pipeline.train.loop.train_loop_per_worker`).
 
-Storage: `--out` is the run directory. Ray Train's storage path is its parent and the run name its
-last part, so checkpoints land in `<out>/checkpoint_<step>/` beside `metrics.jsonl` and `final/`.
-Running the same command again with the same `--out` resumes from the latest checkpoint there
-(Ray Train keeps a snapshot of the reported checkpoints in the run directory).
+Storage: `--out` is the run directory, `TrainConfig.run_dir`: its URL with the job's `--storage-options`,
+which every write under it uses (the marker, metrics, checkpoints, `final/`). Ray Train's storage path is
+its parent and the run name its last part, so checkpoints land in `<out>/checkpoint_<step>/` beside
+`metrics.jsonl` and `final/`; on an object store Ray Train gets the run directory's own filesystem
+(`ray_storage`), so it reaches the store as the rest of the run does. Running the same command again
+with the same `--out` resumes from the latest checkpoint there (Ray Train keeps a snapshot of the
+reported checkpoints in the run directory).
+
+The config the workers get is the saved form (`TrainConfig.to_dict`), which Ray Train also records for
+its dashboard, secrets redacted; the real storage options travel beside it inside the run directory's
+`Location` (whose text shows no option's value), and `pipeline.train.loop` puts them back.
 """
 
 from __future__ import annotations
@@ -48,6 +55,17 @@ def split_run_uri(out: str) -> tuple[str, str]:
     return parent, name
 
 
+def ray_storage(out: storage.Location) -> tuple[str, str, Any]:
+    """Ray Train's ``(storage_path, name, storage_filesystem)`` for run directory ``out``. On an object
+    store the filesystem is ``out``'s own, its options included (`pipeline.storage.arrow_filesystem`),
+    and the path is within it (no scheme); a local run directory leaves the filesystem to Ray."""
+    parent, name = split_run_uri(out.url)
+    if out.is_local:
+        return parent, name, None
+    _, path = out.at(parent).fs()
+    return path, name, storage.arrow_filesystem(out)
+
+
 def prepare(config: TrainConfig) -> list[str]:
     """Every check that needs no cluster, cheapest first; returns the expanded shard list.
 
@@ -61,7 +79,7 @@ def prepare(config: TrainConfig) -> list[str]:
     config.validate()
     check_out(config)
     patch_size = model_config(config).patch_size
-    shards = expand_shards(config.run.shards)
+    shards = expand_shards(config.location(config.run.shards))
     check_shards(shards, config.data_for(patch_size))
     check_resumable(config)
     if len(shards) < config.cluster.num_workers:
@@ -83,9 +101,10 @@ def owns_run_dir(entries: dict[str, bool]) -> bool:
 def check_out(config: TrainConfig) -> None:
     """A one-line ValueError for an ``--out`` that is a filesystem root, or that holds files but is no
     training run's (a user's ``metrics.jsonl`` and ``final/`` would be replaced), unless ``--overwrite``."""
-    out = config.run.out
-    split_run_uri(out)  # a parent and a run name, or one line
-    storage.check_output_dir(out, job="a training run", owns=owns_run_dir, overwrite=config.run.overwrite)
+    split_run_uri(config.run.out)  # a parent and a run name, or one line
+    storage.check_output_dir(
+        config.run_dir, job="a training run", owns=owns_run_dir, overwrite=config.run.overwrite
+    )
 
 
 def claim_out(config: TrainConfig) -> None:
@@ -93,7 +112,7 @@ def claim_out(config: TrainConfig) -> None:
     with tempfile.TemporaryDirectory(prefix="vitray-run-") as scratch:
         marker = Path(scratch, RUN_MARKER)
         marker.write_text(json.dumps({"format": "vitray-run", "version": 1}) + "\n")
-        storage.upload_dir(scratch, config.run.out)
+        storage.upload_dir(scratch, config.run_dir)
 
 
 def check_resumable(config: TrainConfig) -> None:
@@ -104,11 +123,13 @@ def check_resumable(config: TrainConfig) -> None:
     from pipeline.train.model import model_config
     from pipeline.train.objective import objective_for
 
-    if not storage.is_local(config.run.out):
+    if not config.run_dir.is_local:
         return
-    latest = dcp.latest_complete(storage.local_path(config.run.out))
+    latest = dcp.latest_complete(config.run_dir)
     if latest is not None:
-        checkpoint.check_compatible(latest, model_config(config), objective_for(config).checkpoint_meta())
+        checkpoint.check_compatible(
+            latest.local_path, model_config(config), objective_for(config).checkpoint_meta()
+        )
 
 
 def prepare_eval(config: TrainConfig) -> list[str]:
@@ -117,7 +138,7 @@ def prepare_eval(config: TrainConfig) -> list[str]:
         return []
     from pipeline.train.model import model_config
 
-    shards = expand_shards(config.run.eval_shards)
+    shards = expand_shards(config.location(config.run.eval_shards))
     check_shards(shards, config.data_for(model_config(config).patch_size))
     return shards
 
@@ -164,11 +185,12 @@ def fit(config: TrainConfig, shards: list[str], eval_shards: list[str] | None = 
 
     from pipeline.train.loop import train_loop_per_worker
 
-    storage_path, name = split_run_uri(config.run.out)
+    storage_path, name, filesystem = ray_storage(config.run_dir)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "train": config.to_dict(),
+            "train": config.to_dict(),  # secrets redacted: Ray Train records this
+            "out": config.run_dir,  # the storage options, whole (`pipeline.train.loop.worker_config`)
             "shards": shards,
             "eval_shards": list(eval_shards or []),
             # None: each worker decides every epoch (pipeline.train.resources); the cluster the
@@ -184,6 +206,7 @@ def fit(config: TrainConfig, shards: list[str], eval_shards: list[str] | None = 
         run_config=RunConfig(
             name=name,
             storage_path=storage_path,
+            storage_filesystem=filesystem,
             failure_config=FailureConfig(max_failures=config.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=config.run.keep_checkpoints),
             # Ray Train's own INFO lines would bury the training log (back with --verbose).
@@ -202,11 +225,11 @@ def fit(config: TrainConfig, shards: list[str], eval_shards: list[str] | None = 
     return summary
 
 
-def read_metrics(out: str) -> list[dict[str, Any]]:
+def read_metrics(out: storage.Location | str) -> list[dict[str, Any]]:
     """The logged steps of a run (`<out>/metrics.jsonl`)."""
     from pipeline.train.metrics import METRICS_FILE
 
-    text = storage.read_text(storage.join(out, METRICS_FILE))
+    text = storage.read_text(storage.as_location(out).join(METRICS_FILE))
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

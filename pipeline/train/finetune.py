@@ -44,7 +44,7 @@ def resolve_pretrained(config: TrainConfig) -> TrainConfig:
 
     if not config.arch.weights:
         raise ValueError("fine-tuning needs --weights: a pretraining export, run directory or checkpoint")
-    source = load_model_source(config.arch.weights).config
+    source = load_model_source(config.location(config.arch.weights)).config
     base = source.name if source.name in vit.VARIANTS else "vit_b16"  # any: every field is overridden
     reference = vit.VARIANTS[base].to_dict()
     kept = {k: v for k, v in source.to_dict().items() if k not in NEW_FIELDS and reference.get(k) != v}
@@ -56,7 +56,7 @@ def pretrained_state(config: TrainConfig, model_config: vit.ViTConfig) -> dict[s
     ``pos_embed`` ``(1+N, D)`` resampled bicubically to ``model_config``'s grid with [CLS] kept."""
     from pipeline.model_source import load_model_source
 
-    state = load_model_source(config.arch.weights).state_dict
+    state = load_model_source(config.location(config.arch.weights)).state_dict
     state = {k: v for k, v in state.items() if not k.startswith("head.")}
     pos = state["pos_embed"]
     if pos.dim() == 3:  # (1, T, D) in some converted weights

@@ -74,10 +74,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     """Entry point of every Ray Train worker (see `pipeline.train.driver.fit`); returns the run summary."""
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # a line per rank per epoch otherwise
     try:
-        trainer = Trainer(loop_config, RaySession())
+        trainer = Trainer(loop_config, RaySession(worker_config(loop_config).run_dir))
     except dcp.CheckpointRefusedError as e:  # every rank refuses alike; a restart would only refuse again
         return {"metrics": {}, "bad_samples": {}, "error": str(e)}
     return trainer.train()
+
+
+def worker_config(loop_config: dict[str, Any]) -> TrainConfig:
+    """The run's config as the driver resolved it: the saved form with the real storage options, which
+    come inside the run directory's Location (the saved form redacts secrets); without one, as saved."""
+    config = TrainConfig.from_dict(loop_config["train"])
+    out = loop_config.get("out")
+    return config if out is None else config.replace(storage_options=dict(out.options) or None)
 
 
 class Trainer:
@@ -86,7 +94,7 @@ class Trainer:
     `resumed_from` (checkpoint, step and epoch this attempt resumed from, or None)."""
 
     def __init__(self, loop_config: dict[str, Any], session: RaySession):
-        self.config = config = TrainConfig.from_dict(loop_config["train"])
+        self.config = config = worker_config(loop_config)
         self.shards: list[str] = loop_config["shards"]
         self.data_cpus: float = loop_config["data_cpus_per_worker"]
         self.session = session
@@ -105,7 +113,7 @@ class Trainer:
         # ran (the run stopped, another rank ran dry) are not counted.
         self.cursor = self.resume_cursor()
         self.skipped = SkippedSteps(self.device)
-        self.log = None if self.rank else sinks.attach(MetricsLog(config.run.out, self.state.step), config)
+        self.log = None if self.rank else sinks.attach(MetricsLog(config.run_dir, self.state.step), config)
         self.saved_config = {
             "train": config.to_dict(),
             "model_config": self.model_config.to_dict(),
@@ -373,5 +381,6 @@ class Trainer:
         with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
             exported = self.objective.export_state
             if checkpoint.export_final(tmp, self.model, self.model_config, extra, exported) is not None:
-                storage.upload_dir(tmp, storage.join(config.run.out, "final"), commit_last="config.json")
-                log_line(f"exported {storage.join(config.run.out, 'final')}")
+                final = config.run_dir.join("final")
+                storage.upload_dir(tmp, final, commit_last="config.json")
+                log_line(f"exported {final}")

@@ -135,8 +135,8 @@ class MetricsLog:
     atomically each time; object stores get the whole file at each flush (a few hundred KB at most).
     """
 
-    def __init__(self, run_uri: str, resume_step: int = 0):
-        self.uri = storage.join(run_uri, METRICS_FILE)
+    def __init__(self, run_dir: storage.Location | str, resume_step: int = 0):
+        self.uri = storage.as_location(run_dir).join(METRICS_FILE)
         self.rows: list[dict[str, Any]] = []
         if resume_step and storage.exists(self.uri):
             lines = storage.read_text(self.uri).splitlines()
@@ -144,7 +144,7 @@ class MetricsLog:
 
     def append(self, row: dict[str, Any], flush: bool) -> None:
         self.rows.append(row)
-        if flush or storage.is_local(self.uri):
+        if flush or self.uri.is_local:
             self.flush()
 
     def flush(self) -> None:

@@ -16,14 +16,13 @@ from ray.train import Checkpoint
 
 from pipeline import storage
 
-# Ray Train's storage filesystem (pyarrow) type -> the URL scheme fsspec reaches the same store with.
-OBJECT_STORES = {"s3": "s3", "gcs": "gs"}
-
 
 class RaySession:
-    """This worker's link to Ray Train: who it is, the checkpoint to resume from, where reports go."""
+    """This worker's link to Ray Train: who it is, the checkpoint to resume from, where reports go
+    (``run_dir``, the run directory with the job's storage options)."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: storage.Location) -> None:
+        self.run_dir = run_dir
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
@@ -48,18 +47,20 @@ class RaySession:
         # On object stores the files go through `storage.upload_dir`, each checked once uploaded:
         # Ray Train's own copy (pyarrow's copy_files) can drop a file whose S3 part upload failed
         # three times and report success, registering a checkpoint that cannot be resumed from.
-        checked = OBJECT_STORES.get(store.storage_filesystem.type_name)
+        remote = not self.run_dir.is_local
         ray.train.report(
             metrics,
             checkpoint=Checkpoint.from_directory(checkpoint_dir),
             checkpoint_dir_name=name,
-            checkpoint_upload_fn=partial(upload_checked, store, checked) if checked else None,
+            checkpoint_upload_fn=partial(upload_checked, store, self.run_dir) if remote else None,
         )
 
 
-def upload_checked(store: Any, scheme: str, checkpoint: Checkpoint, name: str) -> Checkpoint:
-    """This rank's checkpoint files into `name` under the run's storage (Ray Train's StorageContext
-    `store`), every file checked; the checkpoint there, as Ray Train registers it."""
-    path = f"{store.experiment_fs_path.rstrip('/')}/{name}"
-    storage.upload_dir(checkpoint.path, f"{scheme}://{path}")
-    return Checkpoint(path=path, filesystem=store.storage_filesystem)
+def upload_checked(store: Any, run_dir: storage.Location, checkpoint: Checkpoint, name: str) -> Checkpoint:
+    """This rank's checkpoint files into `name` under the run directory, every file checked; the
+    checkpoint there as Ray Train registers it, in its storage (StorageContext `store`, whose experiment
+    directory is the run directory: `pipeline.train.driver.ray_storage`)."""
+    storage.upload_dir(checkpoint.path, run_dir.join(name))
+    return Checkpoint(
+        path=f"{store.experiment_fs_path.rstrip('/')}/{name}", filesystem=store.storage_filesystem
+    )

@@ -2,7 +2,7 @@
 TensorBoard event files under ``<out>/tensorboard/`` (``--tensorboard``) and a Weights & Biases run
 (``--wandb PROJECT``).
 
-    log = attach(MetricsLog(config.run.out, resume_step), config)   # rank 0 only
+    log = attach(MetricsLog(config.run_dir, resume_step), config)   # rank 0 only
     log.append(row, flush)   # -> metrics.jsonl, then every sink; flush at checkpoints
 
 Every numeric field of a `metrics.jsonl` row becomes a scalar ``train/<field>`` at that row's step
@@ -50,12 +50,12 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
 class TensorBoardSink:
     """Event files of one run (`tensorboardX`, which Ray Train already depends on)."""
 
-    def __init__(self, run_uri: str, resume_step: int = 0):
+    def __init__(self, run_dir: storage.Location | str, resume_step: int = 0):
         from tensorboardX import SummaryWriter
 
-        self.uri = storage.join(run_uri, TENSORBOARD_DIR)
-        self.staging = None if storage.is_local(self.uri) else tempfile.mkdtemp(prefix="vitray-tb-")
-        logdir = self.staging or storage.local_path(self.uri)
+        self.uri = storage.as_location(run_dir).join(TENSORBOARD_DIR)
+        self.staging = None if self.uri.is_local else tempfile.mkdtemp(prefix="vitray-tb-")
+        logdir = self.staging or self.uri.local_path
         os.makedirs(logdir, exist_ok=True)
         # purge_step: TensorBoard hides events at or past it from earlier files of this run.
         self.writer = SummaryWriter(logdir=logdir, purge_step=resume_step + 1 if resume_step else None)
@@ -154,7 +154,7 @@ def attach(log: Any, config: TrainConfig) -> Any:
     resume_step = log.rows[-1]["step"] if log.rows else 0
     sinks: list[Sink] = []
     if config.run.tensorboard:
-        sinks.append(TensorBoardSink(config.run.out, resume_step))
+        sinks.append(TensorBoardSink(config.run_dir, resume_step))
     if config.run.wandb:
         sinks.append(WandbSink(config))
     return SinkedLog(log, sinks, config.last_step) if sinks else log

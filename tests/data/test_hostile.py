@@ -47,7 +47,7 @@ def test_climbing_and_absolute_member_names_are_keys_never_paths(tmp_path, monke
     cwd.mkdir(parents=True)
     monkeypatch.chdir(cwd)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    rows = pa.concat_tables(read_shard(str(shard), RowSpec(require_labels=True), None, 4)).to_pylist()
+    rows = pa.concat_tables(read_shard(str(shard), RowSpec(require_labels=True), 4)).to_pylist()
     assert [(r["key"], r["image"], r["label"], r["error"]) for r in rows] == [
         (name, b"J", 1, "") for name in names
     ]

@@ -12,6 +12,7 @@ from moto import server as moto_server
 from pipeline.data.config import DataConfig
 from pipeline.data.dataset import build_dataset, check_shards
 from pipeline.data.shards import ShardError, expand_shards
+from pipeline.storage import Location
 
 BUCKET = "vitray-test"
 
@@ -48,24 +49,24 @@ def test_s3_urls_expand_and_fail_clearly(s3, synthetic_shards, monkeypatch):
     options, endpoint = s3
     names = [Path(u).name for u in synthetic_shards.urls]
     want = [f"s3://{BUCKET}/shards/{n}" for n in names]
-    assert expand_shards(f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar", options) == want
-    assert expand_shards(f"s3://{BUCKET}/shards/", options) == want
-    assert expand_shards(f"s3://{BUCKET}/shards/*.tar", options) == want
+    assert expand_shards(Location(f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar", options)) == want
+    assert expand_shards(Location(f"s3://{BUCKET}/shards/", options)) == want
+    assert expand_shards(Location(f"s3://{BUCKET}/shards/*.tar", options)) == want
     with pytest.raises(ShardError, match=r"shard not found: s3://vitray-test/shards/train-000004\.tar"):
-        expand_shards(f"s3://{BUCKET}/shards/train-{{000000..000004}}.tar", options)
+        expand_shards(Location(f"s3://{BUCKET}/shards/train-{{000000..000004}}.tar", options))
     # The endpoint and credentials may come from the environment instead.
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    assert expand_shards(f"s3://{BUCKET}/shards/train-*.tar", {"skip_instance_cache": True}) == want
+    assert expand_shards(Location(f"s3://{BUCKET}/shards/train-*.tar", {"skip_instance_cache": True})) == want
 
 
 def test_s3_shards_read_like_local_ones_in_ray_workers(ray_session, s3, synthetic_shards):
     options, _ = s3
     local_config = DataConfig(image_size=32, patch_size=8)
     s3_config = DataConfig(image_size=32, patch_size=8, storage_options=options)
-    urls = expand_shards(f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar", options)
+    urls = expand_shards(Location(f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar", options))
     check_shards(urls, s3_config)
 
     def rows(ds):
@@ -101,7 +102,7 @@ def test_s3_reads_through_5xx_timeouts_and_drops_deliver_every_sample_once(ray_s
         for url in synthetic_shards.urls:
             client.upload_file(url, BUCKET, f"shards/{Path(url).name}")
         s3.faulty()
-        urls = expand_shards(f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar", options)
+        urls = expand_shards(Location(f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar", options))
         config = DataConfig(image_size=32, patch_size=8, storage_options=options, read_backoff_s=0.2)
         batches = list(build_dataset(urls, config, train=False).iter_batches(batch_size=None))
         remote = {k: np.concatenate([b[k] for b in batches]) for k in ("key", "error", "patches")}

@@ -96,7 +96,7 @@ MEMBERS = [
 
 
 def rows_of(url: str, retry: Retry = FAST, block_rows: int = 3) -> list[dict]:
-    return pa.concat_tables(read_shard(url, SPEC, None, block_rows, retry)).to_pylist()
+    return pa.concat_tables(read_shard(url, SPEC, block_rows, retry)).to_pylist()
 
 
 @pytest.mark.parametrize("gzip", [False, True])
@@ -139,7 +139,7 @@ def test_a_shard_replaced_between_tries_is_not_stitched_together(flaky):
     first = rows_of(url)
     cut = len(tar_bytes(MEMBERS)) // 2
     flaky.faults = [cut]
-    rows = read_shard(url, SPEC, None, 3, FAST)
+    rows = read_shard(url, SPEC, 3, FAST)
     taken = next(rows).to_pylist()  # the first block, read from the original shard
     flaky.store.clear()
     flaky().pipe("/s.tar", tar_bytes([(f"x{n}", d) for n, d in MEMBERS]))  # other keys, same sizes
@@ -161,7 +161,7 @@ class _Rows:
 def test_training_stops_in_one_line_on_a_lost_shard_instead_of_counting_one_bad_sample(flaky):
     url = put(flaky, "s.tar", tar_bytes(MEMBERS))
     flaky.faults = [5000] * 10
-    table = pa.concat_tables(read_shard(url, SPEC, None, 256, FAST))
+    table = pa.concat_tables(read_shard(url, SPEC, 256, FAST))
     batch = {k: np.asarray(v, dtype=object) for k, v in table.to_pydict().items() if k != "image"}
     bad = BadSamples(max_bad_fraction=0.5)
     config = DataConfig(image_size=32, patch_size=8)
@@ -200,7 +200,7 @@ def test_a_label_that_breaks_a_parser_is_a_bad_sample_read_once(flaky, label_key
     spec = RowSpec(
         label_key=label_key, require_labels=require_labels, num_classes=10 if require_labels else None
     )
-    rows = pa.concat_tables(read_shard(url, spec, None, 2, Retry(attempts=4, backoff_s=0.01))).to_pylist()
+    rows = pa.concat_tables(read_shard(url, spec, 2, Retry(attempts=4, backoff_s=0.01))).to_pylist()
     assert flaky.opens == 1  # never tried again
     assert [(r["key"], r["label"]) for r in rows if not r["error"]] == [("0000", 1), ("0005", 5)]
     errors = {r["key"]: r["error"] for r in rows if r["error"]}

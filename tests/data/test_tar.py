@@ -291,16 +291,16 @@ def test_read_shard_yields_arrow_blocks_and_survives_a_missing_file(tmp_path):
     ]
     path = tmp_path / "s.tar"
     path.write_bytes(tar_bytes(members))
-    blocks = list(read_shard(str(path), RowSpec(require_labels=True), None, block_rows=4))
+    blocks = list(read_shard(str(path), RowSpec(require_labels=True), block_rows=4))
     assert [b.num_rows for b in blocks] == [4, 4, 2]
     table = pa.concat_tables(blocks)
     assert table.schema == SCHEMA
     assert table.column("label").to_pylist() == list(range(10))
     assert set(table.column("url").to_pylist()) == {str(path)}
-    (gone,) = list(read_shard(str(tmp_path / "gone.tar"), RowSpec(), None, block_rows=4))
+    (gone,) = list(read_shard(str(tmp_path / "gone.tar"), RowSpec(), block_rows=4))
     assert gone.column("error")[0].as_py().startswith("unreadable shard: FileNotFoundError")
     (tmp_path / "empty.tar").write_bytes(tar_bytes([]))
-    (empty,) = list(read_shard(str(tmp_path / "empty.tar"), RowSpec(), None, block_rows=4))
+    (empty,) = list(read_shard(str(tmp_path / "empty.tar"), RowSpec(), block_rows=4))
     assert empty.to_pylist() == [
         {
             "key": "",
@@ -346,12 +346,12 @@ def test_random_damage_never_raises_and_keeps_clean_samples_first():
 def test_a_shard_that_gives_no_readable_sample_ends_with_one_lost_shard_row(tmp_path, content, why):
     path = tmp_path / "train-000007.tar"
     path.write_bytes(content)
-    table = pa.concat_tables(read_shard(str(path), RowSpec(require_labels=True), None, block_rows=4))
+    table = pa.concat_tables(read_shard(str(path), RowSpec(require_labels=True), block_rows=4))
     errors = table.column("error").to_pylist()
     assert errors[-1].startswith("lost shard: ") and why in errors[-1], errors
     assert sum(e.startswith("lost shard") for e in errors) == 1
     # A shard with one good sample among bad ones is no lost shard.
     mixed = tmp_path / "mixed.tar"
     mixed.write_bytes(tar_bytes([("a.txt", b"x"), ("b.jpg", b"jpeg"), ("b.cls", b"1")]))
-    table = pa.concat_tables(read_shard(str(mixed), RowSpec(require_labels=True), None, block_rows=4))
+    table = pa.concat_tables(read_shard(str(mixed), RowSpec(require_labels=True), block_rows=4))
     assert not any(e.startswith("lost shard") for e in table.column("error").to_pylist())

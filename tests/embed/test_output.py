@@ -67,9 +67,9 @@ def test_a_commit_costs_the_same_whatever_the_number_of_shards(tmp_path, monkeyp
     writes: list[tuple[str, int]] = []
     original = storage.write_text
 
-    def counting(uri, text, storage_options=None):
-        writes.append((uri.rsplit("/", 1)[-1], len(text)))
-        original(uri, text, storage_options)
+    def counting(where, text):
+        writes.append((str(where).rsplit("/", 1)[-1], len(text)))
+        original(where, text)
 
     monkeypatch.setattr(storage, "write_text", counting)
     shards = [f"/data/train-{i:06d}.tar" for i in range(200)]
@@ -183,7 +183,7 @@ def s3_options():
 
 
 def test_on_s3_the_claim_holds_with_a_conditional_create_and_without_one(s3_options, monkeypatch):
-    fs, _ = storage.filesystem("s3://claims", s3_options)
+    fs, _ = storage.Location("s3://claims", s3_options).fs()
 
     def objects(prefix: str) -> dict[str, bytes]:
         fs.invalidate_cache()
@@ -191,8 +191,8 @@ def test_on_s3_the_claim_holds_with_a_conditional_create_and_without_one(s3_opti
 
     shards = [f"/data/train-{i:06d}.tar" for i in range(2)]
     # s3fs sends If-None-Match: the run that comes second fails at its start, as on local disk.
-    out = "s3://claims/conditional"
-    a, b = EmbeddingOutput(out, HEADER, s3_options), EmbeddingOutput(out, OTHER, s3_options)
+    out = storage.Location("s3://claims/conditional", s3_options)
+    a, b = EmbeddingOutput(out, HEADER), EmbeddingOutput(out, OTHER)
     plan_a, plan_b = a.plan(shards, overwrite=False), b.plan(shards, overwrite=False)
     a.start(plan_a)
     commit(a, plan_a, shards[0])
@@ -205,17 +205,17 @@ def test_on_s3_the_claim_holds_with_a_conditional_create_and_without_one(s3_opti
     # is found, then read back.
     original = fs.pipe_file
     monkeypatch.setattr(fs, "pipe_file", lambda path, value, **kw: original(path, value))
-    assert "mode" not in inspect.signature(storage.filesystem(out, s3_options)[0].pipe_file).parameters
-    claim = "s3://claims/plain/" + CLAIM
-    assert storage.create_text(claim, "{}", s3_options) and not storage.create_text(claim, "[]", s3_options)
+    assert "mode" not in inspect.signature(out.fs()[0].pipe_file).parameters
+    claim = out.at("s3://claims/plain/" + CLAIM)
+    assert storage.create_text(claim, "{}") and not storage.create_text(claim, "[]")
     assert fs.cat_file("claims/plain/" + CLAIM) == b"{}"
     # Two runs that both found no claim both write it; the later write stands. The run it displaced
     # stops at its next commit and publishes nothing; the other goes on.
-    out = "s3://claims/race"
-    a, b = EmbeddingOutput(out, HEADER, s3_options), EmbeddingOutput(out, OTHER, s3_options)
+    out = out.at("s3://claims/race")
+    a, b = EmbeddingOutput(out, HEADER), EmbeddingOutput(out, OTHER)
     plan_a, plan_b = a.plan(shards, overwrite=False), b.plan(shards, overwrite=False)
     a.start(plan_a)
-    storage.write_text(f"{out}/{CLAIM}", json.dumps({**OTHER, "run": b.run_id}), s3_options)  # B's write
+    storage.write_text(out.join(CLAIM), json.dumps({**OTHER, "run": b.run_id}))  # B's write
     with pytest.raises(OutputClaimedError, match="weights sha256"):
         commit(a, plan_a, shards[0])
     b.start(plan_b)

@@ -36,8 +36,8 @@ def mae_run(tmp_path, image_size: int = 64):
 
 def test_visible_patches_are_kept_and_hidden_ones_drawn_gray(tmp_path, synthetic_shards):
     run, model = mae_run(tmp_path)
-    assert find_mae_checkpoint(str(run / "final")) == str(run / dcp.checkpoint_name(1))
-    assert find_mae_checkpoint(str(run)) == str(run / dcp.checkpoint_name(1))
+    assert find_mae_checkpoint(str(run / "final")).url == str(run / dcp.checkpoint_name(1))
+    assert find_mae_checkpoint(str(run)).url == str(run / dcp.checkpoint_name(1))
     loaded, saved = load_mae(find_mae_checkpoint(str(run)))
     for name, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name

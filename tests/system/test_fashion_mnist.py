@@ -45,7 +45,7 @@ def test_pack_reads_back_every_image_with_its_label(tmp_path):
     config = DataConfig(image_size=28, patch_size=4, image_keys=("png",), label_key="cls", crop_fraction=1.0)
     seen = {}
     for shard in sorted((tmp_path / "shards").glob("*.tar")):
-        for block in read_shard(str(shard), config.row_spec, None, 16):
+        for block in read_shard(str(shard), config.row_spec, 16):
             rows = preprocess_batch(block.to_pydict(), config=config, train=False, epoch=0)
             assert not any(rows["error"])
             for key, label, patches in zip(rows["key"], rows["label"], rows["patches"], strict=True):

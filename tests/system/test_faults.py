@@ -27,6 +27,7 @@ from safetensors.torch import load as load_safetensors
 
 import vit
 from pipeline import dcp
+from pipeline.storage import Location
 from tests.flaky_s3 import FAULTS, FlakyS3
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,7 +140,7 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
             dcp.checkpoint_name(n) for n in (4, 8, 12)
         ]
         for name in (dcp.checkpoint_name(n) for n in (4, 8, 12)):
-            assert dcp.is_complete(f"s3://{RUN}/{name}", direct), name
+            assert dcp.is_complete(Location(f"s3://{RUN}/{name}", direct)), name
         assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{RUN}/final")) == [
             "config.json",
             "weights.safetensors",
@@ -148,7 +149,7 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
         assert exported["training"]["step"] == 12 and exported["training"]["finished"]
         weights = load_safetensors(fs.cat_file(f"{RUN}/final/weights.safetensors"))
         config = vit.ViTConfig.from_dict(exported["model"])
-        last = dcp.load_model_state(f"s3://{RUN}/{dcp.checkpoint_name(12)}", config, direct)
+        last = dcp.load_model_state(Location(f"s3://{RUN}/{dcp.checkpoint_name(12)}", direct), config)
         assert weights.keys() == last.keys()
         for key in weights:
             assert torch.equal(weights[key], last[key]), key

@@ -34,7 +34,7 @@ def test_a_checkpoint_with_all_its_files_is_complete(tmp_path):
     path = tmp_path / dcp.checkpoint_name(3)
     write_checkpoint(path)
     assert dcp.is_complete(path)
-    assert dcp.latest_complete(tmp_path) == str(path)
+    assert dcp.latest_complete(tmp_path).url == str(path)
 
 
 def test_a_missing_shard_file_makes_it_incomplete(tmp_path):
@@ -44,7 +44,7 @@ def test_a_missing_shard_file_makes_it_incomplete(tmp_path):
     os.remove(newer / shards[1])  # another rank's upload never arrived
     assert (newer / dcp.METADATA).is_file() and (newer / dcp.TRAIN_STATE).is_file()
     assert not dcp.is_complete(newer)
-    assert dcp.latest_complete(tmp_path) == str(older)
+    assert dcp.latest_complete(tmp_path).url == str(older)
 
 
 def test_missing_train_state_config_or_metadata_makes_it_incomplete(tmp_path):
@@ -66,7 +66,7 @@ def test_a_file_cut_short_makes_it_incomplete(tmp_path, which):
     cut = newer / (shards[-1] if which == "shard" else which)
     cut.write_bytes(cut.read_bytes()[:-1])
     assert not dcp.is_complete(newer)
-    assert dcp.latest_complete(tmp_path) == str(older)
+    assert dcp.latest_complete(tmp_path).url == str(older)
 
 
 class Marker:

@@ -50,7 +50,7 @@ class UploadingSession:
     @contextlib.contextmanager
     def resume_from(self):
         latest = dcp.latest_complete(self.run_dir) if self.run_dir.exists() else None
-        yield None if latest is None else (Path(latest), latest)
+        yield None if latest is None else (Path(latest.local_path), latest.url)
 
     def report(self, metrics: dict, checkpoint_dir: str | None = None, name: str = "") -> None:
         self.reports.append(metrics)
@@ -114,7 +114,7 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_
     whole = (straight / dcp.checkpoint_name(8) / SHARD_FILE).stat().st_size
     assert (cut / SHARD_FILE).stat().st_size == whole // 2
     assert not dcp.is_complete(cut)
-    assert dcp.latest_complete(killed) == str(killed / dcp.checkpoint_name(4))
+    assert dcp.latest_complete(killed).url == str(killed / dcp.checkpoint_name(4))
     assert [r["step"] for r in read_metrics(str(killed))] == [2, 4, 6, 8]  # flushed before the save
 
     monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
@@ -168,12 +168,12 @@ def test_a_checkpoint_copy_cut_anywhere_is_never_taken_as_complete(killed_and_st
         for name, data in state.items():
             (target / name).write_bytes(data)
         assert not dcp.is_complete(target), sorted((n, len(d)) for n, d in state.items())
-        assert dcp.latest_complete(run) == str(run / dcp.checkpoint_name(4))
+        assert dcp.latest_complete(run).url == str(run / dcp.checkpoint_name(4))
         states += 1
     assert states == 143
     for name, data in files.items():  # and whole, it is
         (target / name).write_bytes(data)
-    assert dcp.latest_complete(run) == str(target)
+    assert dcp.latest_complete(run).url == str(target)
 
 
 def test_a_run_killed_after_its_last_checkpoint_run_again_exports_and_says_so(

@@ -54,7 +54,7 @@ def uploaded(s3: FlakyS3, prefix: str) -> dict[str, bytes]:
 
 def test_every_file_arrives_whole_through_failing_requests(s3, tmp_path):
     s3.faulty()
-    storage.upload_dir(local_checkpoint(tmp_path), f"s3://{BUCKET}/run/a", s3.storage_options, backoff_s=0.1)
+    storage.upload_dir(local_checkpoint(tmp_path), s3.location(f"s3://{BUCKET}/run/a"), backoff_s=0.1)
     s3.faulty(False)
     assert sum(s3.faults.values()) > 0
     assert uploaded(s3, "run/a") == FILES
@@ -72,7 +72,9 @@ def test_an_upload_that_fails_past_the_clients_retries_is_sent_again(tmp_path):
             region_name="us-east-1",
         ).create_bucket(Bucket=BUCKET)  # fmt: skip
         s3.faulty()
-        storage.upload_dir(local_checkpoint(tmp_path), f"s3://{BUCKET}/run/f", options, backoff_s=0.05)
+        storage.upload_dir(
+            local_checkpoint(tmp_path), storage.Location(f"s3://{BUCKET}/run/f", options), backoff_s=0.05
+        )
         assert s3.faults["500"] == 2
         assert uploaded(s3, "run/f") == FILES
     finally:
@@ -82,14 +84,14 @@ def test_an_upload_that_fails_past_the_clients_retries_is_sent_again(tmp_path):
 def test_a_listing_that_fails_is_tried_again_in_the_next_round(s3, tmp_path, monkeypatch):
     real, calls = storage.list_files, []
 
-    def list_files(uri, options=None):
-        calls.append(uri)
+    def list_files(where):
+        calls.append(where)
         if len(calls) == 1:
             raise OSError("503 Slow Down")  # the store did not answer the check
-        return real(uri, options)
+        return real(where)
 
     monkeypatch.setattr(storage, "list_files", list_files)
-    storage.upload_dir(local_checkpoint(tmp_path), f"s3://{BUCKET}/run/l", s3.storage_options, backoff_s=0.05)
+    storage.upload_dir(local_checkpoint(tmp_path), s3.location(f"s3://{BUCKET}/run/l"), backoff_s=0.05)
     assert len(calls) == 2
     assert uploaded(s3, "run/l") == FILES
 
@@ -111,7 +113,7 @@ def dropping(monkeypatch, name: str, times: int) -> list[str]:
 
 def test_a_silently_dropped_file_is_sent_again(s3, tmp_path, monkeypatch):
     calls = dropping(monkeypatch, "train_state.json", times=1)
-    storage.upload_dir(local_checkpoint(tmp_path), f"s3://{BUCKET}/run/b", s3.storage_options, backoff_s=0.1)
+    storage.upload_dir(local_checkpoint(tmp_path), s3.location(f"s3://{BUCKET}/run/b"), backoff_s=0.1)
     assert calls.count("train_state.json") == 2
     assert uploaded(s3, "run/b") == FILES
 
@@ -120,31 +122,30 @@ def test_a_file_that_never_arrives_is_an_error_and_the_commit_file_is_not_sent(s
     calls = dropping(monkeypatch, "train_state.json", times=100)
     with pytest.raises(OSError, match=r"could not upload train_state.json to s3://.* in 3 tries"):
         storage.upload_dir(
-            local_checkpoint(tmp_path), f"s3://{BUCKET}/run/c", s3.storage_options,
+            local_checkpoint(tmp_path), s3.location(f"s3://{BUCKET}/run/c"),
             commit_last="config.json", attempts=3, backoff_s=0.1,
         )  # fmt: skip
     assert "config.json" not in calls and "config.json" not in uploaded(s3, "run/c")
 
 
 def test_ray_train_uploads_a_checkpoint_to_s3_through_the_checked_upload(s3, tmp_path, monkeypatch):
+    """The run directory's endpoint and keys in its storage options alone (none in the environment)."""
     import ray.train
 
-    from pipeline.train import session
+    from pipeline.train import driver, session
 
-    host, port = s3.endpoint.removeprefix("http://").rsplit(":", 1)
-    for key, value in {"AWS_ENDPOINT_URL": s3.endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
-        monkeypatch.setenv(key, value)
-    arrow_s3 = pyarrow.fs.S3FileSystem(
-        endpoint_override=f"{host}:{port}", scheme="http", access_key="testing", secret_key="testing",
-        region="us-east-1",
-    )  # fmt: skip
-    store = SimpleNamespace(storage_filesystem=arrow_s3, experiment_fs_path=f"{BUCKET}/runs/r")
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    calls = dropping(monkeypatch, ".metadata", times=1)  # before the filesystem is made
+    run_dir = s3.location(f"s3://{BUCKET}/runs/r")
+    storage_path, name, arrow_s3 = driver.ray_storage(run_dir)  # what the driver gives Ray Train
+    assert (storage_path, name) == (f"{BUCKET}/runs", "r")
+    store = SimpleNamespace(storage_filesystem=arrow_s3, experiment_fs_path=f"{storage_path}/{name}")
     monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: store))
     reports = []
     monkeypatch.setattr(ray.train, "report", lambda metrics, **kwargs: reports.append(kwargs))
-    calls = dropping(monkeypatch, ".metadata", times=1)
     rank = session.RaySession.__new__(session.RaySession)  # its report alone, outside a Ray Train worker
+    rank.run_dir = run_dir
     rank.report({"step": 4}, str(local_checkpoint(tmp_path)), name="checkpoint_000004")
     (kwargs,) = reports
     upload = kwargs["checkpoint_upload_fn"]
@@ -152,6 +153,8 @@ def test_ray_train_uploads_a_checkpoint_to_s3_through_the_checked_upload(s3, tmp
     persisted = upload(kwargs["checkpoint"], kwargs["checkpoint_dir_name"])
     assert persisted.path == f"{BUCKET}/runs/r/checkpoint_000004" and persisted.filesystem is arrow_s3
     assert calls.count(".metadata") == 2 and uploaded(s3, "runs/r/checkpoint_000004") == FILES
+    # Ray Train reads it back through the same filesystem (a resume): the options reach the store.
+    assert arrow_s3.get_file_info(f"{persisted.path}/config.json").size == len(FILES["config.json"])
 
 
 def test_a_local_run_directory_keeps_ray_trains_own_copy(tmp_path, monkeypatch):
@@ -164,5 +167,6 @@ def test_a_local_run_directory_keeps_ray_trains_own_copy(tmp_path, monkeypatch):
     reports = []
     monkeypatch.setattr(ray.train, "report", lambda metrics, **kwargs: reports.append(kwargs))
     rank = session.RaySession.__new__(session.RaySession)
+    rank.run_dir = storage.Location(str(tmp_path))
     rank.report({"step": 4}, str(local_checkpoint(tmp_path)), name="checkpoint_000004")
     assert reports[0]["checkpoint_upload_fn"] is None

@@ -78,7 +78,7 @@ class LocalSession:
     @contextlib.contextmanager
     def resume_from(self):
         latest = dcp.latest_complete(self.run_dir) if self.run_dir.exists() else None
-        yield None if latest is None else (Path(latest), latest)
+        yield None if latest is None else (Path(latest.local_path), latest.url)
 
     def report(self, metrics, checkpoint_dir=None, name=""):
         self.reports.append(metrics)
@@ -334,7 +334,7 @@ def test_a_crafted_checkpoint_stops_the_resume_in_one_line_and_runs_nothing(
     sentinel = tmp_path / "pwned"
     (latest / dcp.METADATA).write_bytes(pickle.dumps(_Exploit(sentinel)))
 
-    monkeypatch.setattr(loop, "RaySession", lambda: LocalSession(world, tmp_path / "run"))
+    monkeypatch.setattr(loop, "RaySession", lambda run_dir: LocalSession(world, tmp_path / "run"))
     loop_config = {
         "train": stopped.replace(stop_at_step=None).to_dict(),
         "shards": SHARDS,

@@ -235,9 +235,9 @@ def test_checkpoint_round_trip(world, tmp_path):
     mcfg = model_config(CONFIG)
     path = tmp_path / dcp.checkpoint_name(3)
     checkpoint.save(path, model, step.optimizer, state, {"model_config": mcfg.to_dict()})
-    assert dcp.is_complete(path) and dcp.latest_complete(tmp_path) == str(path)
+    assert dcp.is_complete(path) and dcp.latest_complete(tmp_path).url == str(path)
     (tmp_path / dcp.checkpoint_name(9)).mkdir()  # a save that never finished
-    assert dcp.latest_complete(tmp_path) == str(path)
+    assert dcp.latest_complete(tmp_path).url == str(path)
 
     fresh = build_model(CONFIG.replace(seed=7), world)
     fresh_step = TrainStep(fresh, CONFIG, world)
