@@ -3,6 +3,11 @@ run to a loopback S3 whose every 4th request fails (503, a stall past the read t
 connection, in turn; 12 faults in each run); its driver and the local Ray it started are SIGKILLed once a checkpoint is
 registered, and the same command is run again.
 
+The first run reaches the store through the environment (AWS_*); the second through `--storage-options`
+alone, no AWS_* variable set: its shards, marker, metrics, checkpoints (Ray Train's storage too, which
+resumes the run) and final export all go where those options say, and none of the run's files holds the
+secret.
+
 Arithmetic: 4 shards x 16 samples, 2 workers x micro-batch 8, batch 16 -> 4 steps an epoch, so every
 checkpoint (every 4 steps) falls on an epoch edge, and 12 steps read 192 samples.
 """
@@ -77,6 +82,9 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1",
         }
+        secret = "vitray-second-run-secret"  # moto takes any keys
+        options = {**s3.storage_options, "key": "vitray-second-run", "secret": secret}
+        options_only = {k: v for k, v in env.items() if not k.startswith("AWS_")}
         args = [
             sys.executable, str(PRETRAIN), "--data", f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar",
             "--out", f"s3://{RUN}", "--cpu", "--num-classes", "4", "--batch-size", "16",
@@ -114,7 +122,10 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
         faults_first = dict(s3.faults)
         s3.max_faults += 12
 
-        result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+        result = subprocess.run(
+            [*args, "--storage-options", json.dumps(options)],
+            cwd=ROOT, env=options_only, capture_output=True, text=True, timeout=480,
+        )  # fmt: skip
         seconds = time.monotonic() - started
         s3.faulty(False)
         assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
@@ -153,6 +164,8 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
         assert weights.keys() == last.keys()
         for key in weights:
             assert torch.equal(weights[key], last[key]), key
+        fs.invalidate_cache()
+        assert not [p for p in fs.find(RUN) if secret.encode() in fs.cat_file(p)]
     finally:
         s3.stop()
     print(

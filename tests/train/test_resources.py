@@ -4,6 +4,8 @@ where the workers would write to several disks. No Ray needed: its answers are s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import ray
 
@@ -28,16 +30,13 @@ def test_an_explicit_budget_wins():
         GPU_RUN.replace(data_cpus_per_worker=0.0).validate()
 
 
-def test_autoscaling_cluster_the_budget_is_not_frozen_at_submission(monkeypatch, capsys):
-    """The shipped configs: a head that schedules nothing, GPU nodes with min_workers 0. At submission
-    the cluster has 0 CPUs; the workers start once the GPU nodes are up, and decide then."""
-    cluster = {"CPU": 0.0}
-    monkeypatch.setattr(ray, "cluster_resources", lambda: dict(cluster))
+def submitted(monkeypatch, config: TrainConfig) -> dict:
+    """What `driver.fit` hands TorchTrainer (no Ray, no store): {"train_loop_config", "run_config"}."""
     captured = {}
 
     class Trainer:  # stands in for TorchTrainer: records what the driver hands the workers
-        def __init__(self, fn, *, train_loop_config, **kwargs):
-            captured.update(train_loop_config)
+        def __init__(self, fn, *, train_loop_config, run_config, **kwargs):
+            captured.update(train_loop_config=train_loop_config, run_config=run_config)
 
         def fit(self):
             return type("Result", (), {"return_value": {}})()
@@ -45,8 +44,17 @@ def test_autoscaling_cluster_the_budget_is_not_frozen_at_submission(monkeypatch,
     monkeypatch.setattr("ray.train.torch.TorchTrainer", Trainer)
     claimed = []  # the run's marker goes to --out before the workers start (no store here)
     monkeypatch.setattr(driver, "claim_out", lambda config: claimed.append(config.run.out))
-    driver.fit(GPU_RUN, ["s3://bucket/train-0.tar"])  # submission: 0 CPUs in the cluster
-    assert claimed == [GPU_RUN.run.out]
+    driver.fit(config, ["s3://bucket/train-0.tar"])
+    assert claimed == [config.run.out]
+    return captured
+
+
+def test_autoscaling_cluster_the_budget_is_not_frozen_at_submission(monkeypatch, capsys):
+    """The shipped configs: a head that schedules nothing, GPU nodes with min_workers 0. At submission
+    the cluster has 0 CPUs; the workers start once the GPU nodes are up, and decide then."""
+    cluster = {"CPU": 0.0}
+    monkeypatch.setattr(ray, "cluster_resources", lambda: dict(cluster))
+    captured = submitted(monkeypatch, GPU_RUN)["train_loop_config"]  # submission: 0 CPUs in the cluster
     assert captured["data_cpus_per_worker"] is None  # no budget decided on the driver
 
     cluster.update(CPU=384.0, GPU=16.0)  # the autoscaler brought two 8-GPU nodes
@@ -61,6 +69,28 @@ def test_autoscaling_cluster_the_budget_is_not_frozen_at_submission(monkeypatch,
     assert "epoch 2: 42 decode CPUs per worker" in capsys.readouterr().out  # changed: logged
     assert resources.data_cpus_per_worker(config, world=16, rank=0, epoch=3) == 42.0
     assert capsys.readouterr().out == ""  # unchanged: no line every epoch
+
+
+def test_the_workers_get_the_storage_options_that_the_saved_config_redacts(monkeypatch):
+    """--storage-options reach every write under --out: the workers' config and Ray Train's storage
+    (a filesystem over the run directory's own, options included), while the config Ray Train records
+    for its dashboard, and every text of the run directory, show no secret."""
+    from ray.train.v2._internal.state.schema import _to_json_serializable_value
+
+    from pipeline.train.loop import worker_config
+
+    options = {"key": "AKIA-NOT-SHOWN", "secret": "s3cr3t", "client_kwargs": {"endpoint_url": "http://s3:9"}}
+    config = GPU_RUN.replace(storage_options=options)
+    captured = submitted(monkeypatch, config)
+    loop_config, run_config = captured["train_loop_config"], captured["run_config"]
+    assert worker_config(loop_config) == config  # the real options, on every worker
+    assert worker_config(loop_config).run_dir.options == options
+    assert TrainConfig.from_dict(loop_config["train"]).data.storage_options is None  # redacted there
+    recorded = json.dumps(_to_json_serializable_value(loop_config))
+    assert "s3cr3t" not in recorded and "AKIA" not in recorded and "s3://bucket/runs/h14" in recorded
+    assert (run_config.storage_path, run_config.name) == ("bucket/runs", "h14")
+    handler = run_config.storage_filesystem.handler  # pyarrow over the run directory's fsspec filesystem
+    assert handler.fs.storage_options == options and handler.fs.client_kwargs["endpoint_url"] == "http://s3:9"
 
 
 LOCAL_RUN = TrainConfig().replace(shards="unused", out="/data/runs/exp1", num_workers=2, use_gpu=False)
