@@ -80,6 +80,35 @@ def test_run_dir_final_and_checkpoint_give_the_same_weights(run_dir, tmp_path):
     assert latest.sha256 == final.sha256
 
 
+def test_weights_on_s3_load_with_the_jobs_storage_options_alone(run_dir, monkeypatch):
+    """A run directory, its final/ and a checkpoint on a loopback S3, the endpoint and keys in the
+    Location's options only: each loads, the same weights as from local disk."""
+    import boto3
+    from moto import server as moto_server
+
+    from pipeline.storage import Location
+
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
+        client = boto3.client("s3", region_name="us-east-1", aws_access_key_id="k", aws_secret_access_key="s",
+                              endpoint_url=options["client_kwargs"]["endpoint_url"])  # fmt: skip
+        client.create_bucket(Bucket="weights")
+        for file in (p for p in run_dir.rglob("*") if p.is_file()):
+            client.upload_file(str(file), "weights", f"run/{file.relative_to(run_dir)}")
+        local = load_model_source(str(run_dir))
+        run = Location("s3://weights/run", options)
+        for where, kind in [(run, "export"), (run.join(dcp.checkpoint_name(1)), "checkpoint")]:
+            source = load_model_source(where)
+            assert (source.kind, source.sha256) == (kind, local.sha256), where
+    finally:
+        server.stop()
+
+
 def test_another_image_size_resamples_the_position_embeddings(run_dir):
     source = load_model_source(str(run_dir), image_size=48)
     assert (source.config.image_size, source.config.num_patches) == (48, 36)
