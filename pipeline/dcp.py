@@ -55,7 +55,7 @@ def is_complete(directory: storage.Location | str | Path) -> bool:
     mounted `--out` writes files in place) leaves files that exist but are short. Metadata cut short
     makes the directory incomplete; metadata naming what `MetadataUnpickler` refuses was written to run
     code, not cut short, and raises `CheckpointRefusedError` (one line) rather than being passed over."""
-    fs, path = storage.filesystem(directory if isinstance(directory, storage.Location) else str(directory))
+    fs, path = storage.filesystem(directory)
     fs.invalidate_cache(path)  # a listing cached before the last rank's upload would hide its file
     try:
         entries = fs.ls(path, detail=True)
@@ -83,7 +83,7 @@ def is_complete(directory: storage.Location | str | Path) -> bool:
 
 def latest_complete(run_dir: storage.Location | str | Path) -> storage.Location | None:
     """The complete ``checkpoint_<step>`` with the highest step under a run directory, or None."""
-    run_dir = run_dir if isinstance(run_dir, storage.Location) else storage.Location(str(run_dir))
+    run_dir = storage.as_location(run_dir)
     fs, root = run_dir.fs()
     if not fs.isdir(root):
         return None

@@ -105,12 +105,12 @@ class Location:
             raise ValueError(f"{protocol}:// URLs need a filesystem package: {hint} ({e})") from e
 
 
-def as_location(where: Location | str) -> Location:
+def as_location(where: Location | str | os.PathLike) -> Location:
     """``where`` as a Location: a plain path or URL gets no options (the environment's)."""
     return where if isinstance(where, Location) else Location(str(where))
 
 
-def filesystem(where: Location | str) -> tuple[fsspec.AbstractFileSystem, str]:
+def filesystem(where: Location | str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path within it) of a location (`Location.fs`)."""
     return as_location(where).fs()
 

@@ -86,7 +86,7 @@ def test_the_workers_get_the_storage_options_that_the_saved_config_redacts(monke
     assert worker_config(loop_config) == config  # the real options, on every worker
     assert worker_config(loop_config).run_dir.options == options
     assert TrainConfig.from_dict(loop_config["train"]).data.storage_options is None  # redacted there
-    recorded = json.dumps(_to_json_serializable_value(loop_config))
+    recorded = json.dumps(_to_json_serializable_value([loop_config, run_config.storage_filesystem]))
     assert "s3cr3t" not in recorded and "AKIA" not in recorded and "s3://bucket/runs/h14" in recorded
     assert (run_config.storage_path, run_config.name) == ("bucket/runs", "h14")
     handler = run_config.storage_filesystem.handler  # pyarrow over the run directory's fsspec filesystem
