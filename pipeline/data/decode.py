@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
 
 from pipeline.data.config import INTERPOLATIONS, DataConfig, sample_seed
+from pipeline.data.shards import shard_name
 from vit.patchify import patchify
 
 # Decoders a shard may reach; a short list is a smaller attack surface than every plugin PIL has.
@@ -163,9 +164,10 @@ def transform_image(data: bytes, config: DataConfig, *, train: bool, rng: random
 
 
 def preprocess_batch(
-    batch: dict[str, Any], *, config: DataConfig, train: bool, epoch: int
+    batch: dict[str, Any], *, config: DataConfig, train: bool, epoch: int, root: str = ""
 ) -> dict[str, np.ndarray]:
-    """Read rows -> patch rows (the function Ray fuses into each read task).
+    """Read rows -> patch rows (the function Ray fuses into each read task). A training crop is
+    seeded by the sample's shard name relative to ``root`` (`shards.shard_name`) and its key.
 
     In: ``key``, ``url`` (str), ``image`` (bytes), ``label`` (int64), ``error`` (str) arrays of length B.
     Out: ``key``, ``url``, ``patches`` uint8 ``(B, N, P*P*3)``, ``label`` int64 ``(B,)``, ``error``.
@@ -183,7 +185,8 @@ def preprocess_batch(
         for i in range(len(keys)):
             error = errors[i]
             if not error:
-                rng = random.Random(sample_seed(config.seed, epoch, urls[i], keys[i])) if train else None
+                name = shard_name(urls[i], root)
+                rng = random.Random(sample_seed(config.seed, epoch, name, keys[i])) if train else None
                 try:
                     pixels[i] = transform_image(images[i], config, train=train, rng=rng)
                 except ImageError as e:
