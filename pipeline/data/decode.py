@@ -7,8 +7,9 @@ be used keeps its row: ``error`` says why and its patches are zeros, so counts s
 Crops are computed on the original image size first; JPEGs are then decoded with DCT-domain downscaling
 (PIL ``draft``) by the largest factor of 2, 4 or 8 that keeps the crop at least the output size, and one
 ``resize`` with a source ``box`` crops and resamples in a single pass. Train: random-resized-crop
-(scale, ratio) and horizontal flip, drawn from an RNG seeded by (seed, epoch, url, key), so a sample gets
-the same crop in the same epoch however tasks are scheduled. Eval: resize the short side to
+(scale, ratio) and horizontal flip, drawn from an RNG seeded by (seed, epoch, shard name, key), so a sample gets
+the same crop in the same epoch however tasks are scheduled; with ``randaug_ops`` > 0, RandAugment
+(`pipeline.data.augment`) then draws its ops from that same RNG, after the crop and the flip. Eval: resize the short side to
 ``image_size / crop_fraction`` and take the center ``image_size`` square, both in continuous coordinates.
 
 Resampling: PIL's filters widen with the downscale factor (antialiased, like torchvision's
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
 
+from pipeline.data.augment import rand_augment
 from pipeline.data.config import INTERPOLATIONS, DataConfig, sample_seed
 from pipeline.data.shards import shard_name
 from vit.patchify import patchify
@@ -159,6 +161,10 @@ def transform_image(data: bytes, config: DataConfig, *, train: bool, rng: random
         box, flip = eval_crop_box(im.width, im.height, size, config.crop_fraction), False
         resample = RESAMPLE[config.eval_interpolation]
     out = crop_resize(im, box, size, resample, draft=config.jpeg_draft, reducing_gap=config.reducing_gap)
+    if train and config.randaug_ops:
+        # Before the flip, whose draw came first: every op is mirror-symmetric in distribution (the
+        # signed ones draw their sign), so this is the distribution of timm's flip-then-augment.
+        out = rand_augment(out, config.randaug_ops, config.randaug_magnitude, rng)
     pixels = np.asarray(out)
     return pixels[:, ::-1] if flip else pixels
 

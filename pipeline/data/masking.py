@@ -9,7 +9,7 @@
                                          visible[b, j] is patch ids_shuffle[b, j], masked[b, j] is
                                          patch ids_shuffle[b, n + j] (int32 past 32,767 patches)
 
-Each sample's permutation comes from `mask_seed`, a pure function of (seed, epoch, url, key) kept apart
+Each sample's permutation comes from `mask_seed`, a pure function of (seed, epoch, shard name, key) kept apart
 from the crop's seed, so a sample gets the same mask in the same epoch however tasks are scheduled,
 another mask in another epoch, and a change to the crop's draws never moves the mask.
 
