@@ -8,7 +8,9 @@
 (c) the ceiling: one process running the same read + transform in a tight loop, times the cores;
     ``ceiling_parallel`` runs that loop in ``cores`` processes at once, which is what the cores deliver
     together (shared caches, memory bandwidth and the host's scheduling included);
-(d) for the record, Ray's built-in ``read_webdataset(decoder=None)`` + ``map_batches`` of the same transform.
+(d) for the record, Ray's built-in ``read_webdataset(decoder=None)`` + ``map_batches`` of the same transform;
+(e) what RandAugment costs: ``ceiling_randaug`` (and, when asked for, ``vitray_randaug``) run (c) (and (a))
+    with ``--randaug OPS,MAGNITUDE`` added to the train transform (default AugReg's 2,10).
 
 The shards are photo-like JPEGs of about 500x375 (random crops, scales, flips and color shifts of
 matplotlib's sample photo, re-encoded at quality 90), written once into a temporary or ``--shards`` dir.
@@ -35,6 +37,7 @@ import numpy as np
 
 from jobs.benchmarks.process_cpu import RAY_KINDS, process_tree_cpu
 from jobs.benchmarks.report import print_table, write_json
+from pipeline.cli import pair
 from pipeline.data.config import DataConfig
 from pipeline.data.dataset import build_dataset, iter_batches
 from pipeline.data.decode import preprocess_batch
@@ -89,14 +92,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="Ray target block size in MiB (default: DataConfig's, %(default)s)",
     )
     parser.add_argument(
+        "--randaug", type=pair, default=(2, 10), metavar="OPS,MAGNITUDE",
+        help="RandAugment of the *_randaug configurations (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
         "--repeats", type=int, default=2, help="runs of each configuration (default: %(default)s)"
     )
     parser.add_argument(
         "--only",
-        default="ceiling,ceiling_parallel,webdataset,vitray,read_webdataset",
-        help="comma-separated subset of the configurations (default: all)",
+        default="ceiling,ceiling_randaug,ceiling_parallel,webdataset,vitray,read_webdataset",
+        help="comma-separated subset of the configurations, vitray_randaug too (default: the others)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not float(args.randaug[0]).is_integer():
+        parser.error(f"--randaug {args.randaug}: OPS is a whole number of ops, e.g. 2,10")
+    return args
 
 
 def make_photo_shards(out_dir: Path, images: int, per_shard: int, seed: int = 0) -> list[str]:
@@ -271,6 +281,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         shuffle_buffer=args.shuffle_buffer,
         block_bytes=args.block_mb << 20,
     )
+    augmented = config.replace(randaug_ops=int(args.randaug[0]), randaug_magnitude=args.randaug[1])
     scratch = tempfile.TemporaryDirectory(prefix="vitray-bench-") if not args.shards else None
     shard_dir = Path(args.shards or scratch.name)
     shard_dir.mkdir(parents=True, exist_ok=True)
@@ -283,13 +294,15 @@ def main(argv: list[str]) -> dict[str, Any]:
     part = shards[: max(1, len(shards) // 3)]  # a third of the shards is plenty for a per-core rate
     runners: dict[str, Callable[[], Run]] = {
         "ceiling": lambda: ceiling_run(part, config),
+        "ceiling_randaug": lambda: ceiling_run(part, augmented),
         "ceiling_parallel": lambda: parallel_ceiling_run(part, config, cores),
         "webdataset": lambda: webdataset_run(shards, config, args.batch_size, cores, args.shuffle_buffer),
         "vitray": lambda: vitray_run(shards, config, args.batch_size),
         "read_webdataset": lambda: read_webdataset_run(shards, config, args.batch_size),
+        "vitray_randaug": lambda: vitray_run(shards, augmented, args.batch_size),
     }
     names = [name for name in runners if name in only]
-    uses_ray = bool(only & {"vitray", "read_webdataset"})
+    uses_ray = bool(only & {"vitray", "read_webdataset", "vitray_randaug"})
     if uses_ray:
         import ray
 
@@ -303,10 +316,10 @@ def main(argv: list[str]) -> dict[str, Any]:
     for repeat in range(args.repeats):
         for name in names:
             run, used = measure(runners[name])
-            if name == "ceiling":  # one process, scaled to the cores
+            if name.startswith("ceiling") and name != "ceiling_parallel":  # one process, scaled to the cores
                 run.images *= cores
                 used = {k: v * cores for k, v in used.items()}
-            if name in ("ceiling", "ceiling_parallel", "webdataset"):  # an idle Ray is not the baseline's
+            if not name.startswith(("vitray", "read_")):  # an idle Ray is not the baseline's
                 used = {k: v for k, v in used.items() if k not in RAY_KINDS}
             runs[name].append(run)
             for kind, value in used.items():
@@ -335,6 +348,7 @@ def report(
         "images": runs and max(r.images for v in runs.values() for r in v),
     }
     figures["config"] = config.to_dict()
+    figures["randaug"] = {"ops": int(args.randaug[0]), "magnitude": args.randaug[1]}
     rows = []
     for name, these in runs.items():
         rates = [r.images / r.seconds for r in these]
@@ -370,6 +384,8 @@ def report(
         ("vitray", "ceiling"),
         ("vitray", "ceiling_parallel"),
         ("read_webdataset", "webdataset"),
+        ("ceiling_randaug", "ceiling"),
+        ("vitray_randaug", "vitray"),
     ]
     for name, base in pairs:
         if name in runs and base in runs:

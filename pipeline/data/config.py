@@ -5,8 +5,8 @@ patchify, from the preprocessing the model carries): the embedding job, the anal
 fine-tuning's evaluation all take theirs from it.
 
 Determinism comes from pure functions of their arguments, never of scheduling: `sample_seed` seeds a
-sample's crop from (seed, epoch, url, key), `shard_order` permutes the shards by (seed, epoch), and
-`shuffle_seed` seeds a rank's local shuffle buffer by (seed, epoch, rank).
+sample's crop, flip and RandAugment ops from (seed, epoch, shard name, key), `shard_order` permutes the
+shards by (seed, epoch), and `shuffle_seed` seeds a rank's local shuffle buffer by (seed, epoch, rank).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from pipeline.storage import Location
 
 # Resampling filters by name (`pipeline.data.decode.RESAMPLE` maps them to PIL's).
 INTERPOLATIONS = ("nearest", "box", "bilinear", "bicubic", "lanczos")
+# The top of RandAugment's magnitude scale (timm's and big_vision's level scale; `pipeline.data.augment`).
+MAX_MAGNITUDE = 10.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,12 @@ class DataConfig:
         metavar="MIN,MAX",
     )  # fmt: skip
     hflip: bool = setting(True, "random horizontal flips in training")
+    randaug_ops: int = setting(
+        0, "RandAugment: ops per training image, drawn from 14 (0: none; AugReg and DeiT use 2)"
+    )
+    randaug_magnitude: float = setting(
+        9.0, "RandAugment: strength of every op on a 0..10 scale (AugReg's is 10, DeiT's 9)"
+    )
     mask_ratio: float | None = setting(
         None, "MAE: share of patches hidden, drawn per sample in training (None: no mask)", flag=None
     )
@@ -118,6 +126,15 @@ class DataConfig:
                 f"scale {self.scale} must satisfy 0 < lo <= hi <= 1",
             ),
             (not 0 < self.ratio[0] <= self.ratio[1], f"ratio {self.ratio} must satisfy 0 < lo <= hi"),
+            (
+                self.randaug_ops < 0,
+                f"{settings.flag(DataConfig, 'randaug_ops')} must be 0 (none) or more, got {self.randaug_ops}",
+            ),
+            (
+                not 0 <= self.randaug_magnitude <= MAX_MAGNITUDE,
+                f"{settings.flag(DataConfig, 'randaug_magnitude')} must be in [0, {MAX_MAGNITUDE:g}], "
+                f"got {self.randaug_magnitude}",
+            ),
             (not 0 < self.crop_fraction <= 1, f"crop_fraction {self.crop_fraction} must be in (0, 1]"),
             (
                 self.mask_ratio is not None and not 0 < self.mask_ratio < 1,

@@ -29,7 +29,7 @@ from pipeline.data.config import DataConfig, shuffle_seed
 from pipeline.data.decode import preprocess_batch
 from pipeline.data.masking import mask_batch
 from pipeline.data.rows import raise_lost_shard
-from pipeline.data.shards import ShardError, open_shard
+from pipeline.data.shards import ShardError, dataset_root, open_shard
 from pipeline.data.tar import iter_samples, open_tar_stream
 
 if TYPE_CHECKING:
@@ -38,8 +38,14 @@ if TYPE_CHECKING:
 Batch = dict[str, np.ndarray]
 
 
-def build_dataset(shards: list[str], config: DataConfig, *, train: bool, epoch: int = 0) -> ray.data.Dataset:
+def build_dataset(
+    shards: list[str], config: DataConfig, *, train: bool, epoch: int = 0, root: str | None = None
+) -> ray.data.Dataset:
     """A streaming dataset of patch rows over ``shards`` in the given order, one read task per shard.
+
+    Training crops and masks are seeded by each shard's name relative to ``root``, the directory of
+    the whole dataset (default: `dataset_root` of ``shards``; a rank reading a slice passes the root
+    of all of them), so copies of the same shards elsewhere give the same samples.
 
     Rows: ``key`` str, ``url`` str, ``patches`` uint8 ``(N, P*P*C)``, ``label`` int64 (-1 when absent),
     ``error`` str ("" when good; else the reason, with zero patches). Output order is deterministic:
@@ -55,6 +61,7 @@ def build_dataset(shards: list[str], config: DataConfig, *, train: bool, epoch: 
         raise ShardError(
             "no shards to read; pass at least one shard URL (see pipeline.data.shards.expand_shards)"
         )
+    root = dataset_root(shards) if root is None else root
     source = TarShardDatasource(
         [config.location(url) for url in shards],
         config.row_spec,
@@ -70,7 +77,7 @@ def build_dataset(shards: list[str], config: DataConfig, *, train: bool, epoch: 
         batch_size=None,  # whole read blocks: keeps Read->MapBatches fused (a batch_size would split them)
         batch_format="numpy",
         zero_copy_batch=True,
-        fn_kwargs={"config": config, "train": train, "epoch": epoch},
+        fn_kwargs={"config": config, "train": train, "epoch": epoch, "root": root},
     )
     if train and config.mask_ratio is not None:
         # Masked autoencoding: the mask is drawn here too, fused into the same read task.
@@ -79,7 +86,7 @@ def build_dataset(shards: list[str], config: DataConfig, *, train: bool, epoch: 
             batch_size=None,
             batch_format="numpy",
             zero_copy_batch=True,
-            fn_kwargs={"config": config, "epoch": epoch},
+            fn_kwargs={"config": config, "epoch": epoch, "root": root},
         )
     # This dataset's own context (a copy made at read time), not the process-global one.
     ds.context.execution_options.preserve_order = True
@@ -195,6 +202,7 @@ def micro_batches(
     size: int,
     bad_samples: BadSamples,
     data_cpus: float,
+    root: str,
 ) -> Iterator[Batch]:
     """One training rank's micro-batches for one epoch: good samples only, exactly `size` each.
 
@@ -202,7 +210,7 @@ def micro_batches(
     """
     if not shards:
         return
-    dataset = for_one_rank(build_dataset(shards, config, train=True, epoch=epoch), data_cpus)
+    dataset = for_one_rank(build_dataset(shards, config, train=True, epoch=epoch, root=root), data_cpus)
     batches = iter_batches(
         dataset, size, config, epoch=epoch, rank=rank, shuffle=True, bad_samples=bad_samples
     )

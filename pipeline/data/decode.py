@@ -7,8 +7,9 @@ be used keeps its row: ``error`` says why and its patches are zeros, so counts s
 Crops are computed on the original image size first; JPEGs are then decoded with DCT-domain downscaling
 (PIL ``draft``) by the largest factor of 2, 4 or 8 that keeps the crop at least the output size, and one
 ``resize`` with a source ``box`` crops and resamples in a single pass. Train: random-resized-crop
-(scale, ratio) and horizontal flip, drawn from an RNG seeded by (seed, epoch, url, key), so a sample gets
-the same crop in the same epoch however tasks are scheduled. Eval: resize the short side to
+(scale, ratio) and horizontal flip, drawn from an RNG seeded by (seed, epoch, shard name, key), so a sample gets
+the same crop in the same epoch however tasks are scheduled; with ``randaug_ops`` > 0, RandAugment
+(`pipeline.data.augment`) then draws its ops from that same RNG, after the crop and the flip. Eval: resize the short side to
 ``image_size / crop_fraction`` and take the center ``image_size`` square, both in continuous coordinates.
 
 Resampling: PIL's filters widen with the downscale factor (antialiased, like torchvision's
@@ -27,7 +28,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
 
+from pipeline.data.augment import rand_augment
 from pipeline.data.config import INTERPOLATIONS, DataConfig, sample_seed
+from pipeline.data.shards import shard_name
 from vit.patchify import patchify
 
 # Decoders a shard may reach; a short list is a smaller attack surface than every plugin PIL has.
@@ -158,14 +161,19 @@ def transform_image(data: bytes, config: DataConfig, *, train: bool, rng: random
         box, flip = eval_crop_box(im.width, im.height, size, config.crop_fraction), False
         resample = RESAMPLE[config.eval_interpolation]
     out = crop_resize(im, box, size, resample, draft=config.jpeg_draft, reducing_gap=config.reducing_gap)
+    if train and config.randaug_ops:
+        # Before the flip, whose draw came first: every op is mirror-symmetric in distribution (the
+        # signed ones draw their sign), so this is the distribution of timm's flip-then-augment.
+        out = rand_augment(out, config.randaug_ops, config.randaug_magnitude, rng)
     pixels = np.asarray(out)
     return pixels[:, ::-1] if flip else pixels
 
 
 def preprocess_batch(
-    batch: dict[str, Any], *, config: DataConfig, train: bool, epoch: int
+    batch: dict[str, Any], *, config: DataConfig, train: bool, epoch: int, root: str = ""
 ) -> dict[str, np.ndarray]:
-    """Read rows -> patch rows (the function Ray fuses into each read task).
+    """Read rows -> patch rows (the function Ray fuses into each read task). A training crop is
+    seeded by the sample's shard name relative to ``root`` (`shards.shard_name`) and its key.
 
     In: ``key``, ``url`` (str), ``image`` (bytes), ``label`` (int64), ``error`` (str) arrays of length B.
     Out: ``key``, ``url``, ``patches`` uint8 ``(B, N, P*P*3)``, ``label`` int64 ``(B,)``, ``error``.
@@ -183,7 +191,8 @@ def preprocess_batch(
         for i in range(len(keys)):
             error = errors[i]
             if not error:
-                rng = random.Random(sample_seed(config.seed, epoch, urls[i], keys[i])) if train else None
+                name = shard_name(urls[i], root)
+                rng = random.Random(sample_seed(config.seed, epoch, name, keys[i])) if train else None
                 try:
                     pixels[i] = transform_image(images[i], config, train=train, rng=rng)
                 except ImageError as e:

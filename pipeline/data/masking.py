@@ -9,7 +9,7 @@
                                          visible[b, j] is patch ids_shuffle[b, j], masked[b, j] is
                                          patch ids_shuffle[b, n + j] (int32 past 32,767 patches)
 
-Each sample's permutation comes from `mask_seed`, a pure function of (seed, epoch, url, key) kept apart
+Each sample's permutation comes from `mask_seed`, a pure function of (seed, epoch, shard name, key) kept apart
 from the crop's seed, so a sample gets the same mask in the same epoch however tasks are scheduled,
 another mask in another epoch, and a change to the crop's draws never moves the mask.
 
@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.config import DataConfig, sample_seed
+from pipeline.data.shards import shard_name
 from vit.patchify import patchify
 
 MASK_COLUMNS = ("visible", "masked", "ids_shuffle")
@@ -56,9 +57,10 @@ def num_visible(num_patches: int, mask_ratio: float) -> int:
     return n
 
 
-def mask_seed(seed: int, epoch: int, url: str, key: str) -> int:
-    """The seed of one sample's mask: `sample_seed` over a URL tagged ``mask:``, apart from the crop's."""
-    return sample_seed(seed, epoch, f"mask:{url}", key)
+def mask_seed(seed: int, epoch: int, name: str, key: str) -> int:
+    """The seed of one sample's mask: `sample_seed` over a shard name tagged ``mask:``, apart from the
+    crop's."""
+    return sample_seed(seed, epoch, f"mask:{name}", key)
 
 
 def index_dtype(num_patches: int) -> np.dtype:
@@ -71,8 +73,11 @@ def shuffle_ids(num_patches: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(num_patches).astype(index_dtype(num_patches))
 
 
-def mask_batch(batch: dict[str, Any], *, config: DataConfig, epoch: int) -> dict[str, np.ndarray]:
-    """Patch rows -> masked rows (the function Ray fuses into each read task, after decoding).
+def mask_batch(
+    batch: dict[str, Any], *, config: DataConfig, epoch: int, root: str = ""
+) -> dict[str, np.ndarray]:
+    """Patch rows -> masked rows (the function Ray fuses into each read task, after decoding); a
+    sample's mask is seeded by its shard's name relative to ``root`` (`shards.shard_name`) and its key.
 
     In: ``key``, ``url``, ``patches`` uint8 ``(B, N, K)``, ``label``, ``error``. Out: the same minus
     ``patches``, plus ``visible`` ``(B, n, K)``, ``masked`` ``(B, N - n, K)``, ``ids_shuffle`` ``(B, N)``.
@@ -85,7 +90,9 @@ def mask_batch(batch: dict[str, Any], *, config: DataConfig, epoch: int) -> dict
     n = num_visible(n_patches, config.mask_ratio)
     ids = np.empty((b, n_patches), dtype=index_dtype(n_patches))  # (B, N)
     for i in range(b):
-        ids[i] = shuffle_ids(n_patches, mask_seed(config.seed, epoch, batch["url"][i], batch["key"][i]))
+        ids[i] = shuffle_ids(
+            n_patches, mask_seed(config.seed, epoch, shard_name(batch["url"][i], root), batch["key"][i])
+        )
     shuffled = np.take_along_axis(patches, ids[:, :, None], axis=1)  # (B, N, K), visible first
     out = {name: column for name, column in batch.items() if name != "patches"}
     # Copies, so neither column keeps the other's pixels alive in the object store.

@@ -59,6 +59,28 @@ def expand_shards(urls: Location | str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(shards))  # keeps the first occurrence: a shard read twice would repeat samples
 
 
+def dataset_root(shards: Sequence[str]) -> str:
+    """The directory (or URL prefix) that holds every shard of a dataset: their longest common prefix,
+    cut back to its last ``/``. A shard's name relative to it (`shard_name`) is what seeds its crops,
+    masks and augmentations, so a dataset copied to another directory or bucket trains the same."""
+    common: list[str] | None = None
+    for url in shards:
+        parts = url.split("/")[:-1]  # the directories above the shard
+        if common is None:
+            common = parts
+            continue
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    return "/".join(common) + "/" if common else ""
+
+
+def shard_name(url: str, root: str) -> str:
+    """``url`` relative to its dataset's `dataset_root` (the whole URL when it is not under ``root``)."""
+    return url[len(root) :] if root and url.startswith(root) else url
+
+
 def split_top_level(text: str, sep: str) -> list[str]:
     """Split on ``sep`` outside braces: ``"a{1,2},b"`` -> ``["a{1,2}", "b"]``."""
     out, depth, start = [], 0, 0

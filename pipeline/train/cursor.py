@@ -27,14 +27,18 @@ from typing import Any, TypeVar
 
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
+from pipeline.data.shards import dataset_root, shard_name
 
 T = TypeVar("T")
 
 
 def stream_fingerprint(shards: list[str], seed: int, shuffle_buffer: int) -> str:
     """What fixes the order of every rank's samples in an epoch, beside the layout: a resume re-reads
-    a position only in the stream it was taken from."""
-    text = json.dumps([list(shards), seed, shuffle_buffer])
+    a position only in the stream it was taken from. The shards count by their names within the
+    dataset (`shard_name`), as the seeds of their samples do, so data moved to another directory or
+    bucket is the same stream."""
+    root = dataset_root(shards)
+    text = json.dumps([[shard_name(url, root) for url in shards], seed, shuffle_buffer])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -45,6 +45,7 @@ from pipeline import dcp, storage
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
+from pipeline.data.shards import dataset_root
 from pipeline.train import checkpoint, finetune, mfu, sinks
 from pipeline.train.config import TrainConfig
 from pipeline.train.cursor import EpochCursor, stream_fingerprint
@@ -219,6 +220,7 @@ class Trainer:
             bad_samples=counts,
             data_cpus=self.data_cpus
             or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch),
+            root=dataset_root(self.shards),
         )
         return Prefetcher(
             self.cursor.skip(stream),

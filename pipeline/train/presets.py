@@ -78,9 +78,10 @@ def small() -> TrainConfig:
 
 
 def small_recipe() -> TrainConfig:
-    """`small` with the regularization that training on few images needs (Steiner et al. 2021, "How to
-    train your ViT"; Touvron et al. 2021, DeiT): Mixup 0.8 and CutMix 1.0 (one of them per micro-batch),
-    label smoothing 0.1, stochastic depth 0.1, at the same steps and learning rate.
+    """`small` with DeiT's augmentation and regularization (Touvron et al. 2021; "How to train your
+    ViT", Steiner et al. 2021, on why they matter most with little data): RandAugment with 2 ops at
+    magnitude 9, Mixup 0.8 and CutMix 1.0 (one of them per micro-batch), label smoothing 0.1 and
+    stochastic depth 0.1, at the same steps and learning rate.
 
         python jobs/pretrain.py --preset small_recipe --data '/tmp/fmnist/train-*.tar' --out /tmp/recipe --cpu
 
@@ -88,6 +89,8 @@ def small_recipe() -> TrainConfig:
     equal steps, the figures there.
     """
     return small().replace(
+        randaug_ops=2,
+        randaug_magnitude=9,
         mixup_alpha=0.8,
         cutmix_alpha=1.0,
         label_smoothing=0.1,
@@ -99,8 +102,11 @@ def deit_s16_224() -> TrainConfig:
     """DeiT-S on ImageNet-1k from scratch (Touvron et al. 2021, "Training data-efficient image
     transformers", Table 9): AdamW at lr 5e-4 x batch / 512 with weight decay 0.05, batch 1024, 300
     epochs (375k steps of 1,281,167 images) with 5 warmup epochs and cosine decay to 1e-5, no gradient
-    clipping, label smoothing 0.1, stochastic depth 0.1, Mixup 0.8, CutMix 1.0 (switched at 0.5), a
-    linear head on the [CLS] token. DeiT's repeated augmentation and random erasing are not part of it.
+    clipping, label smoothing 0.1, stochastic depth 0.1, Mixup 0.8, CutMix 1.0 (switched at 0.5),
+    RandAugment with 2 ops at magnitude 9, a linear head on the [CLS] token. DeiT's repeated augmentation
+    and random erasing are not part of it, nor are two details of its RandAugment (timm's
+    ``rand-m9-mstd0.5-inc1``): the magnitude's noise (std 0.5) and applying each op with probability
+    0.5 (`pipeline.data.augment` applies every op it draws, as the RandAugment paper does).
 
         python jobs/pretrain.py --preset deit_s16_224 --data 's3://bucket/in1k/train-{000000..001023}.tar' \
             --eval-data 's3://bucket/in1k/val-{000000..000063}.tar' --out s3://bucket/runs/deit-s16
@@ -128,6 +134,8 @@ def deit_s16_224() -> TrainConfig:
         cutmix_alpha=1.0,
         scale=(0.08, 1.0),
         train_interpolation="bicubic",
+        randaug_ops=2,
+        randaug_magnitude=9,
         num_workers=8,
         use_gpu=True,
         cpus_per_worker=4,

@@ -103,7 +103,7 @@ def test_a_ranks_training_pipeline_is_quiet_and_held_to_its_cpu_share(monkeypatc
 
     built = []  # datasets that are only their own context: no Ray needed
 
-    def build(shards, config, *, train, epoch=0):
+    def build(shards, config, *, train, epoch=0, root=None):
         built.append(SimpleNamespace(context=DataContext()))
         return built[-1]
 
@@ -112,7 +112,9 @@ def test_a_ranks_training_pipeline_is_quiet_and_held_to_its_cpu_share(monkeypatc
         dataset, "iter_batches", lambda ds, size, config, **kw: iter([{"label": np.zeros(size)}])
     )
     bad = BadSamples.from_config(CONFIG)
-    taken = dataset.micro_batches(["a.tar"], CONFIG, epoch=0, rank=0, size=2, bad_samples=bad, data_cpus=1.5)
+    taken = dataset.micro_batches(
+        ["a.tar"], CONFIG, epoch=0, rank=0, size=2, bad_samples=bad, data_cpus=1.5, root=""
+    )
     assert len(list(taken)) == 1
     context = built[0].context
     assert not context.enable_progress_bars and not context.print_on_execution_start

@@ -263,6 +263,19 @@ def test_train_augmentation_depends_on_seed_epoch_and_key_only():
     assert not np.array_equal(first, later)  # a new epoch, new crops
 
 
+def test_a_crop_is_seeded_by_the_shard_name_under_its_root_not_where_the_data_lies():
+    config = DataConfig(image_size=32, patch_size=8, require_labels=False)
+    batch = batch_of([PHOTO.read_bytes()] * 2)
+    here = preprocess_batch(batch, config=config, train=True, epoch=0, root="/shards/")
+    moved = batch | {"url": np.array(["s3://bucket/copy/a.tar"] * 2, dtype=object)}
+    there = preprocess_batch(moved, config=config, train=True, epoch=0, root="s3://bucket/copy/")
+    np.testing.assert_array_equal(here["patches"], there["patches"])
+    assert list(there["url"]) == ["s3://bucket/copy/a.tar"] * 2  # rows still say where they came from
+    renamed = batch | {"url": np.array(["/shards/b.tar"] * 2, dtype=object)}
+    other = preprocess_batch(renamed, config=config, train=True, epoch=0, root="/shards/")
+    assert not np.array_equal(here["patches"], other["patches"])  # another shard, other crops
+
+
 def test_crop_resize_flips_nothing_and_returns_rgb_of_the_asked_size():
     im = Image.open(io.BytesIO(encode(quadrants(64))))
     out = crop_resize(im, (0, 0, 32, 32), 16, Image.Resampling.BILINEAR)

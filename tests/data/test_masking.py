@@ -61,6 +61,9 @@ def test_a_samples_mask_is_a_pure_function_of_seed_epoch_url_and_key():
     other_shard = ids_by_key(mask_batch(patch_rows(8, url="shard-1.tar"), config=CONFIG, epoch=0))
     for changed in (next_epoch, other_seed, other_shard):
         assert sum(changed[k] != whole[k] for k in whole) >= 7  # 16! masks: a repeat is a bug
+    # The same shard under another root (the data copied elsewhere): the same masks.
+    moved = patch_rows(8, url="s3://bucket/copy/shard-0.tar")
+    assert ids_by_key(mask_batch(moved, config=CONFIG, epoch=0, root="s3://bucket/copy/")) == whole
     # Its own stream: the same sample's crop seed is not reused for the mask.
     assert mask_seed(0, 0, "shard-0.tar", "k0") != sample_seed(0, 0, "shard-0.tar", "k0")
 

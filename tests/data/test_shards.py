@@ -9,10 +9,32 @@ from pipeline.data.shards import (
     MAX_SHARDS_PER_URL,
     ShardError,
     brace_count,
+    dataset_root,
     expand_braces,
     expand_shards,
+    shard_name,
     split_top_level,
 )
+
+
+@pytest.mark.parametrize(
+    ("shards", "root"),
+    [
+        (["/data/in1k/train-000.tar", "/data/in1k/train-001.tar"], "/data/in1k/"),
+        (["/data/in1k/train-000.tar"], "/data/in1k/"),
+        (["s3://bucket/in1k/train-000.tar", "s3://bucket/in1k/train-010.tar"], "s3://bucket/in1k/"),
+        # A common prefix that ends inside a name stops at the directory above it.
+        (["/data/set-a/x.tar", "/data/set-b/x.tar"], "/data/"),
+        (["s3://a/x.tar", "s3://b/x.tar"], "s3://"),
+        ([], ""),
+    ],
+)
+def test_a_shard_is_named_by_its_path_under_its_dataset_root(shards, root):
+    assert dataset_root(shards) == root
+    names = [shard_name(url, root) for url in shards]
+    assert names == [url[len(root) :] for url in shards] and len(set(names)) == len(shards)
+    moved = [url.replace(root, "gs://elsewhere/copy/", 1) for url in shards]
+    assert [shard_name(url, dataset_root(moved)) for url in moved] == names
 
 
 @pytest.fixture

@@ -242,15 +242,17 @@ def test_embed_naive_loop_at_a_tiny_size(tmp_path, capsys):
 
 def test_data_baselines_at_a_tiny_size(tmp_path):
     """`data` without its Ray half (which starts a Ray of its own): the photo shards, the per-core
-    ceiling in one process and in parallel, and webdataset + DataLoader, reported."""
+    ceiling in one process and in parallel, with RandAugment too, and webdataset + DataLoader, reported."""
     result = benchmark(
         "data", "--images", "8", "--per-shard", "4", "--image-size", "32", "--patch-size", "8",
         "--batch-size", "4", "--shuffle-buffer", "4", "--cores", "2", "--repeats", "1",
-        "--only", "ceiling,ceiling_parallel,webdataset", "--json", str(tmp_path / "d.json"),
+        "--only", "ceiling,ceiling_randaug,ceiling_parallel,webdataset", "--json", str(tmp_path / "d.json"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads((tmp_path / "d.json").read_text())
-    for name in ("ceiling", "ceiling_parallel", "webdataset"):
+    for name in ("ceiling", "ceiling_randaug", "ceiling_parallel", "webdataset"):
         assert figures[f"{name}_images_per_s"] > 0 and len(figures[f"{name}_runs"]) == 1, name
+    assert figures["ceiling_randaug_vs_ceiling"] > 0 and figures["randaug"] == {"ops": 2, "magnitude": 10}
+    assert "ceiling_randaug / ceiling" in result.stdout
     assert figures["bytes_per_sample"]["unmasked"]["patches"] == 16 * 8 * 8 * 3  # 4 x 4 patches of 8 x 8 x 3
     assert "2 shards of 4 photo-like JPEGs" in result.stdout and "bytes per sample" in result.stdout

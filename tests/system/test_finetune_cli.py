@@ -20,9 +20,13 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_default_is_the_papers_finetuning_recipe_and_flags_override_it():
-    result = run("--weights", "w", "--data", "d", "--out", "o", "--image-size", "48", "--print-config")
+    result = run(
+        "--weights", "w", "--data", "d", "--out", "o", "--image-size", "48", "--randaug-ops", "2",
+        "--print-config",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     config = TrainConfig.from_dict(json.loads(result.stdout))
+    assert (config.data.randaug_ops, config.data.randaug_magnitude) == (2, 9.0)
     optim = config.optim
     assert (optim.optimizer, optim.momentum, optim.weight_decay, optim.grad_clip) == (
         "sgd",

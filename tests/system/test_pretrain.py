@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,6 +141,33 @@ def test_a_killed_worker_is_replaced_and_the_run_resumes_mid_epoch_as_if_never_s
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs from the uninterrupted run"
+
+
+def test_shards_moved_to_another_directory_between_a_stop_and_its_resume_train_on_at_the_sample(
+    killed_run, shards, tmp_path
+):
+    """Seeds and the stream's fingerprint come from the shards' names within their dataset, not
+    where they lie: a copy trains like the original, and a run stopped mid-epoch and resumed after its
+    data moved goes on at the sample, ending with the uninterrupted run's weights."""
+    straight = killed_run[0]
+    changes = {"max_steps": 16, "checkpoint_every": 2, "log_every": 2}
+    here, there = tmp_path / "copy", tmp_path / "moved" / "elsewhere"
+    shutil.copytree(shards.dir, here)
+
+    def moved_to(directory: Path) -> list[str]:
+        return [str(directory / Path(url).name) for url in shards.urls]
+
+    out = tmp_path / "run"
+    urls = moved_to(here)
+    fit(config(shards, out, data=",".join(urls), stop_at_step=6, **changes), urls)
+    there.parent.mkdir()
+    shutil.move(here, there)
+    urls = moved_to(there)
+    summary = fit(config(shards, out, data=",".join(urls), **changes), urls)
+    assert summary["resumed_from"]["step"] == 6 and summary["metrics"]["step"] == 16
+    a, b = final_weights(straight), final_weights(out)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs from the run on the original shards"
 
 
 def test_two_worker_checkpoint_loads_in_one_process(killed_run, shards):

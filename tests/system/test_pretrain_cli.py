@@ -25,6 +25,7 @@ FLAGS = {
     "--decoder-dim", "--decoder-depth", "--decoder-num-heads",
     # data
     "--image-size", "--crop-scale", "--crop-ratio", "--hflip", "--no-hflip", "--crop-fraction",
+    "--randaug-ops", "--randaug-magnitude",
     "--train-interpolation", "--eval-interpolation", "--jpeg-draft", "--no-jpeg-draft", "--reducing-gap",
     "--image-keys", "--label-key", "--shuffle-buffer", "--max-bad-fraction", "--max-lost-shards", "--bad-grace-samples",
     "--max-image-pixels", "--storage-options", "--block-rows", "--block-bytes", "--read-concurrency",
@@ -77,17 +78,19 @@ def test_flags_override_the_preset():
 def test_augmentation_flags_reach_the_data_stage():
     result = run(
         "--data", "x", "--out", "y", "--crop-scale", "0.25,0.9", "--crop-ratio", "0.5,2", "--no-hflip",
-        "--print-config",
+        "--randaug-ops", "2", "--randaug-magnitude", "10", "--print-config",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     config = TrainConfig.from_dict(json.loads(result.stdout))
     data = config.data_for(8)
     assert (data.scale, data.ratio, data.hflip) == ((0.25, 0.9), (0.5, 2.0), False)
-    # Left out, they keep the preset's values: the paper's crop and flips.
+    assert (data.randaug_ops, data.randaug_magnitude) == (2, 10.0)  # AugReg's randaug(2, 10)
+    # Left out, they keep the preset's values: the paper's crop and flips, no RandAugment.
     default = TrainConfig.from_dict(
         json.loads(run("--data", "x", "--out", "y", "--print-config").stdout)
     ).data
     assert (default.scale, default.ratio, default.hflip) == ((0.08, 1.0), (0.75, 4 / 3), True)
+    assert default.randaug_ops == 0
 
 
 @pytest.mark.parametrize(
@@ -96,6 +99,8 @@ def test_augmentation_flags_reach_the_data_stage():
         (["--model", "vit_nope"], "unknown model 'vit_nope'; choose one of: vit_ti16"),
         (["--image-size", "30"], "image_size 30 is not divisible by patch_size 8"),
         (["--batch-size", "48"], "is not a multiple of --micro-batch-size"),
+        (["--randaug-magnitude", "12"], "--randaug-magnitude must be in [0, 10], got 12.0"),
+        (["--randaug-ops", "-1"], "--randaug-ops must be 0 (none) or more, got -1"),
     ],
 )
 def test_bad_configuration_fails_at_once_with_one_line(synthetic_shards, tmp_path, args, message):

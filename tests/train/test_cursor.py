@@ -71,6 +71,8 @@ def test_a_position_is_re_read_only_in_the_stream_and_layout_it_was_taken_from()
         stream_fingerprint(["a.tar", "b.tar"], 1, 16),  # another seed
         stream_fingerprint(["a.tar", "b.tar"], 0, 0),  # another shuffle buffer
     ]
+    moved = stream_fingerprint(["s3://bucket/copy/a.tar", "s3://bucket/copy/b.tar"], 0, 16)
+    assert stream_fingerprint(["/data/a.tar", "/data/b.tar"], 0, 16) == SAME == moved  # same names
     for other in others:
         again, note = EpochCursor.resume(state, 0, 2, 4, other, DATA)
         assert again.taken == 0 and note.startswith("it was taken from other shards"), note

@@ -30,6 +30,7 @@ def test_small_recipe_is_small_with_regularization_only():
         if small[section][name] != value
     }
     assert {name for _, name in changed} == {
+        "randaug_ops",  # at magnitude 9, the setting's default
         "mixup_alpha",
         "cutmix_alpha",
         "label_smoothing",
@@ -47,6 +48,7 @@ def test_deit_presets_follow_the_paper(name, model, params):
     assert (config.optim.weight_decay, config.optim.grad_clip) == (0.05, 0.0)
     assert (config.task.mixup_alpha, config.task.cutmix_alpha, config.task.label_smoothing) == (0.8, 1.0, 0.1)
     assert config.arch.drop_path_rate == 0.1
+    assert (config.data.randaug_ops, config.data.randaug_magnitude) == (2, 9)  # rand-m9, timm's 2 ops
     epochs = config.optim.max_steps * config.optim.batch_size / 1_281_167
     assert epochs == pytest.approx(300, abs=0.1)
     mcfg = model_config(config)
