@@ -41,7 +41,7 @@ def config(out: Path, **changes) -> TrainConfig:
     ).replace(**changes)
 
 
-def fake_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, data_cpus):
+def fake_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, data_cpus, root=None):
     """`pipeline.data.dataset.micro_batches` without Ray: each shard's rows are a pure function of
     (shard, epoch), and the shard's first sample is corrupt."""
     mcfg_patches = (data_config.image_size // data_config.patch_size) ** 2
