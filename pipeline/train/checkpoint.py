@@ -32,6 +32,7 @@ import base64
 import json
 import os
 import pickle
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import vit
+from pipeline import storage
 from pipeline.dcp import CONFIG, TRAIN_STATE, CheckpointRefusedError, plain_data_planner, safe_reader
 from pipeline.train.ema import PREFIX as EMA_PREFIX
 from pipeline.train.ema import WeightEMA
+from pipeline.train.metrics import log_line
+from vit.weights import WEIGHTS_FILE
 
 
 def _rng_state() -> dict[str, str]:
@@ -205,6 +209,33 @@ def export_final(
     os.makedirs(directory, exist_ok=True)
     vit.save_pretrained(directory, state_dict, model_config, extra=extra)
     return directory
+
+
+def export_run(
+    out: str,
+    model: nn.Module,
+    model_config: vit.ViTConfig,
+    extra: dict[str, Any],
+    exported: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ema: WeightEMA | None = None,
+) -> None:
+    """Collective: `export_final` into the run directory ``out``: ``final/``, and with ``ema`` its
+    export ``final_ema/`` too, whose config.json's ``ema`` gives its decay and cadence. A run without EMA
+    removes a ``final_ema/`` that an earlier part of the run left: it would sit beside newer weights."""
+    exports = {"final": (extra, None)}
+    if ema is not None:
+        exports["final_ema"] = ({**extra, "ema": {"decay": ema.decay, "every": ema.every}}, ema)
+    for name, (meta, averaged) in exports.items():
+        where = storage.join(out, name)
+        with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
+            if export_final(tmp, model, model_config, meta, exported, averaged) is not None:
+                storage.upload_dir(tmp, where, commit_last=CONFIG)
+                log_line(f"exported {where}")
+    stale = storage.join(out, "final_ema")
+    if ema is None and dist.get_rank() == 0 and storage.list_files(stale):
+        for file in (CONFIG, WEIGHTS_FILE):  # config.json first: then it is no export
+            storage.remove(storage.join(stale, file))
+        log_line(f"removed {stale}: it is older than final/, and this run keeps no EMA (--ema-decay)")
 
 
 def _gathered_to_rank0(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:

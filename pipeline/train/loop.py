@@ -41,7 +41,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline import dcp, storage
+from pipeline import dcp
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
@@ -373,8 +373,8 @@ class Trainer:
         }
 
     def export(self) -> None:
-        """Collective: `final/weights.safetensors` + `config.json` under the run directory, and the EMA
-        of the weights alike in `final_ema/` (its config.json's ``ema`` says so, with its decay)."""
+        """Collective: `final/weights.safetensors` + `config.json` under the run directory (and
+        `final_ema/` with an EMA of the weights)."""
         config = self.config
         # A run resumed at the end of its schedule trained no step: its last step's row was logged.
         metrics = self.last_metrics or (self.log.row(self.state.step) if self.log else {})
@@ -391,20 +391,5 @@ class Trainer:
                 "config": config.to_dict(),
             },
         }
-        exports = {"final": (extra, None)}
-        if self.ema is not None:
-            exports["final_ema"] = (
-                {**extra, "ema": {"decay": self.ema.decay, "every": self.ema.every}},
-                self.ema,
-            )
-        for name, (meta, ema) in exports.items():
-            where, exported = storage.join(config.run.out, name), self.objective.export_state
-            with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
-                if checkpoint.export_final(tmp, self.model, self.model_config, meta, exported, ema):
-                    storage.upload_dir(tmp, where, commit_last="config.json")
-                    log_line(f"exported {where}")
-        stale = storage.join(config.run.out, "final_ema")  # from an earlier part of the run, with EMA
-        if self.ema is None and self.rank == 0 and storage.list_files(stale):
-            for file in ("config.json", "weights.safetensors"):  # config.json first: then it is no export
-                storage.remove(storage.join(stale, file))
-            log_line(f"removed {stale}: it is older than final/, and this run keeps no EMA (--ema-decay)")
+        exported = self.objective.export_state
+        checkpoint.export_run(config.run.out, self.model, self.model_config, extra, exported, self.ema)
