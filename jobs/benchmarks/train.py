@@ -14,6 +14,8 @@ A configuration joins switches with `+` (`compile+ac-ops+fp8`): `eager`, `compil
 `--compare-timm` runs timm's ViT of the same size beside each configuration (bf16 autocast, fused
 AdamW on CUDA, clipping, `torch.compile` of the whole model when the configuration compiles), the
 two steps alternating (one process, one GPU; skipped with a note where timm is not installed).
+`--ema DECAY` runs, beside each configuration, the same step followed by an update of the EMA of the
+weights (`pipeline.train.ema`, every step), the two alternating on one model, and prints the ratio.
 `--trace PATH` writes a torch.profiler trace of one step of the first configuration (chrome://tracing
 or Perfetto), to see where a step's time goes. `--largest-micro-batch LIMIT` first searches, for each
 configuration, the largest micro-batch (a multiple of 8, at most LIMIT) whose steps run without running
@@ -42,6 +44,7 @@ from jobs.benchmarks.timing import matmul_tflops, time_step
 from pipeline import compat
 from pipeline.train import mfu
 from pipeline.train.config import TrainConfig
+from pipeline.train.ema import WeightEMA
 from pipeline.train.model import build_model, init_distributed
 from pipeline.train.objective import Objective, objective_for
 from pipeline.train.optim import optimizer_kernels
@@ -97,6 +100,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--mask-ratio", type=float, default=0.75, help="share of patches hidden with --objective mae"
     )
+    p.add_argument(
+        "--ema", type=float, metavar="DECAY",
+        help="also time each step followed by an EMA update of the weights (every step), steps alternating",
+    )  # fmt: skip
     p.add_argument("--trace", metavar="PATH", help="write a torch.profiler trace (JSON) of one step")
     p.add_argument(
         "--largest-micro-batch", type=int, metavar="LIMIT",
@@ -170,6 +177,14 @@ def measure(
         steps[f"timm ({name})"], kernels[f"timm ({name})"] = timm_step(
             config, mcfg, args.micro_batch_size, device
         )
+    if args.ema is not None:
+        ema = WeightEMA(model, args.ema)
+
+        def step_and_ema() -> None:
+            one_step()
+            ema.update(1)
+
+        steps[f"{name}+ema"], kernels[f"{name}+ema"] = step_and_ema, kernels[name]
     for fn in steps.values():
         for _ in range(args.warmup):
             fn()
@@ -323,6 +338,9 @@ def main(argv: list[str]) -> dict:
     figures["vitray_over_timm"] = {
         name: by_name[name] / by_name[f"timm ({name})"] for name in names if f"timm ({name})" in by_name
     }
+    figures["ema_step_time_ratio"] = {
+        name: by_name[name] / by_name[f"{name}+ema"] for name in names if f"{name}+ema" in by_name
+    }
     if rank == 0:
         table = [
             {
@@ -343,6 +361,10 @@ def main(argv: list[str]) -> dict:
         print(f"ceilings: {peak_note}; measured bf16 matmul: {measured and f'{measured:.0f} TFLOP/s'}")
         for name, ratio in figures["vitray_over_timm"].items():
             print(f"vitray / timm images/s, {name}: {ratio:.2f} (median of {args.iters} alternating steps)")
+        for name, ratio in figures["ema_step_time_ratio"].items():
+            print(
+                f"step time with / without the EMA update, {name}: {ratio:.3f} (median of {args.iters} alternating)"
+            )
         if args.json:
             write_json(args.json, figures)
     dist.destroy_process_group()

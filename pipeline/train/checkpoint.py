@@ -19,8 +19,11 @@ Design notes
   from its stream this epoch: `pipeline.train.loop` resumes at the next sample), and every rank's RNG
   state (restored when the world size matches; otherwise each rank reseeds from (seed, step, rank)).
   The learning-rate schedule is a pure function of the step, so it needs no state of its own.
+- The EMA of the weights (`pipeline.train.ema`, with ``--ema-decay``) is saved beside the model as
+  ``ema.<parameter name>``, DTensors of the parameters' layout, so it reshards alike. A checkpoint without
+  it resumes with the EMA started from its weights; a run without EMA never reads it.
 - The final export gathers one full tensor at a time onto rank 0's CPU (`cpu_offload`), so no
-  accelerator ever holds the whole unsharded model.
+  accelerator ever holds the whole unsharded model; the EMA's export (``final_ema/``) alike.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import base64
 import json
 import os
 import pickle
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,9 +48,15 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 import vit
+from pipeline import storage
 from pipeline.dcp import CONFIG, TRAIN_STATE, CheckpointRefusedError, plain_data_planner, safe_reader
+from pipeline.train.ema import PREFIX as EMA_PREFIX
+from pipeline.train.ema import WeightEMA
+from pipeline.train.metrics import log_line
+from vit.weights import WEIGHTS_FILE
 
 
 def _rng_state() -> dict[str, str]:
@@ -71,8 +81,10 @@ def save(
     optimizer: torch.optim.Optimizer,
     train_state: dict[str, Any],
     config: dict[str, Any],
+    ema: WeightEMA | None = None,
 ) -> None:
-    """Collective: every rank writes its shards of model and optimizer state into `directory`.
+    """Collective: every rank writes its shards of model and optimizer state (and of the EMA of the
+    weights, when the run keeps one) into `directory`.
 
     `train_state` (step, data position ...) and `config` are the same on every rank; rank 0
     writes them. RNG states of all ranks are gathered into `train_state.json`.
@@ -85,7 +97,10 @@ def save(
     if dist.get_rank() == 0:
         (directory / TRAIN_STATE).write_text(json.dumps({**train_state, "rng": rng}, indent=1))
         (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+    state = {"model": model_sd, "optim": optim_sd}
+    if ema is not None:
+        state[EMA_PREFIX] = ema.state_dict()
+    dcp.save(state, checkpoint_id=str(directory))
 
 
 def check_compatible(
@@ -118,8 +133,13 @@ def check_compatible(
             )
 
 
-def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load(
+    directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: WeightEMA | None = None
+) -> dict[str, Any]:
     """Collective: load model and optimizer state into the sharded model; returns train_state.
+
+    ``ema``: restored too when the checkpoint holds one (``ema.restored``), else started afresh from
+    the loaded weights; a checkpoint's EMA that the run does not keep is not read.
 
     Works at any world size. Restores this rank's RNG when the world size matches the saver's.
     Nothing in the checkpoint is executed: ``.metadata`` goes through `pipeline.dcp.MetadataUnpickler`
@@ -129,13 +149,16 @@ def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     directory = Path(directory)
     reader = safe_reader(str(directory))
     try:  # on every rank, before the collective load: each refuses alike, none waits on the others
-        reader.read_metadata()
+        metadata = reader.read_metadata()
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
         raise CheckpointRefusedError(
             f"checkpoint {directory}: {e}; remove that checkpoint directory to resume from an earlier one"
         ) from e
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
+    saved_ema = any(name.startswith(f"{EMA_PREFIX}.") for name in metadata.state_dict_metadata)
+    if ema is not None and saved_ema:
+        state[EMA_PREFIX] = ema.state_dict()
     try:
         dcp.load(state, storage_reader=reader, planner=plain_data_planner())
     except CheckpointException as e:  # DCP gathers every rank's failure; a refusal stays one line
@@ -145,6 +168,10 @@ def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
                 raise CheckpointRefusedError(f"checkpoint {directory}: {refused}") from e
         raise
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if ema is not None and EMA_PREFIX in state:
+        ema.load_state_dict(state[EMA_PREFIX])
+    elif ema is not None:
+        ema.reset()
     train_state = json.loads((directory / TRAIN_STATE).read_text())
     rng = train_state.pop("rng", None)
     if rng and len(rng) == dist.get_world_size():
@@ -161,14 +188,19 @@ def export_final(
     model_config: vit.ViTConfig,
     extra: dict[str, Any],
     exported: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ema: WeightEMA | None = None,
 ) -> Path | None:
     """Collective: write `weights.safetensors` + `config.json` for the embedding job (rank 0 writes).
 
     Full tensors are gathered one at a time to rank 0's CPU; returns the directory on rank 0.
     ``exported`` picks what of the full state dict is exported (an MAE's encoder); default: all of it.
+    ``ema``: export the EMA of the weights instead of the weights (the model's buffers alike).
     """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state_dict = get_model_state_dict(model, options=options)
+    if ema is None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state_dict = get_model_state_dict(model, options=options)
+    else:
+        state_dict = _gathered_to_rank0(ema.model_state_dict(get_model_state_dict(model)))
     if dist.get_rank() != 0:
         return None
     if exported is not None:
@@ -177,3 +209,41 @@ def export_final(
     os.makedirs(directory, exist_ok=True)
     vit.save_pretrained(directory, state_dict, model_config, extra=extra)
     return directory
+
+
+def export_run(
+    out: storage.Location,
+    model: nn.Module,
+    model_config: vit.ViTConfig,
+    extra: dict[str, Any],
+    exported: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ema: WeightEMA | None = None,
+) -> None:
+    """Collective: `export_final` into the run directory ``out``: ``final/``, and with ``ema`` its
+    export ``final_ema/`` too, whose config.json's ``ema`` gives its decay and cadence. A run without EMA
+    removes a ``final_ema/`` that an earlier part of the run left: it would sit beside newer weights."""
+    exports = {"final": (extra, None)}
+    if ema is not None:
+        exports["final_ema"] = ({**extra, "ema": {"decay": ema.decay, "every": ema.every}}, ema)
+    for name, (meta, averaged) in exports.items():
+        where = out.join(name)
+        with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
+            if export_final(tmp, model, model_config, meta, exported, averaged) is not None:
+                storage.upload_dir(tmp, where, commit_last=CONFIG)
+                log_line(f"exported {where}")
+    stale = out.join("final_ema")
+    if ema is None and dist.get_rank() == 0 and storage.list_files(stale):
+        for file in (CONFIG, WEIGHTS_FILE):  # config.json first: then it is no export
+            storage.remove(stale.join(file))
+        log_line(f"removed {stale}: it is older than final/, and this run keeps no EMA (--ema-decay)")
+
+
+def _gathered_to_rank0(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A sharded state dict as full CPU tensors on rank 0 ({} elsewhere), one tensor gathered at a time:
+    what ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` does for the model itself."""
+    full = {}
+    for name, value in state_dict.items():
+        value = value.full_tensor() if isinstance(value, DTensor) else value  # collective
+        if dist.get_rank() == 0:
+            full[name] = value.detach().to("cpu", copy=True)
+    return full

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline import dcp, storage
+from pipeline import dcp
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
@@ -49,6 +49,7 @@ from pipeline.data.shards import dataset_root
 from pipeline.train import checkpoint, finetune, mfu, sinks
 from pipeline.train.config import TrainConfig
 from pipeline.train.cursor import EpochCursor, stream_fingerprint
+from pipeline.train.ema import WeightEMA
 from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
 from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import objective_for
@@ -107,6 +108,8 @@ class Trainer:
         self.accum = config.optim.batch_size // (config.optim.micro_batch_size * self.world)
         self.model = build_model(config, self.device)
         self.step_fn = TrainStep(self.model, config, self.device, self.objective)
+        decay = config.optim.ema_decay  # the EMA of the weights (`pipeline.train.ema`), or None
+        self.ema = None if decay is None else WeightEMA(self.model, decay, config.optim.ema_every)
         self.state = self.resume()
         self.group = control_group()
         # Where this rank stands in the epoch, and its bad-sample counts as of the last step's input.
@@ -137,11 +140,18 @@ class Trainer:
                 if self.config.arch.weights:  # fine-tuning starts from these; a resume from its checkpoint
                     state = finetune.pretrained_state(self.config, self.model_config)
                     finetune.load_pretrained(self.model, state)
+                    if self.ema is not None:
+                        self.ema.reset()  # the EMA starts from the pretrained weights
                 return TrainState(seed=self.config.run.seed)
             directory, source = resumed
             checkpoint.check_compatible(directory, self.model_config, self.objective.checkpoint_meta())
-            state = TrainState.from_dict(checkpoint.load(directory, self.model, self.step_fn.optimizer))
+            loaded = checkpoint.load(directory, self.model, self.step_fn.optimizer, self.ema)
+            state = TrainState.from_dict(loaded)
         self.resumed_from = {"checkpoint": source, "step": state.step, "epoch": state.epoch}
+        if self.ema is not None and not self.ema.restored and self.rank == 0:
+            log_line(
+                f"{source} holds no EMA of the weights: the EMA starts from its weights at step {state.step}"
+            )
         return state
 
     def resume_cursor(self) -> EpochCursor:
@@ -160,11 +170,16 @@ class Trainer:
     def announce(self, peak_note: str) -> None:
         """Collective: the run's shape in one log line (rank 0 writes it)."""
         nodes: list[Any] = [None] * self.world
-        dist.all_gather_object(nodes, self.session.node_id)
+        dist.all_gather_object(nodes, (self.session.node_id, self.ema.nbytes if self.ema else 0))
+        if self.rank == 0 and self.ema is not None:
+            log_line(
+                f"EMA of the weights (decay {self.ema.decay} per step, updated every {self.ema.every}): "
+                f"float32, {max(b for _, b in nodes) / 2**20:.1f} MiB on the largest worker's shards"
+            )
         if self.rank == 0:
             c = self.config
             log_line(
-                f"{self.model_config.name}: {self.world} workers on {len(set(nodes))} node(s), "
+                f"{self.model_config.name}: {self.world} workers on {len({n for n, _ in nodes})} node(s), "
                 f"{c.optim.micro_batch_size} images x {self.accum} accumulation each = batch {c.optim.batch_size}; "
                 f"{len(self.shards)} shards; {peak_note}; "
                 f"{type(self.step_fn.optimizer).__name__} ({optimizer_kernels(self.step_fn.optimizer)})"
@@ -248,6 +263,8 @@ class Trainer:
             self.state.step, micro_batches, global_count=agreement.samples, micro_steps=self.accum
         )
         self.state.step += 1
+        if self.ema is not None:
+            self.ema.update(self.state.step)
         self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
         self.skipped.add(stats.skipped)
         step, config = self.state.step, self.config
@@ -344,7 +361,8 @@ class Trainer:
         self.state.bad_samples = gather_bad_samples(self.cursor.counts, self.group)
         self.state.epoch_bad_samples = gather_bad_samples(self.cursor.at_epoch_start, self.group)
         with tempfile.TemporaryDirectory(prefix="vitray-ckpt-") as tmp:
-            checkpoint.save(tmp, self.model, self.step_fn.optimizer, self.state.to_dict(), self.saved_config)
+            state = self.state.to_dict()
+            checkpoint.save(tmp, self.model, self.step_fn.optimizer, state, self.saved_config, self.ema)
             self.session.report(metrics, tmp, dcp.checkpoint_name(self.state.step))
 
     # --- finish ----------------------------------------------------------------------------------
@@ -363,7 +381,7 @@ class Trainer:
         }
 
     def export(self) -> None:
-        """Collective: `final/weights.safetensors` + `config.json` under the run directory."""
+        """Collective: the run directory's `final/` (and `final_ema/` with an EMA of the weights)."""
         config = self.config
         # A run resumed at the end of its schedule trained no step: its last step's row was logged.
         metrics = self.last_metrics or (self.log.row(self.state.step) if self.log else {})
@@ -374,15 +392,9 @@ class Trainer:
                 "step": self.state.step,
                 "max_steps": config.optim.max_steps,
                 "finished": self.state.step >= config.optim.max_steps,
-                "loss": metrics.get("loss"),
-                "accuracy": metrics.get("accuracy"),
-                "eval_accuracy": metrics.get("eval_accuracy"),
+                **{key: metrics.get(key) for key in ("loss", "accuracy", "eval_accuracy")},
                 "config": config.to_dict(),
             },
         }
-        with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
-            exported = self.objective.export_state
-            if checkpoint.export_final(tmp, self.model, self.model_config, extra, exported) is not None:
-                final = config.run_dir.join("final")
-                storage.upload_dir(tmp, final, commit_last="config.json")
-                log_line(f"exported {final}")
+        exported = self.objective.export_state
+        checkpoint.export_run(config.run_dir, self.model, self.model_config, extra, exported, self.ema)

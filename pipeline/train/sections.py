@@ -167,6 +167,14 @@ class OptimConfig:
         "layer-wise lr decay: block i of D trains at lr x decay^(D - i), the embeddings at decay^(D + 1), "
         "the final norm and head at lr (MAE/BEiT fine-tuning: 0.65-0.75; 1: off)",
     )
+    ema_decay: float | None = setting(
+        None,
+        "keep an exponential moving average of the weights, decay per step, exported as final_ema/ "
+        "(none: off; DeiT: 0.99996)",
+    )
+    ema_every: int = setting(
+        1, "with --ema-decay: steps between EMA updates, each then by decay^N (the same horizon in steps)"
+    )
 
     def validate(self) -> None:
         _at_least(self, ("batch_size", "micro_batch_size", "max_steps", "max_skipped_steps"))
@@ -185,6 +193,13 @@ class OptimConfig:
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if not self.grad_clip >= 0:
             raise ValueError(f"--grad-clip must be a norm >= 0 (0: no clipping), got {self.grad_clip}")
+        _at_least(self, ("ema_every",))
+        if self.ema_decay is not None:
+            _within(self, ("ema_decay",))
+        elif self.ema_every != 1:
+            raise ValueError(
+                f"--ema-every {self.ema_every} needs --ema-decay (e.g. 0.9999); pass it or drop --ema-every"
+            )
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ def test_train_compares_with_timm_alternating_and_writes_a_trace(tmp_path):
     assert any("aten::" in e.get("name", "") for e in events), "the trace holds no operator"
 
 
-def test_train_with_a_timm_that_does_not_import_says_so_in_one_line_and_still_measures(tmp_path):
+def test_train_with_a_timm_that_does_not_import_says_so_in_one_line_and_still_measures_with_ema(tmp_path):
     # A timm whose import fails as it does beside a torchvision built for another torch.
     broken = tmp_path / "broken" / "timm"
     broken.mkdir(parents=True)
@@ -123,7 +123,8 @@ def test_train_with_a_timm_that_does_not_import_says_so_in_one_line_and_still_me
     # Also the micro-batch search: on a CPU nothing runs out of memory, so it ends at its limit.
     result = benchmark(
         "train", *TINY, "--micro-batch-size", "2", "--configs", "eager", "--warmup", "1", "--iters", "1",
-        "--compare-timm", "--largest-micro-batch", "8", "--json", str(tmp_path / "t.json"), env=env,
+        "--compare-timm", "--largest-micro-batch", "8", "--ema", "0.999", "--json", str(tmp_path / "t.json"),
+        env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
@@ -131,8 +132,12 @@ def test_train_with_a_timm_that_does_not_import_says_so_in_one_line_and_still_me
         "--compare-timm skipped\n" in result.stdout
     ), result.stdout[-3000:]
     assert "eager: largest micro-batch that fits: 8 (search limit 8)" in result.stdout
-    rows = json.loads((tmp_path / "t.json").read_text())["results"]
-    assert [(r["config"], r["micro_batch_size"]) for r in rows] == [("eager", 8)]
+    figures = json.loads((tmp_path / "t.json").read_text())
+    rows = figures["results"]
+    # And, with --ema, the same step followed by an EMA update, the two alternating.
+    assert [(r["config"], r["micro_batch_size"]) for r in rows] == [("eager", 8), ("eager+ema", 8)]
+    assert figures["ema_step_time_ratio"]["eager"] > 0
+    assert "step time with / without the EMA update, eager:" in result.stdout
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ FLAGS = {
     # optim
     "--optimizer", "--momentum", "--batch-size", "--micro-batch-size", "--lr", "--min-lr", "--weight-decay",
     "--betas", "--warmup-steps", "--max-steps", "--lr-schedule", "--grad-clip", "--max-skipped-steps",
-    "--layer-decay",
+    "--layer-decay", "--ema-decay", "--ema-every",
     # speed
     "--activation-checkpointing", "--no-activation-checkpointing", "--ac-mode", "--compile", "--no-compile",
     "--compile-scope", "--optimizer-impl", "--fp8", "--no-fp8", "--prefetch-steps",
