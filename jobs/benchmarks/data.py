@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from jobs.benchmarks.photos import make_photo_shards
 from jobs.benchmarks.process_cpu import RAY_KINDS, process_tree_cpu
 from jobs.benchmarks.report import print_table, write_json
 from pipeline.cli import pair
@@ -44,8 +45,6 @@ from pipeline.data.decode import preprocess_batch
 from pipeline.data.masking import bytes_per_sample
 from pipeline.data.rows import read_shard
 from pipeline.data.shards import expand_shards
-
-SHORT, LONG = 375, 500  # benchmark photo size: the ImageNet median is about 500x375
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -107,42 +106,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not float(args.randaug[0]).is_integer():
         parser.error(f"--randaug {args.randaug}: OPS is a whole number of ops, e.g. 2,10")
     return args
-
-
-def make_photo_shards(out_dir: Path, images: int, per_shard: int, seed: int = 0) -> list[str]:
-    """Photo-like JPEG shards (``.jpg`` + ``.cls``), reused when already there."""
-    import io
-
-    import matplotlib
-    from PIL import Image, ImageEnhance
-
-    from pipeline.data.writing import write_shards
-
-    existing = sorted(out_dir.glob("bench-*.tar"))
-    if len(existing) == -(-images // per_shard):
-        return [str(p) for p in existing]
-    photo = Image.open(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg").convert("RGB")
-    rng = np.random.default_rng(seed)
-
-    def samples():
-        for i in range(images):
-            landscape = rng.random() < 0.75
-            w, h = (LONG, SHORT) if landscape else (SHORT, LONG)
-            side = rng.uniform(0.45, 1.0)
-            cw = min(photo.width, round(photo.width * side))
-            ch = min(photo.height, round(cw * h / w))
-            left, top = rng.integers(0, photo.width - cw + 1), rng.integers(0, photo.height - ch + 1)
-            im = photo.resize((w, h), Image.Resampling.BICUBIC, box=(left, top, left + cw, top + ch))
-            if rng.random() < 0.5:
-                im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            im = ImageEnhance.Color(im).enhance(rng.uniform(0.3, 1.7))
-            im = ImageEnhance.Brightness(im).enhance(rng.uniform(0.7, 1.3))
-            noisy = np.asarray(im, np.int16) + rng.integers(-6, 7, size=(h, w, 3), dtype=np.int16)
-            out = io.BytesIO()
-            Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(out, format="JPEG", quality=90)
-            yield f"{i:08d}", {"jpg": out.getvalue(), "cls": str(i % 1000).encode()}
-
-    return write_shards(samples(), out_dir, prefix="bench", samples_per_shard=per_shard)
 
 
 @dataclass

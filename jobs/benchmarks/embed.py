@@ -87,7 +87,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def write_shards(directory: Path, images: int, per_shard: int) -> list[str]:
     try:
-        from jobs.benchmarks.data import make_photo_shards
+        from jobs.benchmarks.photos import make_photo_shards
 
         return make_photo_shards(directory, images, per_shard)
     except ImportError:  # no matplotlib (its sample photo) on a bare GPU machine: synthetic images
