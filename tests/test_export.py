@@ -191,3 +191,40 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert code == 2 and "holds files this export did not write" in err
     with pytest.raises(SystemExit):  # argparse: --to must be a target
         export_job.main(["--weights", str(run), "--to", "onnx", "--out", str(tmp_path / "x")])
+
+
+def test_an_export_to_s3_arrives_whole_through_failing_requests(tmp_path):
+    """--out on a loopback S3 failing every 4th request: every file there, transformers loads the copy."""
+    import boto3
+    import s3fs
+    from transformers import ViTForImageClassification
+
+    from pipeline.export import ExportConfig, export
+    from tests.flaky_s3 import FlakyS3
+
+    model = write_run(tmp_path / "run", head="finetune")
+    s3 = FlakyS3(period=4, max_faults=10).start()
+    try:
+        boto3.client(
+            "s3", endpoint_url=s3.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+            region_name="us-east-1",
+        ).create_bucket(Bucket="exports")  # fmt: skip
+        s3.faulty()
+        config = ExportConfig(
+            weights=str(tmp_path / "run"), to="hf", out="s3://exports/ft", storage_options=s3.storage_options
+        )
+        result = export(config, log=lambda line: None)
+        s3.faulty(False)
+        assert sum(s3.faults.values()) > 0
+        host, port = s3.upstream  # past the faults
+        fs = s3fs.S3FileSystem(
+            skip_instance_cache=True, key="testing", secret="testing",
+            client_kwargs={"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"},
+        )  # fmt: skip
+        fs.get("exports/ft/", str(tmp_path / "copy"), recursive=True)
+    finally:
+        s3.stop()
+    assert sorted(os.listdir(tmp_path / "copy")) == sorted(result.files)
+    hf = ViTForImageClassification.from_pretrained(tmp_path / "copy", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(pixel_values=images()).logits, model(images()), **TOL)
