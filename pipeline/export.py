@@ -16,6 +16,7 @@ import argparse
 import json
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,7 @@ class ExportResult:
         )
 
 
-def export(config: ExportConfig, log=print, begin=None) -> ExportResult:
+def export(config: ExportConfig, begin: Callable[[], None] | None = None) -> ExportResult:
     """Run the export; one-line ValueErrors for bad input, raised before anything is written.
     ``begin`` is called when the checks are done and the output is about to be written."""
     from vit.export import check_exportable, save_hf, save_timm
@@ -110,7 +111,6 @@ def export(config: ExportConfig, log=print, begin=None) -> ExportResult:
     if _same_dir(config.out, source.path) or _same_dir(config.out, config.weights):
         raise ValueError(f"--out {config.out} is where the weights are; pick another directory")
     check_exportable(source.config, config.to, config.encoder_only)
-    log(f"{source.describe()} -> {LIBRARY[config.to]}")
     record = run_record(source, config.storage_options)
     eval_crop = record.get("crop_fraction") or 0.875
     interpolation = record.get("interpolation") or "bicubic"
@@ -227,7 +227,8 @@ def model_card(
         embedding = "model.forward_head(model.forward_features(x), pre_logits=True)"
         inputs = "`timm.data.resolve_data_config({}, model=model)` gives them, and `timm.data.create_transform` applies them"
     else:
-        embedding = "model(pixel_values=x).last_hidden_state[:, 0]"
+        encoder = "model.vit" if written["architectures"] == ["ViTForImageClassification"] else "model"
+        embedding = f"{encoder}(pixel_values=x).last_hidden_state[:, 0]"
         inputs = "`ViTImageProcessor.from_pretrained` (preprocessor_config.json) applies them (it resizes, without a crop)"
     pooling = "the [CLS] token" if c.pool == "cls" else "the mean of the patch tokens"
     model_rows = [

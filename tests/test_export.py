@@ -15,6 +15,7 @@ import torch
 import vit
 from pipeline.data.config import DataConfig
 from pipeline.model_source import load_model_source
+from tests.test_model_source import run_dir  # noqa: F401  (a fixture: a run written by the training code)
 
 TINY = "vit_tiny_test"  # embed_dim 64, depth 2, 4 heads, mlp 128, patch 8, image 32
 _SPEC = importlib.util.spec_from_file_location(
@@ -117,7 +118,8 @@ def test_hf_export_loads_in_transformers_and_imports_back(tmp_path, capsys):
         torch.testing.assert_close(result.last_hidden_state[:, 0], model.embed(x), **TOL)
         torch.testing.assert_close(result.pooler_output, model.embed(x, pre_logits=True), **TOL)
     assert json.loads((out / "preprocessor_config.json").read_text())["image_std"] == list(model.config.std)
-    assert "library_name: transformers" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "library_name: transformers" in card and "`model(pixel_values=x).last_hidden_state[:, 0]`" in card
     # --weights takes the transformers folder back: the same weights, with the normalization that
     # preprocessor_config.json records.
     back = load_model_source(str(out))
@@ -213,7 +215,7 @@ def test_an_export_to_s3_arrives_whole_through_failing_requests(tmp_path):
         config = ExportConfig(
             weights=str(tmp_path / "run"), to="hf", out="s3://exports/ft", storage_options=s3.storage_options
         )
-        result = export(config, log=lambda line: None)
+        result = export(config)
         s3.faulty(False)
         assert sum(s3.faults.values()) > 0
         host, port = s3.upstream  # past the faults
@@ -228,3 +230,23 @@ def test_an_export_to_s3_arrives_whole_through_failing_requests(tmp_path):
     hf = ViTForImageClassification.from_pretrained(tmp_path / "copy", attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(pixel_values=images()).logits, model(images()), **TOL)
+
+
+def test_a_checkpoint_exports_with_its_step_and_run_in_the_card(run_dir, tmp_path, capsys):  # noqa: F811
+    import timm
+
+    from pipeline import dcp
+
+    checkpoint = run_dir / dcp.checkpoint_name(1)
+    out = tmp_path / "timm"
+    code, _, err = run_job(capsys, "--weights", checkpoint, "--to", "timm", "--out", out, "--encoder-only")
+    assert code == 0, err
+    source = load_model_source(str(checkpoint))
+    model = vit.create_model(source.config)
+    model.load_state_dict(source.state_dict)
+    loaded = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(images()), model.eval().embed(images()), **TOL)
+    card = (out / "README.md").read_text()
+    assert "| steps | 1 of 100 |" in card and "| objective | supervised |" in card
+    assert f"checkpoint {checkpoint}" in card

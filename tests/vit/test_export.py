@@ -198,3 +198,16 @@ def test_weights_of_another_model_are_refused():
     for export in (to_timm, to_hf):
         with pytest.raises(ValueError, match="num_classes 10, the config says 3"):
             export(model.state_dict(), other)
+
+
+def test_an_mlp_width_that_float_ratios_miss_is_built_exactly_by_timm():
+    # timm sizes the MLP as int(embed_dim * mlp_ratio): 28 * (61 / 28) is 60.99999..., one unit short.
+    import timm
+
+    config = vit.get_config(TINY, embed_dim=28, num_heads=4, mlp_dim=61, head="finetune")
+    model = vit.create_model(config).eval()
+    exported, spec = to_timm(model.state_dict(), config)
+    ref = timm.create_model(spec["architecture"], pretrained=False, **spec["model_args"]).eval()
+    ref.load_state_dict(exported)
+    with torch.no_grad():
+        torch.testing.assert_close(ref.forward_features(images()), model.forward_features(images()), **TOL)
