@@ -8,7 +8,9 @@ Accepted, told apart by what the path holds (or named with ``weights_format``):
   means its latest complete checkpoint. Only the model part is read, never the optimizer, in one
   process without a process group;
 - timm / torchvision / transformers ("hf") weights: a ``.safetensors`` / ``.pth`` / ``.pt`` / ``.bin``
-  file, or a transformers model directory (``config.json`` + ``model.safetensors``), converted with
+  file, a transformers model directory (``config.json`` + ``model.safetensors``; the mean/std of its
+  ``preprocessor_config.json``), or a timm one (a ``config.json`` that names an ``architecture``, as
+  `jobs/export.py` writes: heads, pooling and mean/std from it), converted with
   `vit.convert_state_dict`. ``model`` names the variant where shapes cannot tell the head count.
 
 Nothing untrusted is unpickled: ``torch.load(weights_only=True)`` for ``.pth`` / ``.bin``, and DCP's
@@ -39,6 +41,7 @@ from vit.weights import CONFIG_FILE, WEIGHTS_FILE, check_shapes, check_values, c
 FORMATS = ("auto", "vitray", "timm", "torchvision", "hf")
 FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+HF_PREPROCESSOR = "preprocessor_config.json"  # a transformers folder's image processor: its mean/std
 
 
 @dataclass
@@ -158,6 +161,8 @@ def _resolve(weights: storage.Location, weights_format: str) -> tuple[str, stora
     if weights_format in ("auto", "hf") and CONFIG_FILE in names and names & set(HF_WEIGHT_FILES):
         hf_config = _read_json(weights.join(CONFIG_FILE))
         if not isinstance(hf_config, dict) or hf_config.get("format") != "vitray":
+            if weights_format == "auto" and isinstance(hf_config, dict) and "architecture" in hf_config:
+                return "timm", weights  # timm's folder format (timm.create_model("local-dir:DIR"))
             return "hf", weights
     if weights_format == "hf":
         raise ValueError(
@@ -173,6 +178,11 @@ def _resolve(weights: storage.Location, weights_format: str) -> tuple[str, stora
     latest = dcp.latest_complete(weights)
     if latest is not None:
         return "checkpoint", latest
+    if weights_format == "vitray":
+        raise ValueError(
+            f"--weights {path} holds no vitray export (weights.safetensors + config.json), final/ or complete "
+            "checkpoint_*; pass a vitray run, its final/ or a checkpoint_* directory"
+        )
     raise ValueError(
         f"--weights {path} holds no vitray export (weights.safetensors + config.json), final/, complete "
         "checkpoint_* or transformers model; pass one of those, or a .safetensors/.pth file"
@@ -222,18 +232,26 @@ def _load_converted(
 ) -> tuple[dict[str, torch.Tensor], vit.ViTConfig, str]:
     """timm / torchvision / transformers weights -> (vitray state dict, config, source format)."""
     overrides: dict[str, Any] = {}
-    if kind == "hf" and not where.url.endswith(FILE_SUFFIXES):  # a transformers model directory
-        hf_config = _read_json(where.join(CONFIG_FILE))
+    normalization: dict[str, Any] = {}  # mean/std where the folder records them
+    base = None
+    if not where.url.endswith(FILE_SUFFIXES):  # a transformers or timm model directory
+        folder_config = _read_json(where.join(CONFIG_FILE))
         names = storage.list_files(where)
         file = where.join(next(n for n in HF_WEIGHT_FILES if n in names))
         raw = _read_tensors(file)
-        try:
-            base = vit.config_from_hf(hf_config)
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(
-                f"--weights {path}: its {CONFIG_FILE} is not a transformers ViT config ({e!r})"
-            ) from e
-        overrides = {"num_heads": base.num_heads, "norm_eps": base.norm_eps}
+        if kind == "timm":
+            overrides, normalization = _timm_folder(folder_config)
+        else:
+            try:
+                base = vit.config_from_hf(folder_config)
+            except (AttributeError, KeyError, TypeError, ValueError) as e:
+                raise ValueError(
+                    f"--weights {path}: its {CONFIG_FILE} is not a transformers ViT config ({e!r})"
+                ) from e
+            overrides = {"num_heads": base.num_heads, "norm_eps": base.norm_eps}
+            if HF_PREPROCESSOR in names:
+                processor = _read_json(where.join(HF_PREPROCESSOR))
+                normalization = _normalization(processor, "image_mean", "image_std")
     else:
         raw = _read_tensors(where)
         if kind == "file":
@@ -242,14 +260,14 @@ def _load_converted(
         converted = raw
     else:
         try:
-            converted = vit.convert_state_dict(raw, kind)
+            converted = vit.convert_state_dict(raw, kind, **normalization)
         except ValueError as e:
             raise ValueError(f"--weights {path} as {kind} weights: {e}") from e
     try:
         inferred = vit.config_from_state_dict(converted, None if kind == "vitray" else kind, **overrides)
     except (ValueError, KeyError, IndexError) as e:
         raise ValueError(f"--weights {path}: {e}") from e
-    if overrides:  # the sizes the transformers config.json claims must be the weights' own
+    if base is not None:  # the sizes the transformers config.json claims must be the weights' own
         claimed = base.replace(
             **{f: getattr(inferred, f) for f in ("head", "num_classes", "representation_size")}
         )
@@ -263,6 +281,30 @@ def _load_converted(
             "no known variant, so its number of heads is unknown; pass --model with a variant of those shapes"
         )
     return converted, inferred, kind
+
+
+def _timm_folder(folder_config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config overrides, mean/std) from timm's folder config.json: its heads, pooling and normalization."""
+    args = folder_config.get("model_args") if isinstance(folder_config.get("model_args"), dict) else {}
+    overrides: dict[str, Any] = {}
+    if isinstance(args.get("num_heads"), int):
+        overrides["num_heads"] = args["num_heads"]
+    if args.get("global_pool", folder_config.get("global_pool")) == "avg":
+        overrides["pool"] = "gap"  # the mean of the patch tokens (a norm after it would be fc_norm: refused)
+    pretrained = folder_config.get("pretrained_cfg")
+    return overrides, _normalization(pretrained if isinstance(pretrained, dict) else {}, "mean", "std")
+
+
+def _normalization(values: Any, mean_key: str, std_key: str) -> dict[str, Any]:
+    """``{"mean": ..., "std": ...}`` where ``values`` records both as lists of numbers, else {} (the
+    source's defaults apply); the model's config checks their ranges."""
+    if not isinstance(values, dict) or values.get("do_normalize") is False:
+        return {}
+    mean, std = values.get(mean_key), values.get(std_key)
+    numbers = [
+        v for v in (mean, std) if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)
+    ]
+    return {"mean": tuple(mean), "std": tuple(std)} if len(numbers) == 2 else {}
 
 
 def _guess_source(state_dict: dict[str, torch.Tensor], path: str) -> str:

@@ -66,8 +66,17 @@ ALLOWED = {
         "vit",
         "pipeline.model_source",
     },
+    # The export job: what --weights resolves to, as files timm or transformers load (vit.export).
+    "pipeline.export": {
+        "pipeline.cli",  # its job's parser, made from its config
+        "pipeline.settings",
+        "pipeline.storage",
+        "pipeline.model_source",
+        "vit",
+    },
     # The options reference (docs/options.md), written from every job's parser.
     "pipeline.reference": {
+        "pipeline.export",
         "pipeline.train",
         "pipeline.embed",
         "pipeline.evaluate",
