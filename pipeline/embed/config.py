@@ -13,6 +13,7 @@ from pipeline.model_source import FORMATS
 from pipeline.settings import setting
 
 EMBEDDINGS = ("cls", "pre_logits")
+DTYPES = ("float32", "float16")  # how the embedding column is stored
 CPU_BATCH_SIZE, GPU_BATCH_SIZE = 64, 256  # default images per forward
 # What `--label-key auto` means: the training run's label key, else this.
 DEFAULT_LABEL_KEY = "cls"
@@ -37,6 +38,12 @@ class EmbedConfig:
         "cls",
         "cls: [CLS] token after the final LayerNorm; pre_logits: the pretraining head's hidden layer",
         choices=EMBEDDINGS,
+    )
+    normalize: bool = setting(
+        False, "L2-normalize each embedding (unit length: inner product is then cosine similarity)"
+    )
+    dtype: str = setting(
+        "float32", "storage type of the embedding column (float16: half the bytes)", choices=DTYPES
     )
     image_size: int | None = setting(None, "input resolution (none: the model's; others resample pos_embed)")
     batch_size: int | None = setting(None, "images per forward pass (none: 64 on CPU, 256 per GPU)")
@@ -77,6 +84,8 @@ class EmbedConfig:
                 raise ValueError(f"--{name} is required")
         if self.embedding not in EMBEDDINGS:
             raise ValueError(f"--embedding must be one of {', '.join(EMBEDDINGS)}, got {self.embedding!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if (
             (self.batch_size is not None and self.batch_size <= 0)
             or self.concurrency <= 0
@@ -88,6 +97,10 @@ class EmbedConfig:
         """Images per forward: ``batch_size``, else 64 on CPU (a few hundred MB of activations at 224 px)
         and 256 on a GPU, where ViT-B/16 to ViT-H/14 at 224 px need that many to keep it busy."""
         return self.batch_size or (GPU_BATCH_SIZE if self.use_gpu else CPU_BATCH_SIZE)
+
+    def output_options(self) -> dict[str, Any]:
+        """How the embeddings are stored: part of the output's identity, its manifest and every footer."""
+        return {"normalize": self.normalize, "dtype": self.dtype}
 
     def replace(self, **changes: Any) -> EmbedConfig:
         return dataclasses.replace(self, **changes)

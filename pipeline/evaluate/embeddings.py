@@ -114,7 +114,9 @@ def load_embeddings(uri: str, storage_options: dict | None = None, *, name: str 
             else:
                 _same(name, uri, reference, where, footer, file.rsplit("/", 1)[-1])
         if not pa.types.is_fixed_size_list(table.schema.field("embedding").type):
-            raise ValueError(f"{name} {file}: its embedding column is not fixed_size_list<float32>[D]")
+            raise ValueError(
+                f"{name} {file}: its embedding column is not fixed_size_list<float32 or float16>[D]"
+            )
         tables.append(table)
     dims = {t.schema.field("embedding").type.list_size for t in tables}
     if len(dims) > 1:
