@@ -8,7 +8,7 @@
 Metric: inner product on an output embedded with ``--normalize`` (cosine similarity), squared L2 otherwise.
 Kinds (`choose`): ``flat`` is exact, ``n * D * 4`` bytes, each query a scan of every row; ``hnsw`` is a
 graph over the full vectors (``M`` links a row): no training, high recall, about ``n * (4 D + 8 M)``
-bytes; ``ivfpq`` keeps ``m`` bytes a row (product quantization) in ``nlist`` inverted lists: the one
+bytes (both peak at about twice their vectors while rows are added); ``ivfpq`` keeps ``m`` bytes a row (product quantization) in ``nlist`` inverted lists: the one
 that fits where full vectors do not, at a lower recall (BENCHMARKS.md, "Index"). ``auto`` takes flat up
 to `EXACT_MAX_ROWS`, else hnsw where it fits ``--memory-gb``, else ivfpq with the largest code that fits.
 
@@ -44,7 +44,7 @@ from pipeline.index.config import IndexConfig
 INDEX_FILE, IDS_FILE, INDEX_MANIFEST = "index.faiss", "ids.parquet", "_index.json"
 FORMAT = "vitray-index"
 EXACT_MAX_ROWS = 50_000  # flat below this: a query scans 50,000 x D floats in a few ms
-HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 80, 64
+HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 80, 128
 DIMS_PER_CODE = (2, 4, 8, 16, 32)  # ivfpq: dimensions a code byte covers, best recall first
 TRAIN_POINTS_PER_LIST = 40  # ivfpq: sample rows per inverted list (faiss asks for at least 39)
 GIB = 1 << 30
@@ -70,11 +70,13 @@ class IndexSpec:
 
 
 def estimate(kind: str, rows: int, dim: int, params: dict[str, int]) -> int:
-    """Bytes an index takes while it is built: the index, plus for ivfpq its training sample."""
+    """Bytes an index takes while it is built: the index, plus for ivfpq its training sample. FAISS
+    grows the storage of full vectors by doubling as rows are added: flat and hnsw peak at twice theirs
+    (measured: BENCHMARKS.md, "Index")."""
     if kind == "flat":
-        return rows * dim * 4
+        return 2 * rows * dim * 4
     if kind == "hnsw":
-        return int(rows * (dim * 4 + params["M"] * 2 * 4 * 1.25))  # level 0 holds 2M links, upper ~M/4
+        return int(rows * (2 * dim * 4 + params["M"] * 2 * 4 * 1.25))  # level 0 holds 2M links, upper ~M/4
     sample = min(rows, params["nlist"] * TRAIN_POINTS_PER_LIST) * dim * 4
     return rows * (params["m"] + 8) + params["nlist"] * dim * 4 + sample  # codes + ids, centroids
 
@@ -211,7 +213,8 @@ def training_sample(readers: list[OutputReader], spec: IndexSpec, config: IndexC
         for batch in reader.iter_batches(["embedding"], config.batch_rows, config.storage_options):
             first = (-seen) % stride  # the first row of this batch at a multiple of stride
             if first < batch.num_rows:
-                parts.append(features(batch.column(0), spec.dim)[first::stride])
+                # A copy: a strided view would keep the whole batch alive, every batch of the output.
+                parts.append(features(batch.column(0), spec.dim)[first::stride].copy())
             seen += batch.num_rows
     return np.ascontiguousarray(np.concatenate(parts)[:want])
 

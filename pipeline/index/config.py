@@ -25,7 +25,7 @@ class IndexConfig:
         "auto: flat up to 50,000 rows, else hnsw where it fits --memory-gb, else ivfpq",
         choices=KINDS,
     )
-    memory_gb: float = setting(4.0, "memory the index may take while it is built and searched (GiB)")
+    memory_gb: float = setting(8.0, "memory the index may take while it is built and searched (GiB)")
     batch_rows: int = setting(
         65536, "rows read from the Parquet files at a time (streamed, never all at once)"
     )

@@ -132,7 +132,8 @@ def test_approximate_recall_at_10_against_exact(tmp_path, vectors, kind, bound):
 def test_auto_chooses_by_rows_and_memory():
     gib = build.GIB
     assert build.choose("auto", 10_000, 768, "ip", 4 * gib).kind == "flat"
-    assert build.choose("auto", 1_000_000, 768, "ip", 4 * gib).kind == "hnsw"
+    assert build.choose("auto", 1_000_000, 768, "ip", 8 * gib).kind == "hnsw"
+    assert build.choose("auto", 1_000_000, 768, "ip", 4 * gib).kind == "ivfpq"  # hnsw peaks at ~6.2 GiB
     compressed = build.choose("auto", 1_000_000, 768, "ip", 1 * gib)
     assert compressed.kind == "ivfpq" and compressed.bytes <= gib and compressed.params["m"] == 384
     assert build.choose("auto", 100_000_000, 768, "ip", 4 * gib).params["m"] == 24
@@ -254,3 +255,18 @@ def test_a_query_image_is_embedded_with_the_outputs_model(tmp_path, capsys):
         capsys, search_job.main([*args[:2], "--weights", str(tmp_path / "other"), "--image", str(image)]),
         "are not the weights the indexed output was embedded with",
     )  # fmt: skip
+
+
+def test_the_training_sample_holds_no_batch_it_came_from(tmp_path):
+    import tracemalloc
+
+    emb = tmp_path / "emb"
+    write_output(emb, clustered(20_000, 64), header())  # 5 MB of float32 rows
+    spec = build.IndexSpec("ivfpq", "ip", 20_000, 64, {"nlist": 8, "nbits": 4})
+    readers = build.open_outputs(IndexConfig(embeddings=str(emb), out=str(tmp_path / "i"), batch_rows=1000))
+    tracemalloc.start()
+    sample = build.training_sample(readers, spec, IndexConfig(embeddings="x", out="y", batch_rows=1000))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert sample.shape == (624, 64)  # 16 codes x 39 rows, every 32nd row
+    assert peak < 4 * 2**20, peak  # batches in flight and the sample (2.8 MB), not all 5 MB read (7.5 MB)
