@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-EXTRAS := test,dev,s3,gcs,plot,wandb,fp8
+EXTRAS := test,dev,s3,gcs,plot,wandb,fp8,index
 
 .PHONY: demo test test-fast test-gpu lint format docs install clean
 

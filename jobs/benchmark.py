@@ -4,6 +4,7 @@
     python jobs/benchmark.py model [--json PATH] ...   ViT forward+backward vs transformers' ViTModel
     python jobs/benchmark.py train [--json PATH] ...   one FSDP2 training step (no Ray): images/s, MFU, memory
     python jobs/benchmark.py embed [--json PATH] ...   the embedding job vs a naive single-process loop
+    python jobs/benchmark.py index [--json PATH] ...   HNSW / IVF-PQ vs exact search: build, memory, recall
 
 `python jobs/benchmark.py NAME --help` lists a benchmark's options. Each prints a table and, with
 `--json PATH`, writes the same figures as JSON. Results and the machines they came from: BENCHMARKS.md.
@@ -25,6 +26,7 @@ COMMANDS = {
     "model": "ViT forward+backward vs transformers' ViTModel",
     "train": "one FSDP2 training step without Ray: images/s, MFU, peak memory",
     "embed": "the embedding job vs a naive single-process loop",
+    "index": "approximate indexes (HNSW, IVF-PQ) vs exact search: build time, memory, recall@10, latency",
 }
 
 

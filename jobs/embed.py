@@ -14,9 +14,9 @@ machine or cluster has some at the start. Device and precision are part of the o
 Running the same command again skips the shards already committed.
 
 Leaves under --out: <shard>-<8 hex>.parquet per input shard (key, url, embedding
-fixed_size_list<float32>[D], label), _identity.json (the output's model, weights and preprocessing,
-claimed before the first commit: a run of another configuration into the same --out fails in one line)
-and _manifest.json (model, weights sha256, preprocessing, D, per shard its file, rows and skipped samples).
+fixed_size_list<float32>[D], or <float16> with --dtype float16; unit rows with --normalize; label),
+_identity.json (the output's model, weights, preprocessing and those two options, claimed before the
+first commit: a run of another configuration into the same --out fails in one line) and _manifest.json (model, weights sha256, preprocessing, D, per shard its file, rows and skipped samples).
 """
 
 from __future__ import annotations

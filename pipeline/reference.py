@@ -18,6 +18,7 @@ from pipeline.data.make_shards import parser as make_shards_parser
 from pipeline.embed.config import parser as embed_parser
 from pipeline.evaluate.config import analyze_parser, evaluate_parser
 from pipeline.export import export_parser
+from pipeline.index.config import index_parser, search_parser
 from pipeline.train.presets import finetune_parser, pretrain_parser
 
 PATH = "docs/options.md"
@@ -29,6 +30,8 @@ JOBS: tuple[tuple[str, str, Callable[[], argparse.ArgumentParser]], ...] = (
     ("finetune", "Fine-tuning pretrained weights. Defaults: the `finetune` preset's.", finetune_parser),
     ("embed", "A model's embeddings of shards, to Parquet (Ray Data).", embed_parser),
     ("evaluate", "Linear probe, k-NN and few-shot scores of two embedding outputs (one process, no Ray).", evaluate_parser),
+    ("index", "A FAISS index over embedding outputs: exact, HNSW or IVF-PQ (one process, no Ray).", index_parser),
+    ("search", "Nearest rows to keys or an image, and near-duplicate pairs, from an index (one process, no Ray).", search_parser),
     ("analyze", "The paper's Fig. 7 panels of any weights (one process, no Ray).", analyze_parser),
     ("export", "A trained model as files timm or transformers load, with a model card (one process, no Ray).", export_parser),
 )  # fmt: skip

@@ -80,6 +80,7 @@ ALLOWED = {
         "pipeline.train",
         "pipeline.embed",
         "pipeline.evaluate",
+        "pipeline.index",
         "pipeline.data",
         "pipeline.cli",
         "pipeline.settings",
@@ -93,6 +94,20 @@ ALLOWED = {
         "pipeline.embed",
         "pipeline.data",
         "pipeline.dcp",
+        "pipeline.storage",
+        "pipeline.compat",
+        "vit",
+        "pipeline.model_source",
+    },
+    # Indexes what embed writes (read as evaluate reads it) and embeds query images as embed does;
+    # never pipeline.train.
+    "pipeline.index": {
+        "pipeline.index",
+        "pipeline.settings",
+        "pipeline.cli",  # its jobs' parsers, made from their configs
+        "pipeline.evaluate",
+        "pipeline.embed",
+        "pipeline.data",
         "pipeline.storage",
         "pipeline.compat",
         "vit",

@@ -14,6 +14,7 @@ from pipeline.settings import setting
 from pipeline.storage import Location
 
 EMBEDDINGS = ("cls", "pre_logits")
+DTYPES = ("float32", "float16")  # how the embedding column is stored
 CPU_BATCH_SIZE, GPU_BATCH_SIZE = 64, 256  # default images per forward
 # What `--label-key auto` means: the training run's label key, else this.
 DEFAULT_LABEL_KEY = "cls"
@@ -38,6 +39,12 @@ class EmbedConfig:
         "cls",
         "cls: [CLS] token after the final LayerNorm; pre_logits: the pretraining head's hidden layer",
         choices=EMBEDDINGS,
+    )
+    normalize: bool = setting(
+        False, "L2-normalize each embedding (unit length: inner product is then cosine similarity)"
+    )
+    dtype: str = setting(
+        "float32", "storage type of the embedding column (float16: half the bytes)", choices=DTYPES
     )
     image_size: int | None = setting(None, "input resolution (none: the model's; others resample pos_embed)")
     batch_size: int | None = setting(None, "images per forward pass (none: 64 on CPU, 256 per GPU)")
@@ -78,6 +85,8 @@ class EmbedConfig:
                 raise ValueError(f"--{name} is required")
         if self.embedding not in EMBEDDINGS:
             raise ValueError(f"--embedding must be one of {', '.join(EMBEDDINGS)}, got {self.embedding!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if (
             (self.batch_size is not None and self.batch_size <= 0)
             or self.concurrency <= 0
@@ -93,6 +102,10 @@ class EmbedConfig:
     def location(self, url: str) -> Location:
         """``url`` (--data, --weights, --out) with ``storage_options``."""
         return Location(url, self.storage_options)
+
+    def output_options(self) -> dict[str, Any]:
+        """How the embeddings are stored: part of the output's identity, its manifest and every footer."""
+        return {"normalize": self.normalize, "dtype": self.dtype}
 
     def replace(self, **changes: Any) -> EmbedConfig:
         return dataclasses.replace(self, **changes)

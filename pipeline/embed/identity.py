@@ -1,9 +1,9 @@
 """What an embedding output is of, and the claim that keeps it to one identity.
 
 An output holds the embeddings of one configuration, its identity: model config, weights sha256, kind
-(``cls`` / ``pre_logits``), the preprocessing fields that change pixels or rows, device and precision
-(`identity`). A run claims ``--out`` for its identity in ``_identity.json`` before it writes or removes
-anything there (`claim`), and reads the claim again before each commit publishes a file (`check`); a
+(``cls`` / ``pre_logits``), the preprocessing fields that change pixels or rows, device and precision,
+and how rows are stored: L2-normalized or not, float32 or float16 (`identity`). A run claims ``--out``
+for its identity in ``_identity.json`` before it writes or removes anything there (`claim`), and reads the claim again before each commit publishes a file (`check`); a
 run that finds another identity's claim raises `OutputClaimedError`, one line, and publishes nothing more
 (at its start: nothing at all). Runs of one identity share the claim. ``--overwrite`` replaces it.
 
@@ -50,6 +50,11 @@ PREPROCESSING_IDENTITY = (
 )
 
 
+# How the embeddings are stored (`EmbedConfig.output_options`); outputs written before it was recorded
+# hold plain float32 rows.
+DEFAULT_OUTPUT_OPTIONS = {"normalize": False, "dtype": "float32"}
+
+
 class OutputClaimedError(RuntimeError):
     """``--out`` is claimed for embeddings of another configuration: this run publishes nothing more."""
 
@@ -68,6 +73,7 @@ def identity(header: dict[str, Any]) -> dict[str, Any]:
         "embedding": header.get("embedding"),
         "preprocessing": {k: preprocessing.get(k) for k in PREPROCESSING_IDENTITY},
         "compute": header.get("compute"),  # device and precision: GPU bf16 rows differ from CPU fp32
+        "output": header.get("output") or DEFAULT_OUTPUT_OPTIONS,  # L2-normalized, stored dtype
     }
 
 

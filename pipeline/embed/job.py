@@ -173,6 +173,7 @@ def prepare(config: EmbedConfig) -> EmbedPlan:
         "image_size": source.config.image_size,
         "preprocessing": data_config.to_dict(),
         "compute": compute_identity(config.use_gpu),
+        "output": config.output_options(),
     }
     header = json.loads(json.dumps(header))
     output = EmbeddingOutput(out, header)
@@ -300,6 +301,14 @@ class ShardSink:
                 f"(first: key {str(part['key'][~finite][0])!r}, in {precision}); nothing of that shard was "
                 f"committed: check the weights (from a run that diverged?){hint}"
             )
+        if self.header["output"] == {"normalize": False, "dtype": "float16"}:
+            too_large = (np.abs(part["embedding"]) > np.finfo(np.float16).max).any(axis=1)
+            if too_large.any():  # float16 would store them as inf
+                raise NonFiniteEmbeddingError(
+                    f"{int(too_large.sum())} embedding(s) of {url} hold values beyond float16's range "
+                    f"(first: key {str(part['key'][too_large][0])!r}); nothing of that shard was committed: "
+                    "pass --normalize (unit rows fit float16) or --dtype float32"
+                )
 
     def close(self) -> None:
         """The stream ended: every remaining shard is complete (a shard with no rows gets an empty file)."""
@@ -322,7 +331,7 @@ class ShardSink:
         )
         labels = np.concatenate([p["label"] for p in parts]) if parts else np.zeros(0, np.int64)
         about = {**self.header, "shard": {"url": url, "rows": len(keys), "skipped": skipped}}
-        table = embedding_table(keys, [url] * len(keys), embeddings, labels, about)
+        table = embedding_table(keys, [url] * len(keys), embeddings, labels, about, **self.header["output"])
         record = self.output.commit(url, self.names[url], table, skipped)
         self.committed += 1
         self.rows += len(keys)

@@ -5,6 +5,9 @@
     <out>/_identity.json                 the output's identity, claimed before the first commit
     <out>/_manifest.json                 model, weights sha256, preprocessing, D; per shard: rows, skipped, file
 
+With ``--dtype float16`` the embedding column is ``fixed_size_list<float16>[D]``; with ``--normalize``
+each row has unit L2 norm. Both are part of the output's identity, its manifest and every footer.
+
 The underscore names stay out of directory reads: pyarrow, pandas, Spark and DuckDB globs skip ``_`` and
 ``.`` names, so ``pandas.read_parquet(out)`` reads exactly the embeddings.
 
@@ -74,6 +77,7 @@ STALE_TEMPORARY_S = 3600.0  # a temporary this old belongs to no running commit:
 FORMAT = "vitray-embeddings"
 METADATA_KEY = b"vitray"
 PARQUET = ".parquet"
+DTYPES = {"float32": (np.float32, pa.float32()), "float16": (np.float16, pa.float16())}  # --dtype
 
 
 def output_name(url: str) -> str:
@@ -109,17 +113,30 @@ def assign_names(shards: list[str], kept: dict[str, str] | None = None) -> dict[
 
 
 def embedding_table(
-    keys: Iterable[str], urls: Iterable[str], embeddings: np.ndarray, labels: np.ndarray, metadata: dict
+    keys: Iterable[str],
+    urls: Iterable[str],
+    embeddings: np.ndarray,
+    labels: np.ndarray,
+    metadata: dict,
+    *,
+    normalize: bool = False,
+    dtype: str = "float32",
 ) -> pa.Table:
-    """Rows of one shard: ``embeddings`` float32 ``(n, D)``, ``labels`` int64 ``(n,)`` with -1 for none."""
+    """Rows of one shard: ``embeddings`` float32 ``(n, D)``, ``labels`` int64 ``(n,)`` with -1 for none.
+    ``normalize``: each row divided by its L2 norm (a zero row stays zero), in float32; ``dtype``: the
+    column's value type, ``float32`` or ``float16`` (half the bytes, about 3 significant digits)."""
     embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+    if normalize:
+        norms = np.linalg.norm(embeddings, axis=1, keepdims=True)  # (n, 1)
+        embeddings = embeddings / np.where(norms > 0, norms, 1)
+    embeddings = embeddings.astype(DTYPES[dtype][0], copy=False)
     dim = embeddings.shape[1]
     labels = np.asarray(labels, dtype=np.int64)
     schema = pa.schema(
         [
             pa.field("key", pa.string(), nullable=False),
             pa.field("url", pa.string(), nullable=False),
-            pa.field("embedding", pa.list_(pa.float32(), dim), nullable=False),
+            pa.field("embedding", pa.list_(DTYPES[dtype][1], dim), nullable=False),
             pa.field("label", pa.int64()),
         ],
         metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True).encode()},

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,19 +92,74 @@ def output_files(
     return [where.join(f) for f in files], manifest
 
 
+@dataclass
+class OutputReader:
+    """An output's files and the identity every one of them must name: `check` each file's schema as it
+    is opened (`load_embeddings` reads them whole, `iter_batches` streams them in record batches)."""
+
+    uri: str
+    files: list[storage.Location]
+    about: dict[str, Any]  # the manifest, else the first file's footer ({} when neither)
+    reference: dict[str, Any] | None  # what every footer must agree with: the claim, manifest or first footer
+    where: str  # where the reference came from, for messages
+    name: str  # the flag that named the output
+
+    @classmethod
+    def open(cls, where: storage.Location | str, *, name: str = "--train") -> OutputReader:
+        files, manifest = output_files(where)
+        uri = str(where)
+        claim = identity.read(where) if manifest else None  # a vitray output directory
+        reference, source = (claim, identity.CLAIM) if claim else (manifest or None, MANIFEST)
+        if claim and manifest:
+            _same(name, uri, claim, identity.CLAIM, manifest, MANIFEST)
+        return cls(uri, files, manifest, reference, source, name)
+
+    def check(self, file: str, schema: pa.Schema) -> int:
+        """One file's schema against the output: its footer names the output's identity, its embedding
+        column is a fixed-size list of floats. Returns D."""
+        if schema.metadata and METADATA_KEY in schema.metadata:
+            footer = json.loads(schema.metadata[METADATA_KEY])
+            self.about = self.about or footer
+            if self.reference is None:
+                self.reference, self.where = footer, file.rsplit("/", 1)[-1]
+            else:
+                _same(self.name, self.uri, self.reference, self.where, footer, file.rsplit("/", 1)[-1])
+        index = schema.get_field_index("embedding")
+        kind = schema.field(index).type if index >= 0 else None
+        if kind is None or not pa.types.is_fixed_size_list(kind) or not pa.types.is_floating(kind.value_type):
+            raise ValueError(
+                f"{self.name} {file}: its embedding column is not fixed_size_list<float32 or float16>[D]"
+            )
+        return kind.list_size
+
+    def iter_batches(self, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+        """Every row, file after file, in record batches of at most ``batch_rows``: an output larger than
+        memory streams through (one batch in memory at a time)."""
+        for location in self.files:
+            fs, path = location.fs()
+            try:
+                with fs.open(path, "rb") as f:
+                    parquet = pq.ParquetFile(f)
+                    self.check(location.url, parquet.schema_arrow)
+                    yield from parquet.iter_batches(batch_size=batch_rows, columns=columns)
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(f"{self.name} {location.url} is not an embedding file: {e}") from e
+
+
+def features(column: pa.Array | pa.ChunkedArray, dim: int) -> np.ndarray:
+    """An embedding column (float32 or float16) -> float32 ``(n, D)``."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    return column.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim)
+
+
 def load_embeddings(where: storage.Location | str, *, name: str = "--train") -> Embeddings:
     """Read every row of an output; a one-line ValueError when it has no labels, mixes widths or is
     not an embedding output (``name`` is the flag that named it, for the message)."""
-    files, manifest = output_files(where)
-    uri = str(where)
-    claim = identity.read(where) if manifest else None  # a vitray output directory
-    # What every file must agree with: the claim, else the manifest, else the first file's footer.
-    reference, where = (claim, identity.CLAIM) if claim else (manifest or None, MANIFEST)
-    if claim and manifest:
-        _same(name, uri, claim, identity.CLAIM, manifest, MANIFEST)
-    tables = []
-    about = manifest
-    for location in files:
+    reader = OutputReader.open(where, name=name)
+    uri = reader.uri
+    tables, dims = [], set()
+    for location in reader.files:
         file = location.url
         fs, path = location.fs()
         try:
@@ -112,17 +168,8 @@ def load_embeddings(where: storage.Location | str, *, name: str = "--train") -> 
             raise ValueError(
                 f"{name} {file} is not an embedding file (key, embedding, label columns): {e}"
             ) from e
-        if table.schema.metadata and METADATA_KEY in table.schema.metadata:
-            footer = json.loads(table.schema.metadata[METADATA_KEY])
-            about = about or footer
-            if reference is None:
-                reference, where = footer, file.rsplit("/", 1)[-1]
-            else:
-                _same(name, uri, reference, where, footer, file.rsplit("/", 1)[-1])
-        if not pa.types.is_fixed_size_list(table.schema.field("embedding").type):
-            raise ValueError(f"{name} {file}: its embedding column is not fixed_size_list<float32>[D]")
+        dims.add(reader.check(file, table.schema))
         tables.append(table)
-    dims = {t.schema.field("embedding").type.list_size for t in tables}
     if len(dims) > 1:
         raise ValueError(f"{name} {uri} mixes embedding widths {sorted(dims)}; one output holds one model's")
     table = pa.concat_tables(tables)
@@ -136,16 +183,15 @@ def load_embeddings(where: storage.Location | str, *, name: str = "--train") -> 
         )
     if table.num_rows == 0:
         raise ValueError(f"{name} {uri} holds no rows")
-    embedding = table.column("embedding").combine_chunks()
-    features = embedding.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim)
+    rows = features(table.column("embedding"), dim)
     keys = np.asarray(table.column("key").to_pylist(), dtype=object)
-    finite = np.isfinite(features).all(axis=1)
+    finite = np.isfinite(rows).all(axis=1)
     if not finite.all():
         raise ValueError(
             f"{name} {uri}: {int((~finite).sum())} of {len(finite)} rows hold NaN or inf (first: key "
             f"{keys[~finite][0]}); embed them again with weights that hold finite values"
         )
-    return Embeddings(uri, features, labels.astype(np.int64), keys, about)
+    return Embeddings(uri, rows, labels.astype(np.int64), keys, reader.about)
 
 
 def _same(name: str, uri: str, a: dict, a_name: str, b: dict, b_name: str) -> None:

@@ -261,3 +261,13 @@ def test_data_baselines_at_a_tiny_size(tmp_path):
     assert "ceiling_randaug / ceiling" in result.stdout
     assert figures["bytes_per_sample"]["unmasked"]["patches"] == 16 * 8 * 8 * 3  # 4 x 4 patches of 8 x 8 x 3
     assert "2 shards of 4 photo-like JPEGs" in result.stdout and "bytes per sample" in result.stdout
+
+
+def test_index_measures_recall_against_a_brute_force_scan(tmp_path):
+    out = tmp_path / "index.json"
+    args = ["--rows", "3000", "--dim", "16", "--clusters", "10", "--rows-per-file", "1000", "--queries", "30"]
+    result = benchmark("index", *args, "--kinds", "flat,hnsw", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = {row["kind"]: row for row in json.loads(out.read_text())["results"]}
+    assert figures["flat"]["recall@10"] == 1.0  # exact search agrees with the scan: the scan is right
+    assert figures["hnsw"]["recall@10"] > 0.9 and figures["hnsw"]["peak_gib"] > 0

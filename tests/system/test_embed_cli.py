@@ -22,7 +22,7 @@ EMBED = ROOT / "jobs" / "embed.py"
 
 # The command line is an interface: adding or removing an option is a decision, made here on purpose.
 FLAGS = {
-    "--data", "--weights", "--out", "--weights-format", "--model", "--embedding", "--image-size",
+    "--data", "--weights", "--out", "--weights-format", "--model", "--embedding", "--normalize", "--no-normalize", "--dtype", "--image-size",
     "--batch-size", "--concurrency", "--cpus-per-actor", "--cpu", "--gpu", "--overwrite", "--no-overwrite",
     "--label-key", "--crop-fraction", "--interpolation", "--max-bad-fraction", "--max-lost-shards",
     "--storage-options", "--address",
@@ -50,7 +50,7 @@ def test_help_documents_every_option():
     options = result.stdout.split("\noptions:", 1)[1]  # past the description's example commands
     assert set(re.findall(r"(--[a-z][a-z-]+)", options)) == FLAGS
     entries = re.findall(r"\n  (-[^\n]*(?:\n {6,}[^\n]*)*)", options)
-    assert len(entries) == len(FLAGS) - 1  # --overwrite and --no-overwrite are one entry
+    assert len(entries) == len(FLAGS) - 2  # --overwrite / --no-overwrite are one entry, --normalize too
     for entry in entries:  # "--flag METAVAR    help text": the help text says something
         parts = re.split(r"\s{2,}", entry.strip(), maxsplit=1)
         assert len(parts) == 2 and len(parts[1].split()) >= 3, entry

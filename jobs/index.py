@@ -1,0 +1,51 @@
+"""Build a FAISS index over embedding outputs, for jobs/search.py: exact for small sets, approximate for large.
+
+    python jobs/index.py --embeddings /tmp/emb --out /tmp/emb-index                          # one process, no Ray
+    python jobs/index.py --embeddings s3://b/emb/train,s3://b/emb/val --out s3://b/index/h14 --memory-gb 16
+
+--embeddings takes jobs/embed.py's --out (or several of one model, comma-separated). The metric is inner
+product (cosine) on outputs embedded with --normalize, L2 otherwise. --kind auto takes an exact flat index
+up to 50,000 rows, else an HNSW graph where it fits --memory-gb, else IVF-PQ codes with the largest code
+that fits. The Parquet files are streamed in record batches, so an output larger than memory indexes.
+
+Leaves under --out: index.faiss, ids.parquet (id, key, url) and _index.json (the outputs it was built
+from: model, weights sha256, normalize, dtype, D; the index's kind and parameters), written last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
+
+from pipeline import cli
+from pipeline.index.config import IndexConfig, index_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return index_parser(__doc__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        from pipeline.index import build
+
+        config = IndexConfig(**cli.overrides(args, IndexConfig))
+        if args.print_config:
+            cli.print_config(config)
+            return 0
+        plan = build.prepare(config)
+        print(plan.spec.describe(), flush=True)
+        cli.start_work()
+        print(build.build(plan).format())
+        return 0
+
+    return cli.run_job(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
