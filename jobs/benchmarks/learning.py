@@ -9,6 +9,7 @@ Each stage runs the command a user would (`jobs/pretrain.py`, `embed.py`, `evalu
 - a linear probe on the raw pixels (the baseline: what a linear model gets without any network);
 - the ``small`` preset's embeddings (supervised pretraining, [CLS] token) through `jobs/evaluate.py`;
 - `jobs/finetune.py` from that run at a higher resolution (48 px) with the paper's recipe;
+- with ``--ema-decay D``, each run's EMA of the weights (``final_ema/``) beside its raw weights;
 - with ``--mae``, the same for MAE pretraining without labels, and for the same model with random
   weights (what the objective adds over the architecture alone): probe and fine-tuning.
 
@@ -48,6 +49,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="small",
         help="comma-separated training presets compared at equal steps (e.g. small,small_recipe); each "
         "run's classifier is also scored on the test shards",
+    )
+    p.add_argument(
+        "--ema-decay",
+        type=float,
+        default=None,
+        help="pretrain each preset with an EMA of the weights (--ema-decay) and score its final_ema/ beside "
+        "final/: EMA against the raw weights at the end of the same run",
     )
     p.add_argument("--mae", action="store_true", help="also MAE pretraining and random weights")
     p.add_argument("--json", help="write the figures as JSON")
@@ -152,9 +160,12 @@ def main(argv: list[str]) -> dict[str, Any]:
 
     for preset in args.presets.split(","):
         name = "supervised" if preset == "small" else preset
-        run = pretrain(name, "--eval-data", str(shards["test"]), preset=preset)
+        ema = ["--ema-decay", str(args.ema_decay)] if args.ema_decay is not None else []
+        run = pretrain(name, "--eval-data", str(shards["test"]), *ema, preset=preset)
         rows.append({"what": f"{name}: its classifier", "accuracy": final_eval_accuracy(run)})
         probe_rows(name, run / "final")
+        if ema:
+            probe_rows(f"{name} EMA {args.ema_decay:g}", run / "final_ema")
         if args.finetune_steps:
             finetune(name, run / "final")
     if args.mae:

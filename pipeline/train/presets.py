@@ -85,8 +85,9 @@ def small_recipe() -> TrainConfig:
 
         python jobs/pretrain.py --preset small_recipe --data '/tmp/fmnist/train-*.tar' --out /tmp/recipe --cpu
 
-    Expected (BENCHMARKS.md, "Learning"): against `small` on a 5,000-image subset of Fashion-MNIST at
-    equal steps, the figures there.
+    Expected (BENCHMARKS.md, "Learning"): on a 5,000-image subset of Fashion-MNIST at 1,200 steps its
+    classifier scores 64.4% on the test images against `small`'s 76.8%: at that budget plain training
+    does not overfit yet, and the recipe only slows it. It is for runs long enough to overfit.
     """
     return small().replace(
         randaug_ops=2,
