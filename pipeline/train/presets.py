@@ -99,6 +99,12 @@ def small_recipe() -> TrainConfig:
     )
 
 
+def gpu_node() -> TrainConfig:
+    """What the GPU presets share: 8 workers, each on a GPU with 4 CPUs for its data, a log line every
+    50 steps (a node of 8 GPUs; more nodes: --num-workers)."""
+    return TrainConfig().replace(num_workers=8, use_gpu=True, cpus_per_worker=4, log_every=50)
+
+
 def deit_s16_224() -> TrainConfig:
     """DeiT-S on ImageNet-1k from scratch (Touvron et al. 2021, "Training data-efficient image
     transformers", Table 9): AdamW at lr 5e-4 x batch / 512 with weight decay 0.05, batch 1024, 300
@@ -114,7 +120,7 @@ def deit_s16_224() -> TrainConfig:
 
     Expected: DeiT-S reports 79.8% top-1 on ImageNet-1k's validation set; not yet measured here.
     """
-    return TrainConfig().replace(
+    return gpu_node().replace(
         model="vit_s16",
         model_overrides={"head": "finetune"},
         image_size=224,
@@ -137,10 +143,6 @@ def deit_s16_224() -> TrainConfig:
         train_interpolation="bicubic",
         randaug_ops=2,
         randaug_magnitude=9,
-        num_workers=8,
-        use_gpu=True,
-        cpus_per_worker=4,
-        log_every=50,
         checkpoint_every=2000,
         eval_every=5000,
     )
@@ -170,7 +172,7 @@ def finetune() -> TrainConfig:
     Expected: eval_accuracy in metrics.jsonl at every --eval-every and at the end; not yet measured on
     GPUs (BENCHMARKS.md, "Learning", has the CPU figures on small images).
     """
-    return TrainConfig().replace(
+    return gpu_node().replace(
         image_size=384,
         optimizer="sgd",
         momentum=0.9,
@@ -182,10 +184,6 @@ def finetune() -> TrainConfig:
         micro_batch_size=64,
         warmup_steps=500,
         max_steps=10_000,
-        num_workers=8,
-        use_gpu=True,
-        cpus_per_worker=4,
-        log_every=50,
         checkpoint_every=1000,
         eval_every=1000,
     )
@@ -227,7 +225,7 @@ def vit_b16_224() -> TrainConfig:
 
     Expected: about 1,900 images/s per H100 at 50% MFU (3 x 35.2 GFLOPs an image); not yet measured.
     """
-    return TrainConfig().replace(
+    return gpu_node().replace(
         model="vit_b16",
         image_size=224,
         num_classes=21843,
@@ -238,10 +236,6 @@ def vit_b16_224() -> TrainConfig:
         warmup_steps=10_000,
         max_steps=312_000,
         lr_schedule="linear",
-        num_workers=8,
-        use_gpu=True,
-        cpus_per_worker=4,
-        log_every=50,
         checkpoint_every=2000,
     )
 
