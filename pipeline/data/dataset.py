@@ -6,7 +6,8 @@
                                 -> (training with mask_ratio) map_batches(mask_batch), fused too:
                                    patches -> {visible, masked, ids_shuffle}
                                 -> iter_batches: seeded local shuffle, bad rows counted and removed
-                                -> rebatch / micro_batches: exactly ``size`` good samples each
+                                -> rebatch / micro_batches: exactly ``size`` good samples each (the
+                                   stream's last one: what is left, so every good sample is taken)
 
 Determinism: the dataset keeps ``preserve_order`` in its own context, so rows come shard by shard in
 the given order and in tar order within a shard; the seeds are pure functions (`pipeline.data.config`).
@@ -175,8 +176,10 @@ def check_shards(shards: list[str], config: DataConfig, *, probe: int = 16) -> N
 
 
 def rebatch(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
-    """Cut a stream of uneven batches (corrupt samples removed) into batches of exactly `size`;
-    a short remainder at the end is dropped. Fixed shapes keep compiled graphs from recompiling."""
+    """Cut a stream of uneven batches (corrupt samples removed) into batches of exactly `size`, but
+    for the last: a short remainder at the end is one smaller batch, so every sample is taken. Fixed
+    shapes keep compiled graphs from recompiling; an epoch's one short batch costs a compiled model
+    one more graph, with a dynamic batch dimension, once per run (not once per size)."""
     pending: list[Batch] = []
     count = 0
     for batch in batches:
@@ -191,6 +194,8 @@ def rebatch(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
             yield {k: v[:size] for k, v in merged.items()}
             pending = [{k: v[size:] for k, v in merged.items()}]
             count -= size
+    if count:
+        yield {k: np.concatenate([b[k] for b in pending]) for k in pending[0]}
 
 
 def micro_batches(
@@ -204,7 +209,8 @@ def micro_batches(
     data_cpus: float,
     root: str,
 ) -> Iterator[Batch]:
-    """One training rank's micro-batches for one epoch: good samples only, exactly `size` each.
+    """One training rank's micro-batches for one epoch: every good sample once, exactly `size` each
+    but the last, which holds what is left (`rebatch`).
 
     Raises the data pipeline's one-line errors (bad-sample budget passed, shards without labels).
     """

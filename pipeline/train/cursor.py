@@ -5,9 +5,12 @@ order, read through its shuffle buffer. What fixes that stream beside the layout
 micro-batch size) is its fingerprint: the shard list, the seed and the shuffle buffer. The cursor owns
 what the rank has taken from it:
 
-- ``taken``: micro-batches trained on this epoch. A resume at the same layout and fingerprint skips
-  exactly those (`skip`) and trains on the rest; at another layout or fingerprint the epoch starts again
-  from its first sample, and the resume's log line says why (`resume`).
+- ``taken``: the micro-batch places of this epoch's steps so far (the accumulation count per step),
+  the same on every rank. A rank has taken that many micro-batches of its stream, or, once its stream
+  ran dry in the epoch's padded tail (`pipeline.train.state.StepAgreement`), all of them: either way
+  a resume at the same layout and fingerprint skips exactly what the rank trained on (`skip` stops
+  at the stream's end) and trains on the rest; at another layout or fingerprint the epoch starts
+  again from its first sample, and the resume's log line says why (`resume`).
 - ``counts``: this rank's bad-sample counts as of the last step's input (what reports, checkpoints and
   the summary hold), and ``at_epoch_start``: its counts when the epoch began. A resume re-reads the
   skipped micro-batches counting from ``at_epoch_start``, so it ends at exactly ``counts``: each bad
@@ -69,7 +72,7 @@ class EpochCursor:
     stream: str  # `stream_fingerprint` of the run's shards, seed and shuffle buffer
     counts: BadSamples
     at_epoch_start: BadSamples
-    taken: int = 0  # micro-batches trained on this epoch
+    taken: int = 0  # micro-batch places of this epoch's steps: micro-batches taken, or the whole stream
 
     @classmethod
     def start(
@@ -112,7 +115,7 @@ class EpochCursor:
             why = "it was taken from other shards, or with another seed or shuffle buffer"
         else:
             cursor.taken = taken
-            return cursor, f"each worker re-reads the {taken * micro_batch_size} samples it had taken"
+            return cursor, f"each worker re-reads the samples it had taken (up to {taken * micro_batch_size})"
         return cursor, f"{why}, so this epoch's data starts again from its first sample"
 
     def replay_counts(self) -> BadSamples:
@@ -121,14 +124,16 @@ class EpochCursor:
         return _copy(self.at_epoch_start)
 
     def skip(self, stream: Iterator[T]) -> Iterator[T]:
-        """``stream`` after its first ``taken`` micro-batches: those this rank had trained on."""
+        """``stream`` after its first ``taken`` micro-batches: those this rank had trained on (all of
+        them, when its stream ran dry before the position)."""
         for _ in range(self.taken):
             if next(stream, None) is None:
                 return
         yield from stream
 
     def took(self, micro_batches: int, counts: BadSamples) -> None:
-        """A step trained on ``micro_batches`` of this rank's stream; ``counts`` as of its input."""
+        """A step of ``micro_batches`` places (its accumulation count, on every rank alike) trained on
+        what this rank's stream still had for them; ``counts`` as of its input."""
         self.taken += micro_batches
         self.counts = counts
 

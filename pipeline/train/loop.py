@@ -17,14 +17,13 @@ re-read costs reading and decoding the epoch up to the checkpoint (at the data p
 step runs); at another layout the streams differ, and the epoch's data starts again from its first
 sample (logged).
 
-Every step, ranks agree on whether all of them have a full step of data; the first rank to run
-dry ends the epoch for all, so no rank waits in a collective that the others never join. The other
-ranks' unread samples are left for that epoch (the next epoch's shard order is a new one): rank r
-streams the good samples of `order[r::world]`, S_r of them, and every rank takes as many steps as the
-shortest stream fills, so rank r leaves at most S_r - min(S) + (samples per rank step - 1). With
-shards of n samples and few bad ones, S_r - min(S) <= n: an epoch leaves at most
-world x (n + micro-batch x accumulation - 1) samples (1,000-sample shards, 64 ranks, 64 images a
-rank step: 68k samples, about 0.5% of a 14M-image epoch).
+An epoch is every good sample once. Every step, ranks agree on how many samples it holds; the epoch
+goes on until every rank's stream has run dry (`pipeline.train.state.StepAgreement`). A rank whose
+stream ends first joins the remaining steps, so every collective has all ranks, with what it has left
+(its last micro-batch may be short) and then with nothing (zero-loss passes over one idle sample);
+the loss is the mean over the step's samples. So an epoch's last steps are smaller: padded, not
+carried into the next epoch, and counted by the schedule as steps like any other. A resume in that
+tail re-reads a dry rank's whole stream. An epoch whose first step is short stops the run (too little data).
 
 The GPU is not kept waiting on the host: the next steps' input is built on a background thread
 (`pipeline.train.prefetch`), the ranks' agreements go through a CPU group, and loss and accuracy
@@ -114,7 +113,7 @@ class Trainer:
         self.group = control_group()
         # Where this rank stands in the epoch, and its bad-sample counts as of the last step's input.
         # The data thread counts into a copy of its own, so samples it read ahead for steps that never
-        # ran (the run stopped, another rank ran dry) are not counted.
+        # ran (the run stopped) are not counted.
         self.cursor = self.resume_cursor()
         self.skipped = SkippedSteps(self.device)
         self.log = None if self.rank else sinks.attach(MetricsLog(config.run_dir, self.state.step), config)
@@ -196,29 +195,27 @@ class Trainer:
         return self.finish(error)
 
     def train_epoch(self) -> None:
-        """Steps until the schedule ends or some rank runs dry; then the next epoch begins."""
+        """Steps until the schedule ends or every rank's stream has run dry; then the next epoch begins."""
         state, last_step = self.state, self.config.last_step
         data = self.epoch_input()
-        steps = 0
         try:
             while state.step < last_step:
                 step_input, agreement = self.next_step_input(data)
                 if agreement.error:
                     raise StopRun(agreement.error)
-                if agreement.someone_ran_dry:
+                if self.cursor.taken == 0 and agreement.samples < self.config.optim.batch_size:
+                    raise StopRun(
+                        f"epoch {state.epoch} gave no full step: {len(self.shards)} shards hold fewer than "
+                        f"{self.config.optim.batch_size} readable samples per step across {self.world} "
+                        "workers; use more data or a smaller --batch-size"
+                    )
+                if agreement.epoch_over:
                     break
                 self.train_step(data, step_input, agreement)
-                steps += 1
         finally:
             data.close()  # stops this epoch's Ray Data execution if it is still running
         if state.step >= last_step:
             return
-        if steps == 0 and self.cursor.taken == 0:
-            raise StopRun(
-                f"epoch {state.epoch} gave no full step: {len(self.shards)} shards hold fewer than "
-                f"{self.config.optim.batch_size} readable samples per step across {self.world} workers; "
-                "use more data or a smaller --batch-size"
-            )
         state.epoch += 1
         self.cursor.next_epoch()
 
@@ -256,7 +253,7 @@ class Trainer:
         return step_input, agreement
 
     def train_step(self, data: Prefetcher, step_input: StepInput, agreement: StepAgreement) -> None:
-        self.cursor.took(len(step_input.micro_batches), step_input.bad_samples)
+        self.cursor.took(self.accum, step_input.bad_samples)  # places: the same count on every rank
         micro_batches = step_input.to_device(self.device)
         data.release(step_input)
         stats = self.step_fn(

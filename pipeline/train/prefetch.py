@@ -6,6 +6,11 @@ memory so the copy to the device can run without blocking. Done after each step 
 would leave the GPU idle; here a thread does it up to `depth` steps ahead, and the step only starts
 the (non-blocking) copies to the device.
 
+A rank's stream ends before the epoch does when other ranks still hold samples: its last input holds
+what was left (fewer micro-batches than a step takes, the last one maybe smaller), and every input
+after it is empty, so the rank joins the epoch's last steps with nothing to train on
+(`pipeline.train.step.TrainStep` makes its passes with zero loss).
+
 Pinned buffers are reused: a buffer goes back to the pool with a CUDA event recorded after its copy
 to the device was issued, and the thread waits on that event before writing into it again.
 """
@@ -35,7 +40,7 @@ class StepInput:
     micro_batches: list[tuple[torch.Tensor, ...]]  # host tensors (pinned on CUDA), one tuple per micro-batch
     keys: list[str]  # the samples' keys, in the order the step takes them
     samples: int
-    ran_dry: bool  # fewer micro-batches than a step takes: the stream has ended
+    ran_dry: bool  # fewer micro-batches than a step takes (maybe none): the stream has ended
     error: str  # a data error's one line (bad-sample budget, unlabeled shards), "" when none
     bad_samples: BadSamples  # this rank's counts as of this step's last micro-batch (a copy)
     buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)  # pinned, back to the pool after use
@@ -88,9 +93,11 @@ def _torch_dtype(array: np.ndarray) -> torch.dtype:
 class Prefetcher:
     """Steps of input from `stream`, built `depth` steps ahead on a thread (`depth=0`: in the caller).
 
-    `stream` yields micro-batches of exactly one size (`pipeline.data.dataset.micro_batches`); it runs,
-    and is closed, on the data thread only. `bad_samples` is the object the stream counts into; each
-    `StepInput` carries a copy of it, so the caller never reads it while the thread writes it.
+    `stream` yields micro-batches of one size but the last, which may be smaller
+    (`pipeline.data.dataset.micro_batches`); it runs, and is closed, on the data thread only.
+    `bad_samples` is the object the stream counts into; each `StepInput` carries a copy of it, so the
+    caller never reads it while the thread writes it. After the input where the stream ran dry, `next`
+    returns empty inputs (`ran_dry`, no samples, the stream's final counts) for as long as it is called.
     """
 
     def __init__(
@@ -110,19 +117,25 @@ class Prefetcher:
         self._stop = threading.Event()
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(depth, 1))
         self._thread = None
+        self._final_counts: BadSamples | None = None  # set once the stream has run dry
         if depth > 0:
             self._thread = threading.Thread(target=self._produce, name="vitray-prefetch", daemon=True)
             self._thread.start()
 
     def next(self) -> StepInput:
-        """The next step's input (blocks until it is built)."""
+        """The next step's input (blocks until it is built); an empty one once the stream has run dry."""
+        if self._final_counts is not None:
+            return StepInput([], [], 0, True, "", _copy(self._final_counts))
         if self._thread is None:
-            return self._build()
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        if item is _DONE:
-            raise RuntimeError("the data thread has stopped; no step input follows an ended stream")
+            item = self._build()
+        else:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is _DONE:
+                raise RuntimeError("the data thread has stopped; no step input follows a data error")
+        if item.ran_dry:
+            self._final_counts = item.bad_samples
         return item
 
     def release(self, step_input: StepInput) -> None:
@@ -183,9 +196,13 @@ class Prefetcher:
             samples=sum(len(b[self.columns[0]]) for b in batches),
             ran_dry=len(batches) < self.accum,
             error=error,
-            bad_samples=BadSamples.from_dict(self.bad_samples.to_dict()),
+            bad_samples=_copy(self.bad_samples),
             buffers=buffers,
         )
+
+
+def _copy(counts: BadSamples) -> BadSamples:
+    return BadSamples.from_dict(counts.to_dict())
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """What a training run carries across checkpoints, and what the ranks agree on at each step.
 
 `TrainState` is the part of a checkpoint that is not model or optimizer state (`train_state.json`).
-The agreements are the loop's collectives, each named by what the ranks settle: whether everyone has
-a full step of data, the first data error, every rank's bad-sample counts. `agree_on_error` is the one
+The agreements are the loop's collectives, each named by what the ranks settle: how many samples the
+step holds (none: the epoch is over), the first data error, every rank's bad-sample counts. `agree_on_error` is the one
 way the ranks settle on an error (the step's here, fine-tuning's evaluation in `pipeline.train.finetune`):
 every rank learns the same message and ends the same way.
 """
@@ -28,9 +28,10 @@ class TrainState:
     epoch: int = 0
     seed: int = 0
     # Where every rank stands in this epoch's stream: {"world", "micro_batch_size", "stream",
-    # "micro_batches"}, the micro-batches each rank has taken at that layout from that stream ({} at
-    # the epoch's start). A run resumed at the same layout and stream re-reads exactly those and
-    # trains on the rest (`pipeline.train.cursor.EpochCursor`).
+    # "micro_batches"}, the micro-batch places of the epoch's steps so far at that layout, from that
+    # stream ({} at the epoch's start): the same on every rank, each rank having taken that many of
+    # its micro-batches or, in the epoch's padded tail, all of them. A run resumed at the same layout
+    # and stream re-reads exactly those and trains on the rest (`pipeline.train.cursor.EpochCursor`).
     epoch_position: dict[str, int] = field(default_factory=dict)
     # Every rank's bad-sample counts when this epoch began: the re-read starts from them, so it ends
     # at exactly the counts of `bad_samples` (each sample counted once across the resume).
@@ -52,15 +53,24 @@ class TrainState:
 
 @dataclass(frozen=True)
 class StepAgreement:
-    """What every rank knows before a step: whether it runs, and over how many samples."""
+    """What every rank knows before a step: whether it runs, and over how many samples.
 
-    samples: int  # samples of this step across all ranks
-    someone_ran_dry: bool  # some rank lacks a full step of micro-batches: the epoch ends for all
+    The epoch goes on until every rank's stream has run dry: a rank whose stream ended first joins
+    the remaining steps with what it has left, then with nothing (the epoch's padded tail), so every
+    good sample of the epoch is trained once and no rank waits in a collective the others skip."""
+
+    samples: int  # samples of this step across all ranks; 0: every rank's stream has ended
+    someone_ran_dry: bool  # some rank lacks a full step of micro-batches: the epoch's tail
     error: str  # the first rank's data error, "" when none: the run ends for all
 
     @property
+    def epoch_over(self) -> bool:
+        """No rank has a sample left: the epoch ends here, for all at once."""
+        return self.samples == 0
+
+    @property
     def runs(self) -> bool:
-        return not self.someone_ran_dry and not self.error
+        return not self.epoch_over and not self.error
 
 
 def control_group() -> dist.ProcessGroup | None:
@@ -73,8 +83,8 @@ def control_group() -> dist.ProcessGroup | None:
 def agree_on_step(samples: int, ran_dry: bool, error: str, group: dist.ProcessGroup | None) -> StepAgreement:
     """Collective: sum the ranks' sample counts and learn whether any rank ran dry or hit an error.
 
-    Every rank calls it once per step, so no rank waits in a step's collectives that another rank,
-    out of data, never joins. `group` is `control_group()`'s.
+    Every rank calls it once per step, those out of data too, so every rank knows whether the step
+    runs (some rank still has samples) and joins its collectives. `group` is `control_group()`'s.
     """
     error, (total, dry) = agree_on_error(error, group, counts=(samples, ran_dry))
     return StepAgreement(int(total), dry > 0, error)

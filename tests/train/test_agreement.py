@@ -29,6 +29,11 @@ def _agreements(rank: int) -> None:
     # The step's agreement settles on it the same way.
     assert agree_on_step(4, False, mine, None) == StepAgreement(8, False, SHARD_ERROR)
     assert agree_on_step(4, rank == 1, "", None) == StepAgreement(8, True, "")
+    # The epoch's tail: rank 1 has run dry, rank 0 still has samples, so the step runs; then neither has.
+    tail = agree_on_step(3 if rank == 0 else 0, True, "", None)
+    assert tail == StepAgreement(3, True, "") and tail.runs and not tail.epoch_over
+    over = agree_on_step(0, True, "", None)
+    assert over.epoch_over and not over.runs
     _evaluation(rank)
 
 

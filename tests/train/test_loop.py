@@ -156,9 +156,14 @@ def test_a_run_stopped_at_an_epoch_edge_and_resumed_ends_equal_to_a_straight_run
     assert resumed["metrics"]["loss"] == summary["metrics"]["loss"]
 
 
-def test_too_little_data_for_one_step_stops_with_one_line(world, fake_data, tmp_path):
-    summary, _ = run(config(tmp_path / "run", batch_size=64, micro_batch_size=32), world)
-    assert summary["error"].startswith("epoch 0 gave no full step: 4 shards hold fewer than 64")
+# 32 good samples: one micro-batch of 32 for a step of two; two micro-batches for a step of 40, one short.
+@pytest.mark.parametrize("batch_size, micro_batch_size", [(64, 32), (40, 20)])
+def test_too_little_data_for_one_step_stops_with_one_line(
+    world, fake_data, tmp_path, batch_size, micro_batch_size
+):
+    cfg = config(tmp_path / "run", batch_size=batch_size, micro_batch_size=micro_batch_size)
+    summary, _ = run(cfg, world)
+    assert summary["error"].startswith(f"epoch 0 gave no full step: 4 shards hold fewer than {batch_size}")
     assert not (tmp_path / "run" / "final").exists()
 
 

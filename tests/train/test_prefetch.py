@@ -132,3 +132,30 @@ def test_pinned_buffers_are_reused_once_their_copies_are_done():
     prefetcher.close()
     # At most (depth + 2) steps of 2 micro-batches x 2 columns are ever allocated.
     assert len(pointers) <= 4 * 2 * 2
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_stream_that_ran_dry_gives_its_short_tail_then_empty_inputs(depth):
+    """The stream's last micro-batch is short (the data pipeline's remainder): it is trained like the
+    others; after the input where the stream ran dry, every input is empty, with the final counts,
+    so the rank joins the epoch's remaining steps with nothing."""
+    bad = BadSamples()
+
+    def tail():
+        for i in range(2):
+            bad.total += 4
+            yield micro_batch(i)
+        bad.total += 3
+        yield micro_batch(2, size=3)
+
+    prefetcher = Prefetcher(
+        tail(), accum=2, columns=("patches", "label"), bad_samples=bad, pin=False, depth=depth
+    )
+    taken = [prefetcher.next() for _ in range(4)]
+    prefetcher.close()
+    assert [(s.samples, s.ran_dry, len(s.micro_batches)) for s in taken] == [
+        (8, False, 2), (3, True, 1), (0, True, 0), (0, True, 0)
+    ]  # fmt: skip
+    assert taken[1].micro_batches[0][0].shape == (3, 3, 6) and taken[1].keys[-1] == "shard-1/2-2"
+    assert [s.bad_samples.total for s in taken] == [8, 11, 11, 11]
+    assert taken[2].keys == [] and taken[2].error == "" and taken[2].bad_samples is not taken[3].bad_samples

@@ -256,17 +256,19 @@ def test_checkpoint_round_trip(world, tmp_path):
         checkpoint.check_compatible(path, model_config(other))
 
 
-def test_rebatch_cuts_exact_sizes_and_drops_the_tail():
+def test_rebatch_cuts_exact_sizes_and_keeps_the_short_tail():
     def b(start: int, n: int) -> dict[str, np.ndarray]:
         return {
             "label": np.arange(start, start + n),
             "url": np.array([f"u{i}" for i in range(start, start + n)]),
         }
 
-    out = list(rebatch(iter([b(0, 4), b(4, 3), b(7, 6), b(13, 2)]), 4))
-    assert [len(x["label"]) for x in out] == [4, 4, 4]
-    assert np.concatenate([x["label"] for x in out]).tolist() == list(range(12))
+    out = list(rebatch(iter([b(0, 4), b(4, 3), b(7, 6), b(13, 0), b(13, 2)]), 4))
+    assert [len(x["label"]) for x in out] == [4, 4, 4, 3]  # every sample once: the last batch is short
+    assert np.concatenate([x["label"] for x in out]).tolist() == list(range(15))
     assert out[2]["url"].tolist() == ["u8", "u9", "u10", "u11"]
+    assert out[3]["url"].tolist() == ["u12", "u13", "u14"]
+    assert [len(x["label"]) for x in rebatch(iter([b(0, 4), b(4, 4)]), 4)] == [4, 4]  # no empty tail
 
 
 def test_grad_clip_zero_trains_unclipped_and_a_negative_threshold_is_refused(world):
