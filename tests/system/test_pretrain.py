@@ -202,11 +202,12 @@ print("loaded", len(model.state_dict()), "tensors")
         assert torch.equal(torch.load(out.parent / f"{name}.pt"), value), name
 
 
-def test_uneven_shards_end_every_epoch_together_and_the_run_keeps_and_logs_as_told(ray_session, tmp_path):
+def test_uneven_shards_train_every_sample_each_epoch_and_keep_and_log_as_told(ray_session, tmp_path):
     """5 shards of 13, 13, 13, 13 and 12 samples for 2 workers: in each epoch one worker reads 3 shards
-    (4 micro-batches of 8), the other 2 (3 micro-batches), so both epochs end for both workers after
-    exactly 3 steps, when the shorter runs dry; no collective may hang there. --keep-checkpoints 1 leaves only
-    the newest checkpoint; --tensorboard writes every logged scalar."""
+    (38 or 39 samples: 4 micro-batches of 8 and a short one), the other 2 (25 or 26: 3 and a short
+    one), so each epoch takes 5 steps, the last with one worker idle, and trains all 64 samples; no
+    collective may hang there. --keep-checkpoints 1 leaves only the newest checkpoint; --tensorboard
+    writes every logged scalar."""
     from pipeline.data.synthetic import write_synthetic_shards
     from pipeline.train.sinks import TENSORBOARD_DIR
     from tests.train.test_sinks import read_scalars
@@ -217,13 +218,13 @@ def test_uneven_shards_end_every_epoch_together_and_the_run_keeps_and_logs_as_to
     assert len(uneven.urls) == 5
     out = tmp_path / "run"
     cfg = config(
-        uneven, out, max_steps=6, log_every=3, checkpoint_every=3, keep_checkpoints=1, tensorboard=True
+        uneven, out, max_steps=10, log_every=5, checkpoint_every=5, keep_checkpoints=1, tensorboard=True
     )
     summary = fit(cfg, uneven.urls)
-    assert summary["metrics"]["step"] == 6
+    assert summary["metrics"]["step"] == 10
     rows = read_metrics(str(out))
-    assert [(r["step"], r["epoch"]) for r in rows] == [(3, 0), (6, 1)]
-    assert sorted(p.name for p in out.glob("checkpoint_*") if p.is_dir()) == [dcp.checkpoint_name(6)]
+    assert [(r["step"], r["epoch"], r["samples_seen"]) for r in rows] == [(5, 0, 64), (10, 1, 128)]
+    assert sorted(p.name for p in out.glob("checkpoint_*") if p.is_dir()) == [dcp.checkpoint_name(10)]
     losses = read_scalars(out / TENSORBOARD_DIR)["train/loss"]
     assert losses == {r["step"]: pytest.approx(r["loss"], rel=1e-6) for r in rows}
 
