@@ -58,3 +58,16 @@ def foreach_lerp_(tensors: list[Any], ends: list[Any], weight: float) -> None:
     import torch
 
     torch._foreach_lerp_(tensors, ends, weight)
+
+
+def filter_forwarded_logs(name: str, handle: Any) -> None:
+    """Call ``handle(batch)`` on every batch of lines Ray forwards from its processes to this driver,
+    before Ray prints it: the batch is a dict whose ``lines`` ``handle`` may replace, beside ``pid``,
+    ``ip`` and ``is_err``. Ray's one public filter, ``RAY_DEDUP_LOGS_SKIP_REGEX``, judges each line
+    alone, so the traceback a log record carries after its message cannot go with it. The driver's
+    `global_worker_stdstream_dispatcher` calls its handlers in order with the same batch, its printer
+    (added by ``ray.init``) among them; ``handle`` goes first, once per ``name``."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    with dispatcher._lock:
+        dispatcher.handlers = [(name, handle)] + [pair for pair in dispatcher.handlers if pair[0] != name]

@@ -14,7 +14,8 @@ the setting Ray offers for it (`Console.apply` before Ray is imported, `Console.
 - Ray Train's INFO lines: its ``RunConfig(logging_config=LoggingConfig(log_level=...))``
   (`train_log_level`);
 - lines that Ray's processes print at a level no setting reaches (`QUIET_LINES`): Ray's driver-side
-  filter of forwarded lines, ``RAY_DEDUP_LOGS_SKIP_REGEX`` (read when Ray is imported); the same
+  filter of forwarded lines, ``RAY_DEDUP_LOGS_SKIP_REGEX`` (read when Ray is imported), and ahead of
+  it `QuietRecords`, which drops such a line with the traceback its log record carries; the same
   patterns filter the driver's own Ray loggers;
 - the core worker's actor-restart notice, written once per process to the driver's stderr when Ray Data
   starts an actor pool: spent on an actor that never runs (`spend_actor_restart_notice`);
@@ -25,7 +26,7 @@ the setting Ray offers for it (`Console.apply` before Ray is imported, `Console.
 ``--verbose`` applies none of it: the console Ray gives by default. Settings the user exported
 already win over these (``os.environ.setdefault``).
 
-Nothing here imports Ray at import time.
+Nothing here imports Ray at import time (nor does `pipeline.compat`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
+
+from pipeline import compat
 
 # Lines that no log level or Ray setting reaches, each with where it comes from. Matched anywhere in
 # a line (Python `re.search`), so a pattern must be specific to its message.
@@ -52,6 +55,9 @@ QUIET_LINES: dict[str, str] = {
     "preemption_watcher": r"'PreemptionWatcher' and ID: '\w+' has constructor arguments in the object store",
     # Ray Data, once per process where vitray turned the bars off on purpose (it reports progress itself).
     "ray_data_bars_off": r"Progress bars disabled\. To enable",
+    # Ray Train's controller, with a traceback, when Ray's autoscaling coordinator does not answer its
+    # resource request (sent every 20 s) within 5 s: on a busy machine. The run goes on; nothing to do.
+    "resource_request": r"Failed to (?:send|cancel) resource request for train-\w+",
 }
 
 # Set while a job runs (`Console.apply`), for the library code that configures Ray per run
@@ -124,7 +130,49 @@ class Console:
             for handler in logging.getLogger(name).handlers:
                 if not any(isinstance(f, QuietFilter) for f in handler.filters):
                     handler.addFilter(QuietFilter())
+        compat.filter_forwarded_logs("vitray_quiet_records", QuietRecords())
         spend_actor_restart_notice()
+
+
+# The lines after a log record's message when it carries an exception (``exc_info``).
+TRACEBACK_START = "Traceback (most recent call last):"
+CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+class QuietRecords:
+    """Drops the `QUIET_LINES` among the lines Ray forwards to the driver, each with the traceback that
+    follows it (indented frames up to the exception's line, chained ones too); every other line,
+    a traceback after any other message included, is kept. Called per batch of one process's lines
+    (`compat.filter_forwarded_logs`); a record split over two batches is followed across them."""
+
+    def __init__(self) -> None:
+        self.pattern = re.compile(quiet_pattern())
+        # (ip, pid, stream) -> where that process's dropped record is: "message" (a traceback may
+        # follow), "frames" (inside one), "raised" (after its exception's line: a chained one may follow)
+        self.open: dict[tuple, str] = {}
+
+    def __call__(self, batch: dict[str, Any]) -> None:
+        source = (batch.get("ip"), batch.get("pid"), batch.get("is_err"))
+        batch["lines"] = [line for line in batch.get("lines", []) if not self.drops(source, line)]
+
+    def drops(self, source: tuple, line: str) -> bool:
+        state = self.open.pop(source, None)
+        if self.pattern.search(line):
+            self.open[source] = "message"
+            return True
+        if state is None:
+            return False
+        if not line.strip() or (state == "frames" and line[:1].isspace()):
+            self.open[source] = state
+        elif line.startswith(TRACEBACK_START) and state in ("message", "raised"):
+            self.open[source] = "frames"
+        elif state == "frames":
+            self.open[source] = "raised"  # the exception's line ends the frames
+        elif line.startswith(CHAINED) and state == "raised":
+            self.open[source] = "message"
+        else:
+            return False  # the record ended: a line of its own
+        return True
 
 
 # Ray's core worker writes this ERROR line (ray#53727) straight to the driver's stderr, once per process,

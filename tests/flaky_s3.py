@@ -1,8 +1,8 @@
 """A loopback S3 that fails: moto's server behind a small HTTP proxy on 127.0.0.1 that answers a share of
 requests with a 5xx, a stall past the client's read timeout, or a dropped connection.
 
-Faults are deterministic (every ``period``-th request, of ``methods`` if given, ``kinds`` in turn) and
-bounded: at most ``max_faults`` of them, and none once ``seconds`` have passed since the start, so a
+Faults are deterministic (every ``period``-th request, of ``methods`` and to ``paths`` if given, ``kinds``
+in turn) and bounded: at most ``max_faults`` of them, and none once ``seconds`` have passed since the start, so a
 test that retries always finishes.
 Clients reach it with `FlakyS3.storage_options` (short timeouts, so a stall costs about a second).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import itertools
+import re
 import socket
 import threading
 import time
@@ -39,6 +40,7 @@ class FlakyS3:
         seconds: float = 120.0,
         kinds: tuple[str, ...] = FAULTS,
         methods: tuple[str, ...] | None = None,
+        paths: str | None = None,
     ):
         from moto import server as moto_server
 
@@ -48,6 +50,8 @@ class FlakyS3:
         self.faults: Counter[str] = Counter()
         self.kinds = itertools.cycle(kinds)
         self.methods = methods  # only requests of these HTTP methods count and fail (None: all)
+        self.paths = paths  # only requests whose path and query match this regex count and fail (None: all)
+        self.log: list[tuple[str, str, str]] = []  # (kind, method, path) of every fault, in order
         self.lock = threading.Lock()
         self.on = False  # faults only while on (set up buckets first, then turn them on)
 
@@ -84,9 +88,11 @@ class FlakyS3:
         """``url`` on this store, reached with `storage_options`."""
         return Location(url, self.storage_options)
 
-    def next_fault(self, method: str) -> str | None:
+    def next_fault(self, method: str, path: str = "") -> str | None:
         with self.lock:
             if self.methods is not None and method not in self.methods:
+                return None
+            if self.paths is not None and not re.search(self.paths, path):
                 return None
             self.requests += 1
             if not self.on or self.requests % self.period or sum(self.faults.values()) >= self.max_faults:
@@ -95,6 +101,7 @@ class FlakyS3:
                 return None
             kind = next(self.kinds)
             self.faults[kind] += 1
+            self.log.append((kind, method, path))
             return kind
 
 
@@ -107,7 +114,7 @@ def _handler(s3: FlakyS3) -> type[BaseHTTPRequestHandler]:
 
         def handle_one(self) -> None:
             body = self._body()
-            fault = s3.next_fault(self.command)
+            fault = s3.next_fault(self.command, self.path)
             if fault == "drop":
                 self.connection.shutdown(socket.SHUT_RDWR)
                 self.close_connection = True

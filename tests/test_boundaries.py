@@ -30,7 +30,7 @@ ALLOWED = {
     "pipeline.settings": set(),
     "pipeline.storage": set(),
     "pipeline.compat": set(),
-    "pipeline.console": set(),
+    "pipeline.console": {"pipeline.compat"},
     "pipeline.cli": {"pipeline.console", "pipeline.settings"},
     "pipeline.dcp": {"pipeline.storage", "pipeline.compat", "vit"},
     # What --weights resolves to, for every job that takes a trained model (embed, evaluate, fine-tuning).

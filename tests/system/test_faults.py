@@ -1,7 +1,9 @@
 """Pretraining through faults, as a user runs it: `jobs/pretrain.py` reads its shards from and writes its
 run to a loopback S3 whose every 4th request fails (503, a stall past the read timeout, 500, a dropped
-connection, in turn; 12 faults in each run); its driver and the local Ray it started are SIGKILLed once a checkpoint is
-registered, and the same command is run again.
+connection, in turn; 12 faults in the first run); its driver and the local Ray it started are SIGKILLed
+once a checkpoint is registered, and the same command is run again. In the second run every 2nd request
+for a checkpoint's files fails: the restore's reads of the checkpoint it resumes from, then its saves.
+The run ends with the weights of the same command run straight on a local disk.
 
 The first run reaches the store through the environment (AWS_*); the second through `--storage-options`
 alone, no AWS_* variable set: its shards, marker, metrics, checkpoints (Ray Train's storage too, which
@@ -29,6 +31,7 @@ import pytest
 import s3fs
 import torch
 from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
 
 import vit
 from pipeline import dcp
@@ -39,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN = ROOT / "jobs" / "pretrain.py"
 BUCKET = "vitray-train-faults"
 RUN = f"{BUCKET}/runs/r1"
+CHECKPOINT_FILES = r"checkpoint_\d{8}"  # in a request's path or listing prefix (the snapshot file aside)
 pytestmark = pytest.mark.slow
 
 
@@ -85,12 +89,16 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
         secret = "vitray-second-run-secret"  # moto takes any keys
         options = {**s3.storage_options, "key": "vitray-second-run", "secret": secret}
         options_only = {k: v for k, v in env.items() if not k.startswith("AWS_")}
-        args = [
-            sys.executable, str(PRETRAIN), "--data", f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar",
-            "--out", f"s3://{RUN}", "--cpu", "--num-classes", "4", "--batch-size", "16",
-            "--micro-batch-size", "8", "--max-steps", "12", "--checkpoint-every", "4", "--log-every", "2",
-            "--warmup-steps", "2", "--shuffle-buffer", "16", "--keep-checkpoints", "5",
-        ]  # fmt: skip
+
+        def pretrain(data: str, out: str) -> list[str]:
+            return [
+                sys.executable, str(PRETRAIN), "--data", f"{data}/train-{{000000..000003}}.tar", "--out", out,
+                "--cpu", "--num-classes", "4", "--batch-size", "16", "--micro-batch-size", "8",
+                "--max-steps", "12", "--checkpoint-every", "4", "--log-every", "2", "--warmup-steps", "2",
+                "--shuffle-buffer", "16", "--keep-checkpoints", "5",
+            ]  # fmt: skip
+
+        args = pretrain(f"s3://{BUCKET}/shards", f"s3://{RUN}")
 
         def registered() -> list[int]:
             """Steps of the checkpoints Ray Train has registered (only those are resumed from)."""
@@ -119,8 +127,11 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
         assert process_group_gone(job.pid), "processes of the killed job are still running"
         at_kill = registered()
         assert at_kill and max(at_kill) < 12, f"registered {at_kill}\n{first_log[-3000:]}"
-        faults_first = dict(s3.faults)
-        s3.max_faults += 12
+        faults_first, log_first, requests_first = dict(s3.faults), len(s3.log), s3.requests
+        # No request is in flight (the first run's processes are gone): the second run's faults fall on
+        # every 2nd request for a checkpoint's files, the first of which are the restore's reads.
+        # 40 of them at most: enough to reach the saves after the restore.
+        s3.period, s3.paths, s3.requests, s3.max_faults = 2, CHECKPOINT_FILES, 0, s3.max_faults + 40
 
         result = subprocess.run(
             [*args, "--storage-options", json.dumps(options)],
@@ -137,6 +148,14 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
         assert [(name.rsplit("/", 1)[-1], int(at)) for name, at in resumed] == [
             (dcp.checkpoint_name(step), step)
         ], result.stdout[-3000:]
+        # The restore read that checkpoint's files through failing requests, and the last checkpoint's
+        # save (its uploads and the listings that check them) went through failing ones too.
+        second = s3.log[log_first:]
+        restore = [
+            (kind, method) for kind, method, path in second if f"/{dcp.checkpoint_name(step)}/" in path
+        ]
+        assert restore and {method for _, method in restore} <= {"GET", "HEAD"}, second
+        assert [path for _, _, path in second if dcp.checkpoint_name(12) in path], second
         assert "finished at step 12:" in result.stdout
         assert "samples read: 192, skipped as bad: 0" in result.stdout
 
@@ -168,11 +187,23 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
         assert not [p for p in fs.find(RUN) if secret.encode() in fs.cat_file(p)]
     finally:
         s3.stop()
+
+    # The same command, run straight on a local disk, ends with the same weights, bit for bit.
+    straight = tmp_path / "straight"
+    local = subprocess.run(
+        pretrain(str(shards.dir), str(straight)), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert local.returncode == 0, (local.stdout + local.stderr)[-5000:]
+    healthy = load_file(straight / "final" / "weights.safetensors")
+    assert healthy.keys() == weights.keys()
+    for key in healthy:
+        assert torch.equal(healthy[key], weights[key]), f"{key} differs from the run on a healthy store"
+
     print(
-        f"faults: {dict(s3.faults)} ({faults_first} before the kill) in {s3.requests} requests; "
-        f"registered at the kill: {at_kill}; "
+        f"faults: {dict(s3.faults)} ({faults_first} before the kill, in {requests_first} requests); "
+        f"second run: {s3.log[log_first:]}; registered at the kill: {at_kill}; "
         f"killed after {killed_at:.0f} s, finished after {seconds:.0f} s"
     )
-    # Faults of every kind in each run: 3 of each before the kill, 3 more after.
+    # Faults of every kind in the first run, 3 of each; in the second, of every kind too.
     assert faults_first == dict.fromkeys(FAULTS, 3), faults_first
-    assert s3.faults == dict.fromkeys(FAULTS, 6), s3.faults
+    assert {kind for kind, _, _ in second} == set(FAULTS), second
