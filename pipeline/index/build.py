@@ -343,6 +343,8 @@ def commit(
         "dim": spec.dim,
         "build": {
             "seconds": round(time.perf_counter() - start, 3),
+            "train_seconds": round(train_s, 3),
+            "add_seconds": round(add_s, 3),  # with --ray-tasks: the tasks' and the merge
             "estimated_bytes": spec.bytes,
             "ray_tasks": config.ray_tasks,
         },

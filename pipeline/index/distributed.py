@@ -61,16 +61,18 @@ def file_groups(plan: local.IndexPlan, tasks: int) -> list[tuple[list[OutputRead
     return out
 
 
-@ray.remote(num_cpus=TASK_CPUS)
+# Two objects: the shard is freed once merged, while the keys (read back zero-copy, so pinning the
+# object they arrived in) stay until the commit.
+@ray.remote(num_cpus=TASK_CPUS, num_returns=2)
 def add_shard(
     trained: np.ndarray, readers: list[OutputReader], dim: int, batch_rows: int, first_id: int
-) -> tuple[np.ndarray, list[pa.Array], list[pa.Array]]:
-    """One group's rows added to a copy of the trained index: (the shard serialized, keys, urls)."""
+) -> tuple[np.ndarray, tuple[list[pa.Array], list[pa.Array]]]:
+    """One group's rows added to a copy of the trained index: the shard serialized, (keys, urls)."""
     import faiss
 
     index = faiss.deserialize_index(trained)
     keys, urls = local.add_rows(index, readers, dim, batch_rows, first_id)
-    return faiss.serialize_index(index), keys, urls
+    return faiss.serialize_index(index), (keys, urls)
 
 
 def build(plan: local.IndexPlan) -> local.BuildSummary:
@@ -86,22 +88,24 @@ def build(plan: local.IndexPlan) -> local.BuildSummary:
     # one class, and reading gives the metric's own (IndexFlat -> IndexFlatIP or IndexFlatL2).
     index, trained = faiss.deserialize_index(blob), ray.put(blob)
     groups = file_groups(plan, plan.config.ray_tasks)
-    refs = [
+    pending = [
         add_shard.remote(trained, readers, plan.spec.dim, plan.config.batch_rows, first)
         for readers, first in groups
     ]
     keys: list[pa.Array] = []
     urls: list[pa.Array] = []
     try:
-        for ref in refs:  # file order: the merged lists hold their rows as one process adds them
-            blob, shard_keys, shard_urls = ray.get(ref)
-            index.merge_from(faiss.deserialize_index(blob), 0)
-            del blob
+        while pending:  # file order: the merged lists hold their rows as one process adds them
+            # Popped before it is read: a merged shard's last reference goes, and the store frees it.
+            shard, rows = pending.pop(0)
+            index.merge_from(faiss.deserialize_index(ray.get(shard)), 0)
+            del shard
+            shard_keys, shard_urls = ray.get(rows)
             keys += shard_keys
             urls += shard_urls
     except ray.exceptions.RayTaskError as e:
-        for ref in refs:
-            ray.cancel(ref)
+        for shard, _ in pending:
+            ray.cancel(shard)
         if isinstance(e.cause, ValueError):  # a file that does not read: the line the file gave
             raise ValueError(str(e.cause)) from e
         raise
