@@ -1,6 +1,7 @@
 """The index job against exact search, on one synthetic embedding output, in one run.
 
     python jobs/benchmark.py index [--rows 1000000] [--dim 768] [--kinds hnsw,ivfpq] [--queries 200] [--json PATH]
+    python jobs/benchmark.py index --rows 400000 --dim 256 --kinds flat,ivfpq --ray-tasks 0,2   # Ray against one process
 
 Rows: unit vectors drawn around ``--clusters`` random centres (noise of 0.7 per dimension about each),
 written as an embedding output with the embedding job's own table builder (``--normalize``, float32,
@@ -12,12 +13,17 @@ For each kind: ``jobs/index.py`` runs in its own process (build seconds and its 
 reading included); then ``--queries`` rows, taken evenly through the output, are searched one at a time
 (median latency) and all at once, and recall@10 is the share of their exact 10 nearest (a streamed
 brute-force scan of the same rows, in float32) that the index returns. ``flat`` in ``--kinds`` builds
-the exact index too, for its memory and latency.
+the exact index too, for its memory and latency. ``--ray-tasks 0,2`` builds each kind once per value
+(``jobs/index.py --ray-tasks``; 0 is one process): ``build_s`` is the job's whole run (a local Ray's
+start included), ``own_s`` the build itself as its ``_index.json`` records it (training, adding and
+merging, before the files are written; ``add_s`` the adding and merging alone), and ``same`` whether ``index.faiss`` is byte
+for byte the first build's of that kind.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -42,6 +48,10 @@ MEASURED = (
     "sys.exit(code)\n"
 )
 
+# Ray waits 30 s (not configurable) for a new local node to register; a machine busy with other work can
+# take longer, and the build is then run once more.
+NO_RAY_START = "The current node timed out during startup"
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmark.py index", description=__doc__.split("\n\n")[0])
@@ -53,6 +63,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--kinds", default="hnsw,ivfpq", help="index kinds, comma-separated (default: %(default)s)"
     )
     p.add_argument("--memory-gb", type=float, default=8.0, help="jobs/index.py --memory-gb")
+    p.add_argument(
+        "--ray-tasks", default="0", help="jobs/index.py --ray-tasks values, comma-separated (default: 0)"
+    )
     p.add_argument("--queries", type=int, default=200, help="rows searched for recall and latency")
     p.add_argument("--dir", help="keep the output and indexes here (default: a temporary directory)")
     p.add_argument("--json", help="also write the figures here")
@@ -94,17 +107,24 @@ def main(argv: list[str]) -> None:
     q = write_output(work / "emb", args, queries)
     print(f"wrote {args.rows:,} rows of D = {args.dim} in {time.perf_counter() - start:.0f} s", flush=True)
     truth = exact_top10(work / "emb", q, args.dim)
-    rows = []
-    for kind in args.kinds.split(","):
-        out = work / f"index-{kind}"
+    rows, first = [], {}
+    for kind, tasks in [(k, int(t)) for k in args.kinds.split(",") for t in args.ray_tasks.split(",")]:
+        out = work / f"index-{kind}-{tasks}"
         cmd = [sys.executable, "-c", MEASURED, "--embeddings", str(work / "emb"), "--out", str(out)]
-        cmd += ["--kind", kind, "--memory-gb", str(args.memory_gb), "--overwrite"]
-        start = time.perf_counter()
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        seconds = time.perf_counter() - start
+        cmd += ["--kind", kind, "--memory-gb", str(args.memory_gb), "--overwrite", "--ray-tasks", str(tasks)]
+        for _ in range(2):
+            start = time.perf_counter()
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            seconds = time.perf_counter() - start
+            if NO_RAY_START not in done.stderr:
+                break
+            print(f"{kind}, --ray-tasks {tasks}: the local Ray did not start in time; once more", flush=True)
         if done.returncode:
-            raise SystemExit(f"{kind}: {done.stderr.strip().splitlines()[-1]}")
-        peak = int(done.stderr.split("peak_kib")[-1].split()[0]) / 2**20  # GiB
+            said = [line for line in done.stderr.splitlines() if line.startswith("error: ")] or ["?"]
+            raise SystemExit(f"{kind}, --ray-tasks {tasks}: exit code {done.returncode}, {said[-1]}")
+        peak = int(done.stderr.split("peak_kib")[-1].split()[0]) / 2**20  # GiB (the driver's, with Ray)
+        with open(out / "index.faiss", "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
         index = search.load_index(str(out))
         latency = []
         for row in q:
@@ -115,8 +135,11 @@ def main(argv: list[str]) -> None:
         _, got = index.search(q, 10)
         batch_ms = (time.perf_counter() - t) / len(q) * 1e3
         recall = float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(truth, got, strict=True)]))
-        rows.append({"kind": kind, "params": json.dumps(index.manifest["params"]), "build_s": seconds,
-                     "peak_gib": peak, "index_gib": (out / "index.faiss").stat().st_size / 2**30,
+        rows.append({"kind": kind, "params": json.dumps(index.manifest["params"]), "ray_tasks": tasks,
+                     "build_s": seconds, "own_s": index.manifest["build"]["seconds"],
+                     "add_s": index.manifest["build"].get("add_seconds"),
+                     "same": first.setdefault(kind, digest) == digest, "peak_gib": peak,
+                     "index_gib": (out / "index.faiss").stat().st_size / 2**30,
                      "recall@10": recall, "query_ms": statistics.median(latency) * 1e3,
                      "batched_query_ms": batch_ms})  # fmt: skip
         print(done.stdout.strip(), flush=True)

@@ -17,6 +17,11 @@ and each batch is added and dropped, so only the index itself is held. ivfpq fir
 quantizer and codebooks on a sample (every k-th row, a first pass over the files), then adds in chunks:
 an output larger than memory indexes within the budget.
 
+Past one machine (``--ray-tasks N``, `pipeline.index.distributed`): the driver trains once, Ray tasks add
+the rows of groups of files to copies of the trained index, and the driver merges those shards in file
+order into the index this module would have built (`trained_index`, `add_rows`, `commit` are the phases
+both builds share). HNSW is a graph over every row: it does not merge, so it is built in one process.
+
 One index holds one model's embeddings: several outputs (``--embeddings a,b``) must name one identity
 (`pipeline.embed.identity`), and an ``--out`` that holds an index of another identity is refused unless
 ``--overwrite``.
@@ -81,9 +86,12 @@ def estimate(kind: str, rows: int, dim: int, params: dict[str, int]) -> int:
     return rows * (params["m"] + 8) + params["nlist"] * dim * 4 + sample  # codes + ids, centroids
 
 
-def choose(kind: str, rows: int, dim: int, metric: str, memory_bytes: int) -> IndexSpec:
+def choose(
+    kind: str, rows: int, dim: int, metric: str, memory_bytes: int, *, mergeable: bool = False
+) -> IndexSpec:
     """The index for ``rows`` vectors of ``dim`` under ``memory_bytes``; a one-line ValueError when the
-    kind asked for (or, for auto, every kind) does not fit."""
+    kind asked for (or, for auto, every kind) does not fit. ``mergeable``: only kinds built from shards
+    (flat, ivfpq), for ``--ray-tasks``."""
     nlist = max(1, min(2 ** round(math.log2(max(1.0, math.sqrt(rows)))), rows // TRAIN_POINTS_PER_LIST))
     candidates = {
         "flat": [{}],
@@ -97,6 +105,7 @@ def choose(kind: str, rows: int, dim: int, metric: str, memory_bytes: int) -> In
     }  # fmt: skip
     if kind == "auto":
         order = ["flat", "hnsw", "ivfpq"] if rows <= EXACT_MAX_ROWS else ["hnsw", "ivfpq"]
+        order = [name for name in order if not (mergeable and name == "hnsw")]
     else:
         order = [kind]
     for name in order:
@@ -127,9 +136,10 @@ def open_outputs(config: IndexConfig) -> list[OutputReader]:
     return readers
 
 
-def count_rows(readers: list[OutputReader]) -> tuple[int, int]:
-    """(rows, D) from the Parquet footers (one small read a file), every file checked against its output."""
-    rows, dims = 0, set()
+def count_rows(readers: list[OutputReader]) -> tuple[list[int], int]:
+    """(rows of each file, in the order they are added; D) from the Parquet footers (one small read a
+    file), every file checked against its output."""
+    rows, dims = [], set()
     for reader in readers:
         for location in reader.files:
             fs, path = location.fs()
@@ -139,10 +149,10 @@ def count_rows(readers: list[OutputReader]) -> tuple[int, int]:
             except (pa.ArrowException, OSError) as e:
                 raise ValueError(f"--embeddings {location} is not an embedding file: {e}") from e
             dims.add(reader.check(location.url, meta.schema.to_arrow_schema()))
-            rows += meta.num_rows
+            rows.append(meta.num_rows)
     if len(dims) != 1:
         raise ValueError(f"--embeddings mixes embedding widths {sorted(dims)}; one index holds one model's")
-    if rows == 0:
+    if sum(rows) == 0:
         raise ValueError(f"--embeddings {readers[0].uri} holds no rows")
     return rows, dims.pop()
 
@@ -226,11 +236,13 @@ class BuildSummary:
     train_s: float
     add_s: float
     seconds: float
+    ray_tasks: int = 0
 
     def format(self) -> str:
+        tasks = f" in {self.ray_tasks} Ray tasks" if self.ray_tasks else ""
         return (
             f"indexed {self.rows:,} rows as {self.spec.describe()}\n"
-            f"time: {self.seconds:.1f} s ({self.train_s:.1f} s training, {self.add_s:.1f} s adding)\n"
+            f"time: {self.seconds:.1f} s ({self.train_s:.1f} s training, {self.add_s:.1f} s adding{tasks})\n"
             f"index: {self.out}\n"
             f"search it: python jobs/search.py --index {self.out} --key KEY"
         )
@@ -244,41 +256,72 @@ class IndexPlan:
     readers: list[OutputReader]
     spec: IndexSpec
     source: dict[str, Any]
+    file_rows: list[int]  # rows of each file of ``readers``, in order
 
 
 def prepare(config: IndexConfig) -> IndexPlan:
     """Every check that reads no vector, cheapest first; raises a one-line ValueError."""
     config.validate()
     readers = open_outputs(config)
-    rows, dim = count_rows(readers)
+    file_rows, dim = count_rows(readers)
     source = source_of(readers, dim)
     check_out(config, source)
     metric = "ip" if source["output"].get("normalize") else "l2"
-    spec = choose(config.kind, rows, dim, metric, int(config.memory_gb * GIB))
-    return IndexPlan(config, readers, spec, source)
+    memory = int(config.memory_gb * GIB)
+    spec = choose(config.kind, sum(file_rows), dim, metric, memory, mergeable=config.ray_tasks > 0)
+    return IndexPlan(config, readers, spec, source, file_rows)
+
+
+def trained_index(plan: IndexPlan) -> Any:
+    """An empty index of ``plan.spec``; ivfpq trained on a sample of every file (`training_sample`)."""
+    index = new_index(plan.spec)
+    if plan.spec.kind == "ivfpq":
+        index.train(training_sample(plan.readers, plan.spec, plan.config))
+    return index
+
+
+def add_rows(
+    index: Any, readers: list[OutputReader], dim: int, batch_rows: int, first_id: int = 0
+) -> tuple[list[pa.Array], list[pa.Array]]:
+    """Add every row of ``readers``' files to ``index``, batch by batch; returns the keys and urls in
+    order. An ivf index gets ids from ``first_id`` on (the rows' ids in the whole index, so shards
+    merge as they are); a flat one numbers its rows by position (shards merge by concatenation)."""
+    import faiss
+
+    keys, urls, next_id = [], [], first_id
+    ivf = isinstance(index, faiss.IndexIVF)
+    for reader in readers:
+        for batch in reader.iter_batches(["key", "url", "embedding"], batch_rows):
+            vectors = features(batch.column(2), dim)
+            if not np.isfinite(vectors).all():
+                raise ValueError(f"--embeddings {reader.uri} holds NaN or inf rows; embed them again")
+            if ivf:
+                index.add_with_ids(vectors, np.arange(next_id, next_id + len(vectors), dtype=np.int64))
+            else:
+                index.add(vectors)
+            next_id += len(vectors)
+            keys.append(batch.column(0))
+            urls.append(batch.column(1))
+    return keys, urls
 
 
 def build(plan: IndexPlan) -> BuildSummary:
-    """Train (ivfpq), add every row in batches, then commit ``index.faiss``, ``ids.parquet`` and, last,
-    ``_index.json`` into ``--out``."""
+    """Train (ivfpq), add every row in batches, then `commit`."""
+    start = time.perf_counter()
+    index = trained_index(plan)
+    train_s = time.perf_counter() - start
+    keys, urls = add_rows(index, plan.readers, plan.spec.dim, plan.config.batch_rows)
+    return commit(plan, index, keys, urls, start=start, train_s=train_s)
+
+
+def commit(
+    plan: IndexPlan, index: Any, keys: list[pa.Array], urls: list[pa.Array], *, start: float, train_s: float
+) -> BuildSummary:
+    """Write ``index.faiss``, ``ids.parquet`` and, last, ``_index.json`` into ``--out``; ``start`` is
+    when the build began (`time.perf_counter`), ``train_s`` how long its training took."""
     import faiss
 
     config, spec = plan.config, plan.spec
-    start = time.perf_counter()
-    index = new_index(spec)
-    if spec.kind == "ivfpq":
-        index.train(training_sample(plan.readers, spec, config))
-    train_s = time.perf_counter() - start
-    keys, urls = [], []
-    for reader in plan.readers:
-        columns = ["key", "url", "embedding"]
-        for batch in reader.iter_batches(columns, config.batch_rows):
-            vectors = features(batch.column(2), spec.dim)
-            if not np.isfinite(vectors).all():
-                raise ValueError(f"--embeddings {reader.uri} holds NaN or inf rows; embed them again")
-            index.add(vectors)
-            keys.append(batch.column(0))
-            urls.append(batch.column(1))
     add_s = time.perf_counter() - start - train_s
     if index.ntotal != spec.rows:
         raise ValueError(f"--embeddings changed while it was indexed ({index.ntotal} rows, not {spec.rows})")
@@ -298,7 +341,13 @@ def build(plan: IndexPlan) -> BuildSummary:
         "params": spec.params,
         "rows": spec.rows,
         "dim": spec.dim,
-        "build": {"seconds": round(time.perf_counter() - start, 3), "estimated_bytes": spec.bytes},
+        "build": {
+            "seconds": round(time.perf_counter() - start, 3),
+            "train_seconds": round(train_s, 3),
+            "add_seconds": round(add_s, 3),  # with --ray-tasks: the tasks' and the merge
+            "estimated_bytes": spec.bytes,
+            "ray_tasks": config.ray_tasks,
+        },
     }
     with tempfile.TemporaryDirectory(prefix="vitray-index-") as local:
         faiss.write_index(index, os.path.join(local, INDEX_FILE))
@@ -309,4 +358,5 @@ def build(plan: IndexPlan) -> BuildSummary:
         out = config.location(config.out)
         storage.remove(out.join(INDEX_MANIFEST))
         storage.upload_dir(local, out, commit_last=INDEX_MANIFEST)
-    return BuildSummary(config.out, spec, spec.rows, train_s, add_s, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return BuildSummary(config.out, spec, spec.rows, train_s, add_s, seconds, config.ray_tasks)

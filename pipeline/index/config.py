@@ -31,12 +31,25 @@ class IndexConfig:
         65536, "rows read from the Parquet files at a time (streamed, never all at once)"
     )
     overwrite: bool = setting(False, "replace what --out holds (an index of another output, other files)")
+    ray_tasks: int = setting(
+        0,
+        "add the rows in this many Ray tasks, each a group of the output's files, after training once here "
+        "(flat or ivfpq: --kind auto skips hnsw); 0: all in this process, no Ray",
+        metavar="N",
+    )
     storage_options: dict | None = setting(
         None, "fsspec options as JSON (credentials: prefer the environment)", secret=True
     )
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""
+        if self.ray_tasks < 0:
+            raise ValueError(f"--ray-tasks must be 0 (no Ray) or more, got {self.ray_tasks}")
+        if self.ray_tasks and self.kind == "hnsw":
+            raise ValueError(
+                "--ray-tasks cannot build an hnsw index (a graph does not merge from parts); pass --kind "
+                "ivfpq or --kind flat, or leave out --ray-tasks"
+            )
         for name in ("embeddings", "out"):
             if not getattr(self, name):
                 raise ValueError(f"--{name} is required")
@@ -96,9 +109,9 @@ class SearchConfig:
 
 
 def index_parser(description: str | None = None) -> argparse.ArgumentParser:
-    """`jobs/index.py`'s command line (one process, no Ray)."""
+    """`jobs/index.py`'s command line: the settings, and Ray's flags for ``--ray-tasks``."""
     return cli.job_parser(
-        "jobs/index.py", description, IndexConfig, defaults=IndexConfig(embeddings="", out=""), ray=False
+        "jobs/index.py", description, IndexConfig, defaults=IndexConfig(embeddings="", out="")
     )
 
 
