@@ -46,7 +46,7 @@ from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
 from pipeline.data.shards import dataset_root
 from pipeline.train import checkpoint, finetune, mfu, sinks
-from pipeline.train.config import TrainConfig
+from pipeline.train.config import worker_config
 from pipeline.train.cursor import EpochCursor, stream_fingerprint
 from pipeline.train.ema import WeightEMA
 from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
@@ -79,14 +79,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     except dcp.CheckpointRefusedError as e:  # every rank refuses alike; a restart would only refuse again
         return {"metrics": {}, "bad_samples": {}, "error": str(e)}
     return trainer.train()
-
-
-def worker_config(loop_config: dict[str, Any]) -> TrainConfig:
-    """The run's config as the driver resolved it: the saved form with the real storage options, which
-    come inside the run directory's Location (the saved form redacts secrets); without one, as saved."""
-    config = TrainConfig.from_dict(loop_config["train"])
-    out = loop_config.get("out")
-    return config if out is None else config.replace(storage_options=dict(out.options) or None)
 
 
 class Trainer:
