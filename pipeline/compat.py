@@ -58,3 +58,24 @@ def foreach_lerp_(tensors: list[Any], ends: list[Any], weight: float) -> None:
     import torch
 
     torch._foreach_lerp_(tensors, ends, weight)
+
+
+def ray_train_preemption_info() -> Any | None:
+    """This Ray Train worker's copy of Ray's preemption notice (a `ray.train.PreemptionInfo`: the
+    deadline, the preempted nodes' ranks), or None: none yet, or not in a Ray Train worker.
+
+    Ray Train's own watcher actor polls the cluster's node drains and hands every worker of the run
+    the notice (`RayTrainWorker.mark_preempt`), which lands in the worker's train context. The public
+    `ray.train.get_preemption_info()` returns rank 0's copy through a barrier on an actor: every rank
+    must call it equally often, a round trip each time. Read here, locally, the notice costs nothing,
+    and the ranks settle it in the step's own agreement (`pipeline.train.state.agree_on_step`).
+    """
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+    except ImportError:  # Ray Train v1: no preemption notices
+        return None
+    try:
+        context = get_train_context()
+    except RuntimeError:  # not a Ray Train worker (a test's process, plain torch.distributed)
+        return None
+    return context.preemption_context.preemption_info
