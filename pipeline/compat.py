@@ -7,6 +7,7 @@ module of `pipeline/`.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 
@@ -79,3 +80,23 @@ def ray_train_preemption_info() -> Any | None:
     except RuntimeError:  # not a Ray Train worker (a test's process, plain torch.distributed)
         return None
     return context.preemption_context.preemption_info
+
+
+class _DropTracebacksOf(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def drop_ray_train_tracebacks(error: type[BaseException]) -> None:
+    """Ray Train logs the traceback of every exception that ends a worker's training function at ERROR,
+    on every rank ("Error in training function", logger `ray.train.v2._internal.util`, whatever the run's
+    LoggingConfig says). For ``error``, an ending the worker loop has told in its own line, those are two
+    screens of noise per restart: this process's logger drops them (once, however often called)."""
+    logger = logging.getLogger("ray.train.v2._internal.util")
+    text = f"{error.__module__}.{error.__qualname__}: "
+    if not any(isinstance(f, _DropTracebacksOf) and f.text == text for f in logger.filters):
+        logger.addFilter(_DropTracebacksOf(text))

@@ -13,8 +13,10 @@ the node's deadline. The watcher reads this worker's copy at most every `POLL_SE
 shutting down, a process stopped by hand) only sets a flag: a handler runs between two bytecodes of
 whatever the main thread is doing, so it does no work. Python runs handlers on the main thread only,
 and Ray Train runs the loop on another thread of its worker actor: the handler is installed on the
-actor's main thread through the actor itself (`__ray_call__`). A second SIGTERM goes to the handler that
-was there before (Ray's: the worker exits), so a worker stuck in a collective can still be stopped.
+actor's main thread through the actor itself (`__ray_call__`), and the loop's thread reads the signal
+from the wakeup pipe at the next step boundary, without waiting for the main thread to run the handler.
+A second SIGTERM goes to the handler that was there before (Ray's: the worker exits), so a worker stuck
+in a collective can still be stopped.
 
 Agreement. A notice may reach one rank only (a SIGTERM) or the ranks at different steps. The step's
 agreement folds every rank's flag into the all-reduce it makes anyway, so every rank stops at the same
@@ -78,17 +80,38 @@ class Plan:
     save_seconds: float  # the longest a checkpoint took in this attempt, over the ranks (0: none yet)
 
 
-# --- SIGTERM: a flag, set on the main thread ---------------------------------------------------------
-_sigterm = threading.Event()
-_previous: list[Any] = []  # the handler ours replaced, while ours is installed
+# --- SIGTERM: a flag --------------------------------------------------------------------------------
+class _Sigterm:
+    """This process's SIGTERM state. Python runs a signal's handler on the main thread, between two of
+    its bytecodes; a Ray actor's main thread waits in Ray's task loop until its next task (Ray Train's
+    status poll, every 2 s), so the training thread reads the signal sooner from the wakeup pipe, where
+    the interpreter's C-level handler writes each signal's number at once."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self.handled = 0  # SIGTERMs the Python handler has run for: a second one goes to `previous`
+        self.previous: Any = None  # the handler ours replaced, while ours is installed
+        self.pipe: tuple[int, int] | None = None  # (read, write) ends of the wakeup pipe, ours
+        self.wakeup = -1  # the wakeup fd before ours
+
+    def seen(self) -> bool:
+        if not self.flag.is_set() and self.pipe is not None:
+            with contextlib.suppress(BlockingIOError):
+                if signal.SIGTERM in os.read(self.pipe[0], 512):
+                    self.flag.set()
+        return self.flag.is_set()
+
+
+_sigterm = _Sigterm()
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     """The first SIGTERM sets the flag; the next goes to the handler before ours."""
-    if not _sigterm.is_set():
-        _sigterm.set()
+    _sigterm.flag.set()
+    _sigterm.handled += 1
+    if _sigterm.handled == 1:
         return
-    previous = _previous[-1] if _previous else signal.SIG_DFL
+    previous = _sigterm.previous
     if callable(previous):
         previous(signum, frame)
     elif previous != signal.SIG_IGN:
@@ -97,15 +120,31 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def _install(_actor: Any = None) -> None:
     """On the main thread (``_actor``: the worker actor, when run through it)."""
-    _sigterm.clear()  # a new attempt in this process starts without the last one's signal
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    if previous is not _on_sigterm:
-        _previous.append(previous)
+    _restore()  # a new attempt in this process starts without the last one's signal
+    _sigterm.flag.clear()
+    _sigterm.handled = 0
+    _sigterm.previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    _sigterm.wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    if _sigterm.wakeup != -1:  # someone's (an asyncio loop's): kept, and the flag waits for the handler
+        signal.set_wakeup_fd(_sigterm.wakeup)
+        os.close(read)
+        os.close(write)
+    else:
+        _sigterm.pipe = read, write
 
 
 def _restore(_actor: Any = None) -> None:
-    if _previous:
-        signal.signal(signal.SIGTERM, _previous.pop())
+    if _sigterm.previous is not None:
+        signal.signal(signal.SIGTERM, _sigterm.previous)
+        _sigterm.previous = None
+    if _sigterm.pipe is not None:
+        signal.set_wakeup_fd(_sigterm.wakeup)
+        for fd in _sigterm.pipe:
+            os.close(fd)
+        _sigterm.pipe = None
 
 
 def _on_main_thread(fn: Callable[..., None]) -> bool:
@@ -158,10 +197,11 @@ class PreemptionWatcher:
         self.next_poll = clock()
         self.save_seconds = 0.0  # the longest checkpoint of this attempt: what a save before a deadline needs
         self.handles_sigterm = _on_main_thread(_install)
+        compat.drop_ray_train_tracebacks(Preempted)  # `checkpoint_and_stop` logs its own line
 
     def notice(self, step: int) -> Notice | None:
         """This rank's notice at the step boundary after ``step``, or None."""
-        if _sigterm.is_set():
+        if _sigterm.seen():
             return Notice("SIGTERM")
         if self.hook_step is not None and step >= self.hook_step and self.hook_notice is None:
             self.hook_notice = Notice(f"a drain notice from {TEST_HOOK}", time.time() + TEST_HOOK_DEADLINE_S)

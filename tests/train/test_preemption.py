@@ -59,6 +59,23 @@ def test_a_sigterm_only_sets_the_flag_and_a_second_one_goes_to_the_handler_befor
     watcher.close()
 
 
+def test_the_loops_thread_reads_a_sigterm_before_the_main_thread_runs_the_handler(sigterm_before):
+    """The interpreter's C-level handler writes the signal's number into the wakeup pipe at once; a Ray
+    actor's main thread runs the Python handler only at its next task."""
+    before, calls = sigterm_before
+    watcher = PreemptionWatcher(0, 1, first_step=0, read_info=no_info)
+    try:
+        os.write(preemption._sigterm.pipe[1], bytes([signal.SIGINT]))  # another signal: no notice
+        assert watcher.notice(1) is None
+        os.write(preemption._sigterm.pipe[1], bytes([signal.SIGTERM]))  # as the C-level handler does
+        assert watcher.notice(1) == Notice("SIGTERM") and preemption._sigterm.handled == 0
+        os.kill(os.getpid(), signal.SIGTERM)  # the same signal's Python handler, run later: no second one
+        assert calls == [] and watcher.notice(2) == Notice("SIGTERM")
+    finally:
+        watcher.close()
+    assert signal.getsignal(signal.SIGTERM) is before and signal.set_wakeup_fd(-1) == -1
+
+
 def test_rays_notice_is_read_at_most_every_poll_interval_and_kept():
     from ray.train import PreemptionInfo  # here: the ranks of the spawned test import this module
 
