@@ -19,14 +19,21 @@ import pytest
 import torch
 
 from pipeline import dcp
-from pipeline.train import loop, preemption
+from pipeline.train import preemption
 from pipeline.train.preemption import Notice, Plan, Preempted, PreemptionWatcher, decide
 from pipeline.train.state import StepAgreement, agree_on_step
 from pipeline.train.step import TrainStep
 from tests.distributed import spawn
-from tests.train.test_loop import config, fake_micro_batches, run, weights
 
 HOOK = preemption.TEST_HOOK
+
+
+def loop_tests():
+    """`tests.train.test_loop` (its config, fake data, run and weights), imported when a loop test runs:
+    the spawned ranks of the agreement test import this module and need neither it nor Ray Data."""
+    from tests.train import test_loop
+
+    return test_loop
 
 
 def no_info() -> None:
@@ -160,26 +167,29 @@ def test_one_ranks_notice_is_every_ranks_in_the_steps_agreement():
 
 @pytest.fixture
 def fake_data(monkeypatch):
-    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    tests = loop_tests()
+    monkeypatch.setattr(tests.loop, "micro_batches", tests.fake_micro_batches)
 
 
 @pytest.fixture(scope="module")
 def straight(world, tmp_path_factory):
     """The uninterrupted 8-step run's weights (logging every step)."""
     out = tmp_path_factory.mktemp("preemption") / "straight"
+    tests = loop_tests()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loop, "micro_batches", fake_micro_batches)
-        summary, _ = run(config(out, log_every=1), world)
+        mp.setattr(tests.loop, "micro_batches", tests.fake_micro_batches)
+        summary, _ = tests.run(tests.config(out, log_every=1), world)
     assert summary["metrics"]["step"] == 8
-    return weights(config(out), 8)
+    return tests.weights(tests.config(out), 8)
 
 
 def stopped_and_resumed(cfg, device, capsys) -> tuple[str, str, dict]:
     """Run ``cfg`` until it raises `Preempted`, then resume it: (its message, the log, the resume's summary)."""
     with pytest.raises(Preempted) as raised:
-        run(cfg, device)
+        loop_tests().run(cfg, device)
     log = capsys.readouterr().out
-    summary, _ = run(cfg, device)  # the next attempt, as Ray Train starts it (the hook still set)
+    # The next attempt, as Ray Train starts it (the hook still set).
+    summary, _ = loop_tests().run(cfg, device)
     return str(raised.value), log, summary
 
 
@@ -193,7 +203,7 @@ def test_a_notice_checkpoints_the_step_and_the_resumed_run_ends_as_a_straight_on
     world, fake_data, straight, monkeypatch, capsys, tmp_path
 ):
     """The notice at step 5 (mid-epoch, not logged, 3 steps after checkpoint 4)."""
-    cfg = config(tmp_path / "run", log_every=2, checkpoint_every=4)
+    cfg = loop_tests().config(tmp_path / "run", log_every=2, checkpoint_every=4)
     monkeypatch.setenv(HOOK, "5")
     message, log, summary = stopped_and_resumed(cfg, world, capsys)
     assert message.startswith(
@@ -206,7 +216,7 @@ def test_a_notice_checkpoints_the_step_and_the_resumed_run_ends_as_a_straight_on
     assert log.splitlines()[-2].startswith("step 5/8 ")
     assert summary["resumed_from"]["step"] == 5 and summary["metrics"]["step"] == 8
     assert rows(cfg) == [2, 4, 5, 6, 8]
-    resumed = weights(cfg, 8)
+    resumed = loop_tests().weights(cfg, 8)
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
 
@@ -215,7 +225,7 @@ def test_a_sigterm_during_a_step_checkpoints_that_step_and_the_resumed_run_ends_
     world, fake_data, straight, monkeypatch, capsys, tmp_path
 ):
     """SIGTERM while step 3 runs (logged: its row goes with the checkpoint)."""
-    cfg = config(tmp_path / "run", log_every=1, checkpoint_every=4)
+    cfg = loop_tests().config(tmp_path / "run", log_every=1, checkpoint_every=4)
     real_step, sent = TrainStep.__call__, []
 
     def step(self, index, *args, **kwargs):
@@ -229,7 +239,7 @@ def test_a_sigterm_during_a_step_checkpoints_that_step_and_the_resumed_run_ends_
     assert dcp.is_complete(Path(cfg.run.out) / dcp.checkpoint_name(3))
     assert summary["resumed_from"]["step"] == 3 and summary["metrics"]["step"] == 8
     assert rows(cfg) == list(range(1, 9))  # step 3's row once
-    resumed = weights(cfg, 8)
+    resumed = loop_tests().weights(cfg, 8)
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
     assert signal.getsignal(signal.SIGTERM) is not preemption._on_sigterm  # the handler before is back
@@ -240,16 +250,16 @@ def test_no_checkpoint_is_tried_when_the_deadline_is_too_near_or_one_holds_the_s
 ):
     monkeypatch.setattr(preemption, "TEST_HOOK_DEADLINE_S", 0.0)  # the deadline is now
     monkeypatch.setenv(HOOK, "5")
-    cfg = config(tmp_path / "late", checkpoint_every=4)
+    cfg = loop_tests().config(tmp_path / "late", checkpoint_every=4)
     with pytest.raises(
         Preempted, match="s: none saved; Ray Train restarts the run from its latest checkpoint"
     ):
-        run(cfg, world)
+        loop_tests().run(cfg, world)
     assert sorted(p.name for p in Path(cfg.run.out).glob("checkpoint_*")) == [dcp.checkpoint_name(4)]
 
     monkeypatch.setenv(HOOK, "4")  # a step that checkpoint 4 holds
-    cfg = config(tmp_path / "held", checkpoint_every=4)
+    cfg = loop_tests().config(tmp_path / "held", checkpoint_every=4)
     with pytest.raises(
         Preempted, match=f"{dcp.checkpoint_name(4)} holds this step already; Ray Train restarts"
     ):
-        run(cfg, world)
+        loop_tests().run(cfg, world)
