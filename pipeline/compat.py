@@ -7,6 +7,7 @@ module of `pipeline/`.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 
@@ -71,3 +72,44 @@ def filter_forwarded_logs(name: str, handle: Any) -> None:
 
     with dispatcher._lock:
         dispatcher.handlers = [(name, handle)] + [pair for pair in dispatcher.handlers if pair[0] != name]
+
+
+def ray_train_preemption_info() -> Any | None:
+    """This Ray Train worker's copy of Ray's preemption notice (a `ray.train.PreemptionInfo`: the
+    deadline, the preempted nodes' ranks), or None: none yet, or not in a Ray Train worker.
+
+    Ray Train's own watcher actor polls the cluster's node drains and hands every worker of the run
+    the notice (`RayTrainWorker.mark_preempt`), which lands in the worker's train context. The public
+    `ray.train.get_preemption_info()` returns rank 0's copy through a barrier on an actor: every rank
+    must call it equally often, a round trip each time. Read here, locally, the notice costs nothing,
+    and the ranks settle it in the step's own agreement (`pipeline.train.state.agree_on_step`).
+    """
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+    except ImportError:  # Ray Train v1: no preemption notices
+        return None
+    try:
+        context = get_train_context()
+    except RuntimeError:  # not a Ray Train worker (a test's process, plain torch.distributed)
+        return None
+    return context.preemption_context.preemption_info
+
+
+class _DropTracebacksOf(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def drop_ray_train_tracebacks(error: type[BaseException]) -> None:
+    """Ray Train logs the traceback of every exception that ends a worker's training function at ERROR,
+    on every rank ("Error in training function", logger `ray.train.v2._internal.util`, whatever the run's
+    LoggingConfig says). For ``error``, an ending the worker loop has told in its own line, those are two
+    screens of noise per restart: this process's logger drops them (once, however often called)."""
+    logger = logging.getLogger("ray.train.v2._internal.util")
+    text = f"{error.__module__}.{error.__qualname__}: "
+    if not any(isinstance(f, _DropTracebacksOf) and f.text == text for f in logger.filters):
+        logger.addFilter(_DropTracebacksOf(text))

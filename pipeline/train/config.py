@@ -140,3 +140,12 @@ class TrainConfig:
                 f"TrainConfig version {version} has unknown field(s) {', '.join(sorted(unknown))}"
             )
         return nested
+
+
+def worker_config(loop_config: dict[str, Any]) -> TrainConfig:
+    """The run's config on a worker, as the driver resolved it (`pipeline.train.driver.fit`'s loop config):
+    the saved form with the real storage options, which come inside the run directory's Location (the
+    saved form redacts secrets); without one, as saved."""
+    config = TrainConfig.from_dict(loop_config["train"])
+    out = loop_config.get("out")
+    return config if out is None else config.replace(storage_options=dict(out.options) or None)

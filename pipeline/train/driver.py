@@ -11,7 +11,7 @@ reported checkpoints in the run directory).
 
 The config the workers get is the saved form (`TrainConfig.to_dict`), which Ray Train also records for
 its dashboard, secrets redacted; the real storage options travel beside it inside the run directory's
-`Location` (whose text shows no option's value), and `pipeline.train.loop` puts them back.
+`Location` (whose text shows no option's value), and `pipeline.train.config.worker_config` puts them back.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def fit(config: TrainConfig, shards: list[str], eval_shards: list[str] | None = 
         train_loop_per_worker,
         train_loop_config={
             "train": config.to_dict(),  # secrets redacted: Ray Train records this
-            "out": config.run_dir,  # the storage options, whole (`pipeline.train.loop.worker_config`)
+            "out": config.run_dir,  # the storage options, whole (`pipeline.train.config.worker_config`)
             "shards": shards,
             "eval_shards": list(eval_shards or []),
             # None: each worker decides every epoch (pipeline.train.resources); the cluster the

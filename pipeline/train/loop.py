@@ -24,6 +24,8 @@ stream ends first joins the remaining steps, so every collective has all ranks, 
 the loss is the mean over the step's samples. So an epoch's last steps are smaller: padded, not
 carried into the next epoch, and counted by the schedule as steps like any other. A resume in that
 tail re-reads a dry rank's whole stream. An epoch whose first step is short stops the run (too little data).
+A preemption notice on any rank rides on the same agreement: every rank checkpoints at that step
+boundary and stops, and Ray Train restarts the run from there (`pipeline.train.preemption`).
 
 The GPU is not kept waiting on the host: the next steps' input is built on a background thread
 (`pipeline.train.prefetch`), the ranks' agreements go through a CPU group, and loss and accuracy
@@ -45,8 +47,8 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
 from pipeline.data.shards import dataset_root
-from pipeline.train import checkpoint, finetune, mfu, sinks
-from pipeline.train.config import TrainConfig
+from pipeline.train import checkpoint, finetune, mfu, preemption, sinks
+from pipeline.train.config import worker_config
 from pipeline.train.cursor import EpochCursor, stream_fingerprint
 from pipeline.train.ema import WeightEMA
 from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
@@ -79,14 +81,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     except dcp.CheckpointRefusedError as e:  # every rank refuses alike; a restart would only refuse again
         return {"metrics": {}, "bad_samples": {}, "error": str(e)}
     return trainer.train()
-
-
-def worker_config(loop_config: dict[str, Any]) -> TrainConfig:
-    """The run's config as the driver resolved it: the saved form with the real storage options, which
-    come inside the run directory's Location (the saved form redacts secrets); without one, as saved."""
-    config = TrainConfig.from_dict(loop_config["train"])
-    out = loop_config.get("out")
-    return config if out is None else config.replace(storage_options=dict(out.options) or None)
 
 
 class Trainer:
@@ -128,6 +122,7 @@ class Trainer:
         self.last_metrics: dict[str, Any] = {}
         self.first_step, self.run_start = self.state.step, time.perf_counter()
         self.window = MetricsWindow(self.device)
+        self.preemption = preemption.PreemptionWatcher(self.rank, self.world, first_step=self.state.step)
         self.announce(peak_note)
 
     # --- set up ----------------------------------------------------------------------------------
@@ -192,6 +187,8 @@ class Trainer:
                 self.train_epoch()
         except StopRun as stop:
             error = str(stop)
+        finally:
+            self.preemption.close()
         return self.finish(error)
 
     def train_epoch(self) -> None:
@@ -209,6 +206,8 @@ class Trainer:
                         f"{self.config.optim.batch_size} readable samples per step across {self.world} "
                         "workers; use more data or a smaller --batch-size"
                     )
+                if agreement.preempted:  # a checkpoint of the steps so far, then Ray Train restarts the run
+                    preemption.checkpoint_and_stop(self)
                 if agreement.epoch_over:
                     break
                 self.train_step(data, step_input, agreement)
@@ -248,8 +247,10 @@ class Trainer:
         wait_start = time.perf_counter()
         step_input = data.next()
         self.window.data_wait += time.perf_counter() - wait_start
-        self.cursor.saw(step_input.bad_samples)
-        agreement = agree_on_step(step_input.samples, step_input.ran_dry, step_input.error, self.group)
+        i, notice = step_input, self.preemption.notice(self.state.step)
+        agreement = agree_on_step(i.samples, i.ran_dry, i.error, self.group, preempted=notice is not None)
+        if agreement.error or not agreement.preempted:  # a preemption's checkpoint precedes this input
+            self.cursor.saw(step_input.bad_samples)
         return step_input, agreement
 
     def train_step(self, data: Prefetcher, step_input: StepInput, agreement: StepAgreement) -> None:
@@ -260,6 +261,7 @@ class Trainer:
             self.state.step, micro_batches, global_count=agreement.samples, micro_steps=self.accum
         )
         self.state.step += 1
+        self.last_stats = stats  # for a checkpoint on a preemption notice (`pipeline.train.preemption`)
         if self.ema is not None:
             self.ema.update(self.state.step)
         self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
@@ -336,7 +338,8 @@ class Trainer:
             log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
             self.log.append(metrics, flush=save)
         if save:
-            self.save_checkpoint(metrics)
+            with self.preemption.timing_save():
+                self.save_checkpoint(metrics)
         else:
             self.session.report(metrics)
         self.last_metrics = metrics

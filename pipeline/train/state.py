@@ -2,7 +2,8 @@
 
 `TrainState` is the part of a checkpoint that is not model or optimizer state (`train_state.json`).
 The agreements are the loop's collectives, each named by what the ranks settle: how many samples the
-step holds (none: the epoch is over), the first data error, every rank's bad-sample counts. `agree_on_error` is the one
+step holds (none: the epoch is over), the first data error, whether some rank has a preemption notice,
+every rank's bad-sample counts. `agree_on_error` is the one
 way the ranks settle on an error (the step's here, fine-tuning's evaluation in `pipeline.train.finetune`):
 every rank learns the same message and ends the same way.
 """
@@ -62,6 +63,9 @@ class StepAgreement:
     samples: int  # samples of this step across all ranks; 0: every rank's stream has ended
     someone_ran_dry: bool  # some rank lacks a full step of micro-batches: the epoch's tail
     error: str  # the first rank's data error, "" when none: the run ends for all
+    # Some rank has a preemption notice (`pipeline.train.preemption`): every rank checkpoints at this
+    # step boundary, before this step, and stops so that Ray Train restarts the run from it.
+    preempted: bool = False
 
     @property
     def epoch_over(self) -> bool:
@@ -70,7 +74,7 @@ class StepAgreement:
 
     @property
     def runs(self) -> bool:
-        return not self.epoch_over and not self.error
+        return not self.epoch_over and not self.error and not self.preempted
 
 
 def control_group() -> dist.ProcessGroup | None:
@@ -80,14 +84,17 @@ def control_group() -> dist.ProcessGroup | None:
     return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
 
-def agree_on_step(samples: int, ran_dry: bool, error: str, group: dist.ProcessGroup | None) -> StepAgreement:
-    """Collective: sum the ranks' sample counts and learn whether any rank ran dry or hit an error.
+def agree_on_step(
+    samples: int, ran_dry: bool, error: str, group: dist.ProcessGroup | None, *, preempted: bool = False
+) -> StepAgreement:
+    """Collective: sum the ranks' sample counts and learn whether any rank ran dry, hit an error or has
+    a preemption notice (``preempted``: folded into the same all-reduce, so it costs nothing more).
 
     Every rank calls it once per step, those out of data too, so every rank knows whether the step
     runs (some rank still has samples) and joins its collectives. `group` is `control_group()`'s.
     """
-    error, (total, dry) = agree_on_error(error, group, counts=(samples, ran_dry))
-    return StepAgreement(int(total), dry > 0, error)
+    error, (total, dry, notices) = agree_on_error(error, group, counts=(samples, ran_dry, preempted))
+    return StepAgreement(int(total), dry > 0, error, notices > 0)
 
 
 def agree_on_error(

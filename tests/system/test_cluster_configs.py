@@ -172,3 +172,25 @@ def test_nodes_install_into_a_virtual_environment_and_run_its_ray(name):
         assert any("~/venv/bin/python -m pip install -c constraints.txt" in c for c in commands)
     for command in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
         assert "ray " not in command.replace("~/venv/bin/ray ", ""), command
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_the_spot_settings_uncommented_pass_rays_schema_on_every_worker_type(name):
+    """The spot settings sit commented out beside each worker node type (README, "Spot nodes and
+    preemption"); uncommented, the config still passes Ray's schema and every worker type is spot."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    text = re.sub(
+        r"^(\s*)# ( *)(InstanceMarketOptions|scheduling:|provisioningModel|instanceTerminationAction)",
+        r"\1\2\3",
+        (CLUSTER / name).read_text(),
+        flags=re.MULTILINE,
+    )
+    config = yaml.safe_load(text)
+    validate_config(prepare_config(config))
+    for node_type in ("gpu_8x_h100", "cpu_decode"):
+        node = config["available_node_types"][node_type]["node_config"]
+        spot = (
+            node.get("InstanceMarketOptions", {}).get("MarketType") or node["scheduling"]["provisioningModel"]
+        )
+        assert spot.lower() == "spot", node_type

@@ -77,7 +77,7 @@ def test_the_workers_get_the_storage_options_that_the_saved_config_redacts(monke
     for its dashboard, and every text of the run directory, show no secret."""
     from ray.train.v2._internal.state.schema import _to_json_serializable_value
 
-    from pipeline.train.loop import worker_config
+    from pipeline.train.config import worker_config
 
     options = {"key": "AKIA-NOT-SHOWN", "secret": "s3cr3t", "client_kwargs": {"endpoint_url": "http://s3:9"}}
     config = GPU_RUN.replace(storage_options=options)
