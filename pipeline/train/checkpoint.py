@@ -89,6 +89,21 @@ def save(
     `train_state` (step, data position ...) and `config` are the same on every rank; rank 0
     writes them. RNG states of all ranks are gathered into `train_state.json`.
     """
+    dcp.save(prepare(directory, model, optimizer, train_state, config, ema), checkpoint_id=str(directory))
+
+
+def prepare(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    config: dict[str, Any],
+    ema: WeightEMA | None = None,
+) -> dict[str, Any]:
+    """Collective: what `save` does before DCP writes: every rank's RNG gathered, rank 0's
+    `train_state.json` and `config.json` written into `directory`; returns the state dict for DCP
+    (model, optimizer, EMA: views of the live tensors). `pipeline.train.saver` hands it to DCP's
+    asynchronous save instead."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rng = [None] * dist.get_world_size()
@@ -100,7 +115,7 @@ def save(
     state = {"model": model_sd, "optim": optim_sd}
     if ema is not None:
         state[EMA_PREFIX] = ema.state_dict()
-    dcp.save(state, checkpoint_id=str(directory))
+    return state
 
 
 def check_compatible(

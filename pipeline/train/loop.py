@@ -36,7 +36,6 @@ step waits for nothing (`pipeline.train.step`); other AdamW kernels read the gra
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from typing import Any
 
@@ -57,6 +56,7 @@ from pipeline.train.objective import objective_for
 from pipeline.train.optim import optimizer_kernels
 from pipeline.train.prefetch import Prefetcher, StepInput
 from pipeline.train.resources import data_cpus_per_worker
+from pipeline.train.saver import Saver
 from pipeline.train.session import RaySession
 from pipeline.train.state import (
     StepAgreement,
@@ -105,6 +105,9 @@ class Trainer:
         self.ema = None if decay is None else WeightEMA(self.model, decay, config.optim.ema_every)
         self.state = self.resume()
         self.group = control_group()
+        self.saver = Saver(
+            session, self.model, self.step_fn.optimizer, self.ema, asynchronous=config.run.async_checkpoint
+        )
         # Where this rank stands in the epoch, and its bad-sample counts as of the last step's input.
         # The data thread counts into a copy of its own, so samples it read ahead for steps that never
         # ran (the run stopped) are not counted.
@@ -295,31 +298,12 @@ class Trainer:
             )
         return accuracy
 
-    def check_skipped(self) -> None:
-        """At each log line: count the skipped steps since the last one, and end the run when too many
-        came in a row (found at most --log-every steps late; a skipped step changes no weight). Every
-        rank sees the same global gradient norm, so every rank decides alike without a collective."""
-        new, in_a_row = self.skipped.read()
-        if not new:
-            return
-        self.state.skipped_steps += new
-        step, limit = self.state.step, self.config.optim.max_skipped_steps
-        if self.rank == 0:
-            log_line(
-                f"{new} step(s) up to step {step} skipped for a non-finite loss or gradient norm; "
-                f"{in_a_row} in a row, {self.state.skipped_steps} in the run"
-            )
-        if in_a_row >= limit:
-            raise StopRun(
-                f"{in_a_row} steps in a row (up to step {step}) had a non-finite loss or "
-                f"gradient norm and were skipped, --max-skipped-steps {limit}; resume from the last "
-                "checkpoint with a lower --lr or a smaller --grad-clip, or check the data"
-            )
-
     # --- report and checkpoint -------------------------------------------------------------------
     def report(self, stats: StepStats, *, save: bool, eval_accuracy: float | None = None) -> None:
-        """Collective: a log line and `metrics.jsonl` row, then a report to Ray Train (with a checkpoint)."""
-        self.check_skipped()
+        """Collective: a report to Ray Train (with a checkpoint), then a log line and `metrics.jsonl` row."""
+        error = self.skipped.check(self.state, self.config.optim.max_skipped_steps, self.rank)
+        if error:
+            raise StopRun(error)
         metrics = self.window.reduce(
             step=self.state.step,
             epoch=self.state.epoch,
@@ -334,24 +318,27 @@ class Trainer:
         )
         if eval_accuracy is not None:
             metrics["eval_accuracy"] = eval_accuracy
-        if self.log is not None:
-            log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
-            self.log.append(metrics, flush=save)
         if save:
             with self.preemption.timing_save():
                 self.save_checkpoint(metrics)
         else:
             self.session.report(metrics)
+        if self.log is not None:
+            log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
+            self.log.append(metrics, flush=save)
         self.last_metrics = metrics
         # A new window, started after any checkpoint so that saving does not count as training time.
         self.window = MetricsWindow(self.device)
 
     def save_checkpoint(self, metrics: dict[str, Any]) -> None:
-        """Collective: every rank writes its shards and hands them to Ray Train with the metrics.
+        """Collective: every rank saves its shards and hands them to Ray Train with the metrics
+        (`pipeline.train.saver`: written beside training unless --no-async-checkpoint); the seconds
+        training waited become the row's ``checkpoint_stall_s``.
 
         Weights that are not finite are never saved: the run stops instead, and its latest checkpoint
         stays the one to resume from.
         """
+        started = time.perf_counter()
         if not agree_weights_are_finite(self.model, self.device):
             raise StopRun(
                 f"the weights hold NaN or inf at step {self.state.step} and were not saved; resume from "
@@ -360,14 +347,14 @@ class Trainer:
         self.state.epoch_position = self.cursor.position()
         self.state.bad_samples = gather_bad_samples(self.cursor.counts, self.group)
         self.state.epoch_bad_samples = gather_bad_samples(self.cursor.at_epoch_start, self.group)
-        with tempfile.TemporaryDirectory(prefix="vitray-ckpt-") as tmp:
-            state = self.state.to_dict()
-            checkpoint.save(tmp, self.model, self.step_fn.optimizer, state, self.saved_config, self.ema)
-            self.session.report(metrics, tmp, dcp.checkpoint_name(self.state.step))
+        self.saver.start(dict(metrics), self.state.to_dict(), self.saved_config)
+        metrics["checkpoint_stall_s"] = time.perf_counter() - started
 
     # --- finish ----------------------------------------------------------------------------------
     def finish(self, error: str) -> dict[str, Any]:
-        """Collective: merge every rank's bad samples; export the model unless the run failed."""
+        """Collective: the last checkpoint in storage; merge every rank's bad samples; export the model
+        unless the run failed."""
+        self.saver.close()
         merged = BadSamples.from_config(self.data_config)
         for counts in gather_bad_samples(self.cursor.counts, self.group):
             merged.merge(counts)

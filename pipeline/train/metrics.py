@@ -7,13 +7,16 @@ import json
 import resource
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from pipeline import storage
 from pipeline.train.mfu import mfu
+
+if TYPE_CHECKING:
+    from pipeline.train.state import TrainState
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -120,6 +123,28 @@ class SkippedSteps:
         self.unread.zero_()
         return new, in_a_row
 
+    def check(self, state: TrainState, limit: int, rank: int) -> str:
+        """At each log line: add the skipped steps since the last one to ``state.skipped_steps`` (rank 0
+        logs them) and return the one-line error that ends the run when ``limit`` (--max-skipped-steps)
+        came in a row, else "" (found at most --log-every steps late; a skipped step changes no weight).
+        Every rank sees the same global gradient norm, so every rank decides alike without a collective."""
+        new, in_a_row = self.read()
+        if not new:
+            return ""
+        state.skipped_steps += new
+        if rank == 0:
+            log_line(
+                f"{new} step(s) up to step {state.step} skipped for a non-finite loss or gradient norm; "
+                f"{in_a_row} in a row, {state.skipped_steps} in the run"
+            )
+        if in_a_row < limit:
+            return ""
+        return (
+            f"{in_a_row} steps in a row (up to step {state.step}) had a non-finite loss or "
+            f"gradient norm and were skipped, --max-skipped-steps {limit}; resume from the last "
+            "checkpoint with a lower --lr or a smaller --grad-clip, or check the data"
+        )
+
 
 def _memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
@@ -174,6 +199,8 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
     if m.get("skipped_steps"):
         parts.append(f"skipped steps {m['skipped_steps']}")
     parts.append(f"mem {m['memory_gib']:.1f} GiB")
+    if m.get("checkpoint_stall_s") is not None:  # training's wait for this step's checkpoint
+        parts.append(f"checkpoint stall {m['checkpoint_stall_s']:.2f} s")
     done = m["step"] - first_step
     if done > 0:
         eta = (time.perf_counter() - started) / done * (last_step - m["step"])

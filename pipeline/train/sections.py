@@ -290,6 +290,11 @@ class RunConfig:
     log_every: int = setting(10, "steps between log lines / metrics.jsonl rows")
     checkpoint_every: int = setting(1000, "steps between checkpoints")
     keep_checkpoints: int = setting(3, "checkpoints kept (oldest deleted first)")
+    async_checkpoint: bool = setting(
+        True,
+        "training waits only for a checkpoint's copy to host memory; writing and upload run beside it "
+        "(--no-async-checkpoint: it waits for both)",
+    )
     max_failures: int = setting(3, "worker-group restarts from the latest checkpoint after a failure")
     stop_at_step: int | None = setting(
         None, "end this run at that step (schedule unchanged); rerun to continue"

@@ -52,8 +52,10 @@ class UploadingSession:
         latest = dcp.latest_complete(self.run_dir) if self.run_dir.exists() else None
         yield None if latest is None else (Path(latest.local_path), latest.url)
 
-    def report(self, metrics: dict, checkpoint_dir: str | None = None, name: str = "") -> None:
+    def report(self, metrics: dict, checkpoint_dir: str | None = None, name: str = "", written=None) -> None:
         self.reports.append(metrics)
+        if written is not None:  # an asynchronous save: its files are whole once DCP has written them
+            written.result()
         if checkpoint_dir is None:
             return
         target = self.run_dir / name

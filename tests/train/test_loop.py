@@ -31,7 +31,7 @@ from tests.configs import tiny_config
 
 SHARDS = [f"mem://shard-{i}" for i in range(4)]
 SAMPLES_PER_SHARD = 9
-TIMINGS = ("images_per_s", "images_per_s_per_worker", "data_wait_share", "memory_gib")
+TIMINGS = ("images_per_s", "images_per_s_per_worker", "data_wait_share", "memory_gib", "checkpoint_stall_s")
 
 
 def config(out: Path, **changes) -> TrainConfig:
@@ -80,8 +80,10 @@ class LocalSession:
         latest = dcp.latest_complete(self.run_dir) if self.run_dir.exists() else None
         yield None if latest is None else (Path(latest.local_path), latest.url)
 
-    def report(self, metrics, checkpoint_dir=None, name=""):
+    def report(self, metrics, checkpoint_dir=None, name="", written=None):
         self.reports.append(metrics)
+        if written is not None:  # an asynchronous save: its files are whole once DCP has written them
+            written.result()
         if checkpoint_dir is not None:
             shutil.copytree(checkpoint_dir, self.run_dir / name, dirs_exist_ok=True)
 

@@ -1,0 +1,150 @@
+"""Checkpoint saves as the worker loop makes them: synchronous, or asynchronous beside training.
+
+    saver = Saver(session, model, optimizer, ema, asynchronous=True)   # collective, once
+    saver.start(metrics, train_state, config)                           # collective, at a checkpoint step
+    saver.close()                                                       # at the end: the last save whole
+
+Design notes
+------------
+- Synchronous (``--no-async-checkpoint``): DCP writes every rank's shards into a temporary directory,
+  Ray Train uploads it, and only then does training go on: the stall is the write plus the upload.
+- Asynchronous (the default): training waits only for the copy of the state into host memory (DCP's
+  `DefaultStager`; pinned memory on CUDA). The stager keeps its buffers and refills them at every later
+  save, so the host memory is taken once per run, not once per save. DCP writes the copy from a
+  background thread over a gloo group of its own: the training's collectives run on the default group
+  meanwhile, and a process group serves one thread's collectives, in order. The upload follows the write
+  in Ray Train's upload thread (`RaySession.report` with ``written``, `CheckpointUploadMode.ASYNC`).
+- At most one save in flight: a save first waits until the one before is in storage. Every rank saves at
+  the same steps and waits only for its own save's background work, which never waits on a training
+  collective, so the wait is the same decision on every rank and cannot deadlock. `close` waits for the
+  last one, before the export and the run's summary.
+- Completeness is unchanged: Ray Train registers a checkpoint only once every rank's upload is in, and a
+  directory counts only once `pipeline.dcp.is_complete`. A kill while a save is in flight leaves the
+  checkpoint before it the latest complete one, which the next attempt resumes from.
+- What is written is the state at the checkpoint's step, whatever the steps after it change meanwhile:
+  the copy is taken before the next step runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as torch_dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from pipeline import dcp
+from pipeline.train import checkpoint
+from pipeline.train.ema import WeightEMA
+
+# A test hook, unset in real runs: "STEP:SECONDS" holds the background write of checkpoint STEP for
+# SECONDS on every rank, so that a test can kill a run while that save is in flight
+# (tests/system/test_async_checkpoint.py). The synchronous path ignores it.
+WRITE_DELAY_ENV = "VITRAY_TEST_CHECKPOINT_WRITE_DELAY"
+
+
+class Saver:
+    """One rank's checkpoint saves, at most one in flight. ``session``: `pipeline.train.session.RaySession`
+    or a stand-in with its `report`; ``asynchronous``: see the module's notes."""
+
+    def __init__(
+        self,
+        session: Any,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        ema: WeightEMA | None,
+        *,
+        asynchronous: bool,
+    ):
+        self.session, self.model, self.optimizer, self.ema = session, model, optimizer, ema
+        self.asynchronous = asynchronous
+        # Collective: every rank makes the group at set-up, in the same order.
+        self.group = dist.new_group(backend="gloo") if asynchronous else None
+        self.stager: DefaultStager | None = None  # made at the first save, kept for the buffers
+        self.in_flight: list[Future] = []  # the save in flight: its write, then its upload
+        self.directory: str | None = None  # its local files
+
+    def start(self, metrics: dict[str, Any], train_state: dict[str, Any], config: dict[str, Any]) -> None:
+        """Collective: wait for the save in flight, then save the state at ``train_state["step"]`` and hand
+        it to the session with ``metrics``. Returns once the state is copied (asynchronous) or saved and
+        uploaded (synchronous); raises what the save before this one raised."""
+        self.wait()
+        step = train_state["step"]
+        name = dcp.checkpoint_name(step)
+        directory = tempfile.mkdtemp(prefix="vitray-ckpt-")
+        try:
+            parts = (self.model, self.optimizer, train_state, config, self.ema)
+            if not self.asynchronous:
+                checkpoint.save(directory, *parts)
+                self.session.report(metrics, directory, name)
+                return
+            written = torch_dcp.async_save(
+                checkpoint.prepare(directory, *parts),
+                storage_writer=_writer(directory, step),
+                process_group=self.group,
+                async_stager=self._stager(),
+            )
+            self.in_flight, self.directory = [written], directory
+            uploaded = self.session.report(metrics, directory, name, written=written)
+        finally:
+            if not self.in_flight:  # synchronous, or it failed before the write began
+                shutil.rmtree(directory, ignore_errors=True)
+        if uploaded is not None:  # a session that uploads beside training; else it waited for the write
+            self.in_flight.append(uploaded)
+            uploaded.add_done_callback(lambda _: shutil.rmtree(directory, ignore_errors=True))
+
+    def wait(self) -> None:
+        """Until the save in flight is written and in storage; raises its error."""
+        in_flight, self.in_flight = self.in_flight, []
+        try:
+            for future in in_flight:
+                future.result()
+        finally:
+            if self.directory is not None:
+                shutil.rmtree(self.directory, ignore_errors=True)
+                self.directory = None
+
+    def close(self) -> None:
+        """The last save written and in storage; the staging buffers freed."""
+        try:
+            self.wait()
+        finally:
+            if self.stager is not None:
+                self.stager.close()
+                self.stager = None
+
+    def _stager(self) -> DefaultStager:
+        if self.stager is None:
+            cuda = torch.cuda.is_available()
+            # Staged in the training thread: the next step may not run before its copy is taken.
+            options = StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=cuda,
+            )
+            self.stager = DefaultStager(options)
+        return self.stager
+
+
+def _writer(directory: str, step: int) -> FileSystemWriter:
+    """DCP's file writer into ``directory``; held for a while first where the test hook says so."""
+    hook = os.environ.get(WRITE_DELAY_ENV, "")
+    if not hook or int(hook.split(":")[0]) != step:
+        return FileSystemWriter(directory)
+    seconds = float(hook.split(":")[1])
+
+    class HeldWriter(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            time.sleep(seconds)  # in DCP's background thread
+            return super().write_data(plan, planner)
+
+    return HeldWriter(directory)

@@ -1,0 +1,141 @@
+"""Asynchronous checkpoints (`pipeline.train.saver`) in one process, without Ray: they hold what the
+synchronous ones hold, the stall of each lands in the log line and `metrics.jsonl`, a save waits for the
+one before it, and the host buffers of the copy are reused from one save to the next.
+
+The loop runs on the fake data of `tests.train.test_loop` (8 steps, checkpoints at 4 and 8).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as torch_dcp
+
+from pipeline import dcp
+from pipeline.train.driver import read_metrics
+from pipeline.train.model import build_model
+from pipeline.train.objective import objective_for
+from pipeline.train.saver import Saver
+from pipeline.train.step import TrainStep
+from tests.train.test_loop import config, fake_micro_batches, run
+
+CHECKPOINT_FILES = (dcp.TRAIN_STATE, dcp.CONFIG, "__0_0.distcp")
+
+
+@pytest.fixture(scope="module")
+def sync_and_async(world, tmp_path_factory):
+    """The same 8-step run saved synchronously and asynchronously."""
+    from pipeline.train import loop
+
+    root = tmp_path_factory.mktemp("saver")
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "micro_batches", fake_micro_batches)
+        for mode in (False, True):
+            cfg = config(root / f"async-{mode}", async_checkpoint=mode)
+            runs[mode] = (cfg, *run(cfg, world))
+    return runs
+
+
+def full_state(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (model, optimizer), read back in one process."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.safe_reader(str(directory)).read_metadata()
+    state = {
+        name: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for name, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    torch_dcp.load(state, storage_reader=dcp.safe_reader(str(directory)), no_dist=True)
+    return state
+
+
+def test_asynchronous_and_synchronous_saves_write_the_same_checkpoints(sync_and_async):
+    (sync_cfg, sync_summary, _), (async_cfg, async_summary, _) = sync_and_async[False], sync_and_async[True]
+    assert sync_summary["error"] == async_summary["error"] == ""
+    for step in (4, 8):
+        a, b = (Path(c.run.out) / dcp.checkpoint_name(step) for c in (sync_cfg, async_cfg))
+        assert dcp.is_complete(b)
+        for name in CHECKPOINT_FILES:  # byte for byte: state, config and every tensor as saved
+            if name == dcp.CONFIG:
+                saved = [json.loads((d / name).read_text()) for d in (a, b)]
+                for c in saved:  # the runs differ in this setting and in --out alone
+                    c["train"]["run"].pop("async_checkpoint"), c["train"]["run"].pop("out")
+                assert saved[0] == saved[1]
+            else:
+                assert (a / name).read_bytes() == (b / name).read_bytes(), (step, name)
+        sa, sb = full_state(a), full_state(b)
+        assert sa.keys() == sb.keys() and any(k.startswith("optim.") for k in sa)
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]), (step, key)
+    final = [Path(c.run.out) / "final" / "weights.safetensors" for c in (sync_cfg, async_cfg)]
+    assert final[0].read_bytes() == final[1].read_bytes()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_stall_of_each_checkpoint_is_in_its_log_line_and_metrics_row(sync_and_async, asynchronous):
+    cfg, _, session = sync_and_async[asynchronous]
+    rows = read_metrics(cfg.run.out)
+    assert [r["step"] for r in rows] == [2, 4, 6, 8]
+    stalls = {r["step"]: r.get("checkpoint_stall_s") for r in rows}
+    assert stalls[2] is None and stalls[6] is None  # rows without a checkpoint have none
+    assert all(isinstance(stalls[s], float) and 0 < stalls[s] < 60 for s in (4, 8)), stalls
+    assert [r.get("checkpoint_stall_s") for r in session.reports] == [None] * 4  # Ray Train's copy: before
+
+
+def test_the_log_line_says_what_a_checkpoint_stalled(world, tmp_path, capsys, monkeypatch):
+    from pipeline.train import loop
+
+    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    run(config(tmp_path / "run", max_steps=4), world)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and "checkpoint stall" not in lines[0]
+    assert " | checkpoint stall " in lines[1] and lines[1].split("checkpoint stall ")[1].split()[1] == "s"
+
+
+class HeldSession:
+    """A session whose uploads finish when the test says so (`release`)."""
+
+    def __init__(self):
+        self.uploads: list[Future] = []
+
+    def report(self, metrics, checkpoint_dir=None, name="", written=None):
+        assert written is not None and checkpoint_dir is not None
+        self.uploads.append(Future())
+        return self.uploads[-1]
+
+
+@pytest.fixture
+def parts(world, tmp_path):
+    cfg = config(tmp_path / "run")
+    model = build_model(cfg, world)
+    step = TrainStep(model, cfg, world, objective_for(cfg))
+    return model, step.optimizer
+
+
+def test_a_save_waits_for_the_one_in_flight_and_reuses_its_host_buffers(parts):
+    model, optimizer = parts
+    session = HeldSession()
+    saver = Saver(session, model, optimizer, None, asynchronous=True)
+    saver.start({}, {"step": 4}, {})
+    cached = dict(saver.stager._state_dict_stager._cached_storage_mapping.items())  # torch's buffer cache
+    assert cached and len(session.uploads) == 1
+    second = threading.Thread(target=saver.start, args=({}, {"step": 8}, {}))
+    second.start()
+    second.join(timeout=3)
+    assert second.is_alive() and len(session.uploads) == 1  # waiting for the first save's upload
+    session.uploads[0].set_result(None)
+    second.join(timeout=60)
+    assert not second.is_alive() and len(session.uploads) == 2
+    again = dict(saver.stager._state_dict_stager._cached_storage_mapping.items())
+    assert again.keys() == cached.keys()
+    assert all(again[k] is cached[k] for k in cached)  # the same host buffers, refilled
+    session.uploads[1].set_exception(OSError("the store said no"))
+    with pytest.raises(OSError, match="the store said no"):  # a failed upload fails the run's end
+        saver.close()
