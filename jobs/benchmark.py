@@ -5,6 +5,7 @@
     python jobs/benchmark.py train [--json PATH] ...   one FSDP2 training step (no Ray): images/s, MFU, memory
     python jobs/benchmark.py embed [--json PATH] ...   the embedding job vs a naive single-process loop
     python jobs/benchmark.py index [--json PATH] ...   HNSW / IVF-PQ vs exact search: build, memory, recall
+    python jobs/benchmark.py checkpoint [--json PATH] ...   training stall per checkpoint: sync vs async saves
 
 `python jobs/benchmark.py NAME --help` lists a benchmark's options. Each prints a table and, with
 `--json PATH`, writes the same figures as JSON. Results and the machines they came from: BENCHMARKS.md.
@@ -27,6 +28,7 @@ COMMANDS = {
     "train": "one FSDP2 training step without Ray: images/s, MFU, peak memory",
     "embed": "the embedding job vs a naive single-process loop",
     "index": "approximate indexes (HNSW, IVF-PQ) vs exact search: build time, memory, recall@10, latency",
+    "checkpoint": "the training stall per checkpoint: synchronous vs asynchronous saves (pretraining runs)",
 }
 
 
@@ -43,7 +45,7 @@ def main(argv: list[str]) -> int:
     if name not in COMMANDS:
         print(f"error: unknown benchmark {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    # Imported on demand: `data` and `embed` need Ray, `model` and `train` must run without it.
+    # Imported on demand: `data`, `embed` and `checkpoint` need Ray, `model` and `train` must run without it.
     module = importlib.import_module(f"jobs.benchmarks.{name}")
     module.main(rest)
     return 0

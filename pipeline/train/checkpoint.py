@@ -7,7 +7,9 @@ Design notes
   `train_state.json` and `config.json`. Under Ray Train each rank writes into a local temporary
   directory and hands it to `ray.train.report(checkpoint=...)`, which merges the ranks' files into
   one directory of the run's storage (local, s3://, gs://) and registers it only once every rank
-  has uploaded. Outside Ray the same functions write straight to a shared directory.
+  has uploaded. Outside Ray the same functions write straight to a shared directory. The worker loop
+  saves through `pipeline.train.saver`, which by default hands `prepare`'s state to DCP's asynchronous
+  save (training waits for the copy to host memory alone) and lets the write and upload run beside it.
 - Completeness: a directory counts only once `.metadata`, `train_state.json`, `config.json` and every
   shard file the metadata names are there whole (`pipeline.dcp.is_complete`); `latest_complete` skips
   anything else (a crash mid-save or mid-upload, or a rank's upload that never arrived, leaves an

@@ -4,6 +4,8 @@ copy_files, which can drop a file and report success). On a loopback S3 (moto), 
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -170,3 +172,48 @@ def test_a_local_run_directory_keeps_ray_trains_own_copy(tmp_path, monkeypatch):
     rank.run_dir = storage.Location(str(tmp_path))
     rank.report({"step": 4}, str(local_checkpoint(tmp_path)), name="checkpoint_000004")
     assert reports[0]["checkpoint_upload_fn"] is None
+
+
+def test_an_asynchronous_save_is_uploaded_beside_training_once_written(tmp_path, monkeypatch):
+    """`RaySession.report` with ``written``: Ray Train's upload thread waits for DCP's write, uploads each
+    file whole into the run directory, and only then says so; reports without a checkpoint never wait."""
+    import ray.train
+
+    from pipeline.train import session
+
+    run = tmp_path / "run"
+    store = SimpleNamespace(storage_filesystem=pyarrow.fs.LocalFileSystem(), experiment_fs_path=str(run))
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: store))
+    reports = []
+    monkeypatch.setattr(ray.train, "report", lambda metrics, **kwargs: reports.append(kwargs))
+    rank = session.RaySession.__new__(session.RaySession)
+    rank.run_dir = storage.Location(str(run))
+    assert rank.report({"step": 3}) is None
+    assert reports.pop()["checkpoint_upload_mode"] == ray.train.CheckpointUploadMode.ASYNC
+    written = Future()
+    done = rank.report({"step": 4}, str(local_checkpoint(tmp_path)), "checkpoint_000004", written=written)
+    (kwargs,) = reports
+    assert kwargs["checkpoint_upload_mode"] == ray.train.CheckpointUploadMode.ASYNC
+    assert kwargs["delete_local_checkpoint_after_upload"] is False  # the saver removes its files
+    with ThreadPoolExecutor(1) as upload_thread:  # Ray Train's
+        persisted = upload_thread.submit(
+            kwargs["checkpoint_upload_fn"], kwargs["checkpoint"], "checkpoint_000004"
+        )
+        time.sleep(0.5)
+        assert not persisted.done() and not done.done() and not (run / "checkpoint_000004").exists()
+        written.set_result(None)  # DCP's write is done
+        assert persisted.result(timeout=30).path == str(run / "checkpoint_000004")
+    assert done.result(timeout=1) is None
+    assert {p.name: p.read_bytes() for p in (run / "checkpoint_000004").iterdir()} == FILES
+    # A write that failed is never uploaded, and the saver learns why.
+    failed = Future()
+    (tmp_path / "b").mkdir()
+    done = rank.report(
+        {"step": 8}, str(local_checkpoint(tmp_path / "b")), "checkpoint_000008", written=failed
+    )
+    failed.set_exception(OSError("disk full"))
+    with pytest.raises(OSError, match="disk full"):
+        reports[-1]["checkpoint_upload_fn"](reports[-1]["checkpoint"], "checkpoint_000008")
+    with pytest.raises(OSError, match="disk full"):
+        done.result(timeout=1)
+    assert not (run / "checkpoint_000008").exists()

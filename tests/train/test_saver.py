@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -52,7 +53,9 @@ def full_state(directory: Path) -> dict[str, torch.Tensor]:
         for name, entry in metadata.state_dict_metadata.items()
         if isinstance(entry, TensorStorageMetadata)
     }
-    torch_dcp.load(state, storage_reader=dcp.safe_reader(str(directory)), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        torch_dcp.load(state, storage_reader=dcp.safe_reader(str(directory)), no_dist=True)
     return state
 
 

@@ -1,0 +1,125 @@
+"""A pretraining job SIGKILLed while an asynchronous checkpoint is in flight, run again: it resumes from
+the checkpoint before it, exactly, and ends with the weights of a straight run saved synchronously.
+
+The save in flight is made certain by the saver's test hook (`pipeline.train.saver.WRITE_DELAY_ENV`):
+the background write of checkpoint 8 is held for 10 minutes on every rank. Training goes on past step 8
+meanwhile (row 10 is logged), then waits at step 12 for save 8 (one save in flight at most); the job
+(its driver and the local Ray it started) is killed once row 10 is there and checkpoint 4 registered.
+
+Arithmetic: 4 shards x 16 samples, 2 workers x micro-batch 8, batch 16 -> 4 steps an epoch; 12 steps,
+a checkpoint every 4 (each on an epoch edge), a row every 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline import dcp
+from pipeline.train.driver import read_metrics
+from pipeline.train.saver import WRITE_DELAY_ENV
+from tests.train.test_loop import untimed
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def command(shards: list[str], out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, str(ROOT / "jobs" / "pretrain.py"), "--data", ",".join(shards), "--out", str(out),
+        "--cpu", "--num-classes", "4", "--batch-size", "16", "--micro-batch-size", "8", "--max-steps", "12",
+        "--checkpoint-every", "4", "--log-every", "2", "--warmup-steps", "2", "--shuffle-buffer", "16",
+        "--keep-checkpoints", "5", *extra,
+    ]  # fmt: skip
+
+
+def registered(out: Path) -> list[int]:
+    """Steps of the checkpoints Ray Train has registered (only those are resumed from)."""
+    snapshot = out / "checkpoint_manager_snapshot.json"
+    if not snapshot.is_file():
+        return []
+    try:
+        results = json.loads(snapshot.read_text())["checkpoint_results"]
+    except (json.JSONDecodeError, KeyError):  # being rewritten
+        return []
+    return [int(r["checkpoint_dir_name"].rsplit("_", 1)[1]) for r in results]
+
+
+def logged(out: Path) -> list[int]:
+    try:
+        return [r["step"] for r in read_metrics(str(out))]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def test_a_job_killed_with_a_save_in_flight_resumes_from_the_checkpoint_before_exactly(tmp_path):
+    from pipeline.data.synthetic import write_synthetic_shards
+
+    shards = write_synthetic_shards(
+        tmp_path / "shards", 64, samples_per_shard=16, image_size=32, num_classes=4
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # each job starts its own Ray
+    killed, straight = tmp_path / "killed", tmp_path / "straight"
+
+    started = time.monotonic()
+    log = (tmp_path / "killed.log").open("w")
+    job = subprocess.Popen(
+        command(shards.urls, killed),
+        cwd=ROOT, env={**env, WRITE_DELAY_ENV: "8:600"}, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        while time.monotonic() - started < 240 and job.poll() is None:
+            if 10 in logged(killed) and 4 in registered(killed):
+                break
+            time.sleep(0.2)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)  # the driver and the local Ray it started
+        job.wait()
+        log.close()
+    output = (tmp_path / "killed.log").read_text()
+    # What the kill left: training went past step 8 without waiting for its write (row 8's stall is the
+    # copy alone, the write was held for 600 s), checkpoint 8 neither written nor registered.
+    rows = read_metrics(str(killed))
+    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10], output[-3000:]
+    assert rows[3]["checkpoint_stall_s"] < 30 and "checkpoint stall" in output
+    assert registered(killed) == [4]
+    assert not dcp.is_complete(killed / dcp.checkpoint_name(8))
+    assert dcp.latest_complete(killed).url == str(killed / dcp.checkpoint_name(4))
+
+    again = subprocess.run(command(shards.urls, killed), cwd=ROOT, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    resumed = re.findall(r"resumed from (\S+) at step (\d+)", again.stdout)
+    assert [(Path(where).name, int(step)) for where, step in resumed] == [(dcp.checkpoint_name(4), 4)]
+    assert "finished at step 12:" in again.stdout
+
+    sync = subprocess.run(
+        command(shards.urls, straight, "--no-async-checkpoint"),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert sync.returncode == 0, (sync.stdout + sync.stderr)[-3000:]
+    seconds = time.monotonic() - started
+
+    # One history, the straight run's; every checkpoint complete; the straight run's weights.
+    assert untimed(read_metrics(str(killed))) == untimed(read_metrics(str(straight)))
+    assert registered(killed) == registered(straight) == [4, 8, 12]
+    for step in (4, 8, 12):
+        assert dcp.is_complete(killed / dcp.checkpoint_name(step))
+    a, b = (load_file(run / "final" / "weights.safetensors") for run in (straight, killed))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    print(f"three jobs in {seconds:.0f} s")
