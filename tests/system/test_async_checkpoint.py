@@ -1,10 +1,11 @@
 """A pretraining job SIGKILLed while an asynchronous checkpoint is in flight, run again: it resumes from
 the checkpoint before it, exactly, and ends with the weights of a straight run saved synchronously.
 
+The jobs run as on a cluster: `jobs/pretrain.py --address` of the tests' shared local Ray. The killed job's driver is SIGKILLed; Ray ends the job's workers with it (checked).
 The save in flight is made certain by the saver's test hook (`pipeline.train.saver.WRITE_DELAY_ENV`):
 the background write of checkpoint 8 is held for 10 minutes on every rank. Training goes on past step 8
-meanwhile (row 10 is logged), then waits at step 12 for save 8 (one save in flight at most); the job
-(its driver and the local Ray it started) is killed once row 10 is there and checkpoint 4 registered.
+meanwhile (row 10 is logged), then waits at step 12 for save 8 (one save in flight at most); the job is
+killed once row 10 is there and checkpoint 4 registered.
 
 Arithmetic: 4 shards x 16 samples, 2 workers x micro-batch 8, batch 16 -> 4 steps an epoch; 12 steps,
 a checkpoint every 4 (each on an epoch edge), a row every 2.
@@ -28,15 +29,16 @@ from safetensors.torch import load_file
 from pipeline import dcp
 from pipeline.train.driver import read_metrics
 from pipeline.train.saver import WRITE_DELAY_ENV
+from tests.system.test_pretrain import train_workers
 from tests.train.test_loop import untimed
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def command(shards: list[str], out: Path, *extra: str) -> list[str]:
+def command(address: str, shards: list[str], out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, str(ROOT / "jobs" / "pretrain.py"), "--data", ",".join(shards), "--out", str(out),
+        sys.executable, str(ROOT / "jobs" / "pretrain.py"), "--address", address, "--data", ",".join(shards), "--out", str(out),
         "--cpu", "--num-classes", "4", "--batch-size", "16", "--micro-batch-size", "8", "--max-steps", "12",
         "--checkpoint-every", "4", "--log-every", "2", "--warmup-steps", "2", "--shuffle-buffer", "16",
         "--keep-checkpoints", "5", *extra,
@@ -62,20 +64,24 @@ def logged(out: Path) -> list[int]:
         return []
 
 
-def test_a_job_killed_with_a_save_in_flight_resumes_from_the_checkpoint_before_exactly(tmp_path):
+def test_a_job_killed_with_a_save_in_flight_resumes_from_the_checkpoint_before_exactly(ray_session, tmp_path):
     from pipeline.data.synthetic import write_synthetic_shards
+
+    address = ray_session.get_runtime_context().gcs_address
 
     shards = write_synthetic_shards(
         tmp_path / "shards", 64, samples_per_shard=16, image_size=32, num_classes=4
     )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # each job starts its own Ray
+    env = dict(os.environ)
+    # The hook reaches the job's workers as `ray job submit --runtime-env-json` would pass it.
+    held = {"runtime_env": {"env_vars": {WRITE_DELAY_ENV: "8:600"}}}
     killed, straight = tmp_path / "killed", tmp_path / "straight"
 
     started = time.monotonic()
     log = (tmp_path / "killed.log").open("w")
     job = subprocess.Popen(
-        command(shards.urls, killed),
-        cwd=ROOT, env={**env, WRITE_DELAY_ENV: "8:600"}, stdout=log, stderr=subprocess.STDOUT,
+        command(address, shards.urls, killed),
+        cwd=ROOT, env={**env, "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(held)}, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
     try:
@@ -84,9 +90,13 @@ def test_a_job_killed_with_a_save_in_flight_resumes_from_the_checkpoint_before_e
                 break
             time.sleep(0.2)
     finally:
-        os.killpg(job.pid, signal.SIGKILL)  # the driver and the local Ray it started
+        os.killpg(job.pid, signal.SIGKILL)  # the job's driver
         job.wait()
         log.close()
+    deadline = time.monotonic() + 60
+    while train_workers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not train_workers(), "the killed job's training workers are still running"
     output = (tmp_path / "killed.log").read_text()
     # What the kill left: training went past step 8 without waiting for its write (row 8's stall is the
     # copy alone, the write was held for 600 s), checkpoint 8 neither written nor registered.
@@ -97,14 +107,16 @@ def test_a_job_killed_with_a_save_in_flight_resumes_from_the_checkpoint_before_e
     assert not dcp.is_complete(killed / dcp.checkpoint_name(8))
     assert dcp.latest_complete(killed).url == str(killed / dcp.checkpoint_name(4))
 
-    again = subprocess.run(command(shards.urls, killed), cwd=ROOT, env=env, capture_output=True, text=True)
+    again = subprocess.run(
+        command(address, shards.urls, killed), cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     resumed = re.findall(r"resumed from (\S+) at step (\d+)", again.stdout)
     assert [(Path(where).name, int(step)) for where, step in resumed] == [(dcp.checkpoint_name(4), 4)]
     assert "finished at step 12:" in again.stdout
 
     sync = subprocess.run(
-        command(shards.urls, straight, "--no-async-checkpoint"),
+        command(address, shards.urls, straight, "--no-async-checkpoint"),
         cwd=ROOT,
         env=env,
         capture_output=True,
