@@ -43,6 +43,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     args = parse_args(argv)
     import ray
 
+    from pipeline import dcp
     from pipeline.cli import apply_local_ray_env
     from pipeline.data.synthetic import write_synthetic_shards
     from pipeline.train.config import TrainConfig
@@ -56,7 +57,11 @@ def main(argv: list[str]) -> dict[str, Any]:
     )  # fmt: skip
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     apply_local_ray_env()
-    ray.init(num_cpus=max(os.cpu_count() or 1, 2 * args.num_workers + 2), include_dashboard=False)
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, 2 * args.num_workers + 2),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     base = TrainConfig().replace(
         model=args.model, image_size=args.image_size, num_classes=10, batch_size=batch,
         micro_batch_size=args.micro_batch_size, num_workers=args.num_workers, use_gpu=args.gpu,
@@ -75,8 +80,8 @@ def main(argv: list[str]) -> dict[str, Any]:
             rows = read_metrics(str(out))
             stalls[mode].append([r["checkpoint_stall_s"] for r in rows if "checkpoint_stall_s" in r])
     ray.shutdown()
-    last = max((Path(scratch.name) / "sync-0").glob("checkpoint_*"))
-    size = sum(f.stat().st_size for f in last.iterdir())
+    last = dcp.latest_complete(Path(scratch.name) / "sync-0")
+    size = sum(f.stat().st_size for f in Path(last.local_path).iterdir())
     rows = []
     for mode in ("sync", "async"):
         first = [run[0] for run in stalls[mode]]

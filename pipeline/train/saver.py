@@ -10,7 +10,8 @@ Design notes
   Ray Train uploads it, and only then does training go on: the stall is the write plus the upload.
 - Asynchronous (the default): training waits only for the copy of the state into host memory (DCP's
   `DefaultStager`; pinned memory on CUDA). The stager keeps its buffers and refills them at every later
-  save, so the host memory is taken once per run, not once per save. DCP writes the copy from a
+  save, so the host memory is taken once per run, not once per save: one copy of the rank's shards of
+  model, optimizer and EMA, held until the run ends (what asynchronous saves cost). DCP writes the copy from a
   background thread over a gloo group of its own: the training's collectives run on the default group
   meanwhile, and a process group serves one thread's collectives, in order. The upload follows the write
   in Ray Train's upload thread (`RaySession.report` with ``written``, `CheckpointUploadMode.ASYNC`).

@@ -118,8 +118,11 @@ class HeldSession:
 def parts(world, tmp_path):
     cfg = config(tmp_path / "run")
     model = build_model(cfg, world)
-    step = TrainStep(model, cfg, world, objective_for(cfg))
-    return model, step.optimizer
+    optimizer = TrainStep(model, cfg, world, objective_for(cfg)).optimizer
+    for p in model.parameters():  # one update, so that the optimizer holds its moments
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    return model, optimizer
 
 
 def test_a_save_waits_for_the_one_in_flight_and_reuses_its_host_buffers(parts):
@@ -128,7 +131,9 @@ def test_a_save_waits_for_the_one_in_flight_and_reuses_its_host_buffers(parts):
     saver = Saver(session, model, optimizer, None, asynchronous=True)
     saver.start({}, {"step": 4}, {})
     cached = dict(saver.stager._state_dict_stager._cached_storage_mapping.items())  # torch's buffer cache
-    assert cached and len(session.uploads) == 1
+    moments = sum(t.numel() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    assert moments > 2 * sum(p.numel() for p in model.parameters())  # exp_avg, exp_avg_sq (and step)
+    assert len(cached) > 3 * len(list(model.parameters())) and len(session.uploads) == 1
     second = threading.Thread(target=saver.start, args=({}, {"step": 8}, {}))
     second.start()
     second.join(timeout=3)
