@@ -259,7 +259,9 @@ def checkpoint_and_stop(trainer: Any) -> NoReturn:
     line from rank 0, then `Preempted` on every rank. ``trainer``: this rank's
     `pipeline.train.loop.Trainer`."""
     watcher, step, config = trainer.preemption, trainer.state.step, trainer.config
-    plan = agree_on_plan(watcher.notice(step), watcher.save_seconds, trainer.group)
+    # An asynchronous save returns before it is in storage: what a save takes is the saver's record.
+    save_seconds = max(watcher.save_seconds, trainer.saver.longest_seconds)
+    plan = agree_on_plan(watcher.notice(step), save_seconds, trainer.group)
     name = dcp.checkpoint_name(step)
     resumed_here = trainer.resumed_from is not None and trainer.resumed_from["step"] == step
     source = "it"
@@ -281,7 +283,9 @@ def checkpoint_and_stop(trainer: Any) -> NoReturn:
             trainer.save_checkpoint(trainer.last_metrics)
         else:
             trainer.report(trainer.last_stats, save=True)
+        trainer.saver.wait()  # written and uploaded before the restart
         done = f"{name} saved in {time.perf_counter() - start:.1f} s"
+    trainer.saver.wait()  # a save still in flight (this step's own, or the one before) completes first
     line = (
         f"preempted at step {step} ({plan.why}): {done}; Ray Train restarts the run from {source} "
         f"within --max-failures {config.run.max_failures}, or run the same command again"

@@ -72,12 +72,16 @@ class Saver:
         self.stager: DefaultStager | None = None  # made at the first save, kept for the buffers
         self.in_flight: list[Future] = []  # the save in flight: its write, then its upload
         self.directory: str | None = None  # its local files
+        # The longest any save took from its start until in storage: what a save before a deadline
+        # needs (`pipeline.train.preemption`).
+        self.longest_seconds = 0.0
 
     def start(self, metrics: dict[str, Any], train_state: dict[str, Any], config: dict[str, Any]) -> None:
         """Collective: wait for the save in flight, then save the state at ``train_state["step"]`` and hand
         it to the session with ``metrics``. Returns once the state is copied (asynchronous) or saved and
         uploaded (synchronous); raises what the save before this one raised."""
         self.wait()
+        started = time.perf_counter()
         step = train_state["step"]
         name = dcp.checkpoint_name(step)
         directory = tempfile.mkdtemp(prefix="vitray-ckpt-")
@@ -86,6 +90,7 @@ class Saver:
             if not self.asynchronous:
                 checkpoint.save(directory, *parts)
                 self.session.report(metrics, directory, name)
+                self._took(started)
                 return
             written = torch_dcp.async_save(
                 checkpoint.prepare(directory, *parts),
@@ -101,6 +106,10 @@ class Saver:
         if uploaded is not None:  # a session that uploads beside training; else it waited for the write
             self.in_flight.append(uploaded)
             uploaded.add_done_callback(lambda _: shutil.rmtree(directory, ignore_errors=True))
+        self.in_flight[-1].add_done_callback(lambda _: self._took(started))
+
+    def _took(self, started: float) -> None:
+        self.longest_seconds = max(self.longest_seconds, time.perf_counter() - started)
 
     def wait(self) -> None:
         """Until the save in flight is written and in storage; raises its error."""

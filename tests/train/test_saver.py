@@ -1,6 +1,7 @@
 """Asynchronous checkpoints (`pipeline.train.saver`) in one process, without Ray: they hold what the
 synchronous ones hold, the stall of each lands in the log line and `metrics.jsonl`, a save waits for the
-one before it, and the host buffers of the copy are reused from one save to the next.
+one before it, the host buffers of the copy are reused from one save to the next, and a preemption
+stops the run only once the save in flight is in storage.
 
 The loop runs on the fake data of `tests.train.test_loop` (8 steps, checkpoints at 4 and 8).
 """
@@ -8,7 +9,9 @@ The loop runs on the fake data of `tests.train.test_loop` (8 steps, checkpoints 
 from __future__ import annotations
 
 import json
+import shutil
 import threading
+import time
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,7 +26,7 @@ from pipeline.train.model import build_model
 from pipeline.train.objective import objective_for
 from pipeline.train.saver import Saver
 from pipeline.train.step import TrainStep
-from tests.train.test_loop import config, fake_micro_batches, run
+from tests.train.test_loop import SHARDS, LocalSession, config, fake_micro_batches, run
 
 CHECKPOINT_FILES = (dcp.TRAIN_STATE, dcp.CONFIG, "__0_0.distcp")
 
@@ -147,3 +150,37 @@ def test_a_save_waits_for_the_one_in_flight_and_reuses_its_host_buffers(parts):
     session.uploads[1].set_exception(OSError("the store said no"))
     with pytest.raises(OSError, match="the store said no"):  # a failed upload fails the run's end
         saver.close()
+
+
+class BackgroundSession(LocalSession):
+    """Uploads beside training, as Ray Train's upload thread does: waits for the write, then copies."""
+
+    def report(self, metrics, checkpoint_dir=None, name="", written=None):
+        if written is None:
+            return super().report(metrics, checkpoint_dir, name)
+        self.reports.append(metrics)
+        uploaded = Future()
+
+        def upload():
+            written.result()
+            time.sleep(1)  # a slow store
+            shutil.copytree(checkpoint_dir, self.run_dir / name, dirs_exist_ok=True)
+            uploaded.set_result(None)
+
+        threading.Thread(target=upload, daemon=True).start()
+        return uploaded
+
+
+def test_a_preemption_at_a_checkpoint_step_stops_only_once_that_save_is_in_storage(
+    world, monkeypatch, tmp_path
+):
+    from pipeline.train import loop, preemption
+
+    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    monkeypatch.setenv(preemption.TEST_HOOK, "4")  # a notice at step 4, whose save is then in flight
+    cfg = config(tmp_path / "run")
+    session = BackgroundSession(world, Path(cfg.run.out))
+    loop_config = {"train": cfg.to_dict(), "shards": SHARDS, "data_cpus_per_worker": 1.0}
+    with pytest.raises(preemption.Preempted, match=f"{dcp.checkpoint_name(4)} holds this step already"):
+        loop.Trainer(loop_config, session).train()
+    assert dcp.is_complete(Path(cfg.run.out) / dcp.checkpoint_name(4))  # what the restart resumes from
