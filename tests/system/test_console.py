@@ -290,7 +290,7 @@ def test_a_longer_run_on_busy_cpus_and_a_finetuning_print_only_vitray_lines_and_
                        "--out", str(tuned), "--image-size", "32", "--num-classes", "10", "--cpu", *small,
                        "--max-steps", "8", "--log-every", "1", "--checkpoint-every", "4")  # fmt: skip
         verbose = job("pretrain.py", "--preset", "tiny", "--data", shards.dir, "--out", str(tmp_path / "v"),
-                      *small, "--max-steps", "2", "--log-every", "1", "--verbose")  # fmt: skip
+                      *small, "--max-steps", "3", "--log-every", "1", "--verbose")  # fmt: skip
     finally:
         busy.kill()
         busy.wait()
