@@ -113,3 +113,34 @@ def drop_ray_train_tracebacks(error: type[BaseException]) -> None:
     text = f"{error.__module__}.{error.__qualname__}: "
     if not any(isinstance(f, _DropTracebacksOf) and f.text == text for f in logger.filters):
         logger.addFilter(_DropTracebacksOf(text))
+
+
+def wait_for_ray_train_reports(timeout_s: float) -> bool:
+    """Until Ray Train's controller has taken every report this worker made, the checkpoints among them
+    handed over for registration; False at ``timeout_s``; True at once outside a Ray Train worker.
+
+    The controller takes one report per worker per poll, and acts on a worker's error in the poll that
+    sees it: a worker that raises with reports still queued (an asynchronous upload's report lands in
+    the queue after the upload) loses them, and the restart resumes from the checkpoint before. Ray
+    Train's upload pool runs its tasks in order on one thread, so an empty task queued behind them ends
+    after every earlier report is queued; the queue's unfinished count falls as the controller takes them.
+    """
+    import contextlib
+    import time
+
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+    except ImportError:
+        return True
+    try:
+        context = get_train_context()
+    except RuntimeError:
+        return True
+    deadline = time.monotonic() + timeout_s
+    # A timeout, or a pool shut down: the queue below says the rest.
+    with contextlib.suppress(Exception):
+        context.checkpoint_upload_threadpool.submit(lambda: None).result(timeout=timeout_s)
+    queued = context.execution_context.result_queue
+    while queued.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not queued.unfinished_tasks

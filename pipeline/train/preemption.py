@@ -55,6 +55,7 @@ from pipeline.train.metrics import log_line
 POLL_SECONDS = 2.0  # between two reads of Ray's notice: a drain gives minutes, a step may take ms
 TEST_HOOK = "VITRAY_TEST_PREEMPT_AT_STEP"
 TEST_HOOK_DEADLINE_S = 60.0
+REPORTS_TIMEOUT_S = 60.0  # for Ray Train's controller to take this rank's last reports before it raises
 
 
 class Preempted(RuntimeError):
@@ -286,6 +287,8 @@ def checkpoint_and_stop(trainer: Any) -> NoReturn:
         trainer.saver.wait()  # written and uploaded before the restart
         done = f"{name} saved in {time.perf_counter() - start:.1f} s"
     trainer.saver.wait()  # a save still in flight (this step's own, or the one before) completes first
+    # Ray Train registers a checkpoint only from a report its controller took before this rank raised.
+    compat.wait_for_ray_train_reports(REPORTS_TIMEOUT_S)
     line = (
         f"preempted at step {step} ({plan.why}): {done}; Ray Train restarts the run from {source} "
         f"within --max-failures {config.run.max_failures}, or run the same command again"

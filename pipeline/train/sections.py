@@ -292,8 +292,8 @@ class RunConfig:
     keep_checkpoints: int = setting(3, "checkpoints kept (oldest deleted first)")
     async_checkpoint: bool = setting(
         True,
-        "training waits only for a checkpoint's copy to host memory; writing and upload run beside it "
-        "(--no-async-checkpoint: it waits for both)",
+        "save checkpoints beside training: a step waits only for the state's copy to host memory, "
+        "not for the write and upload (off: it waits for both)",
     )
     max_failures: int = setting(3, "worker-group restarts from the latest checkpoint after a failure")
     stop_at_step: int | None = setting(

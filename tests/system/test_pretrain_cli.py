@@ -43,6 +43,7 @@ FLAGS = {
     # run
     "--data", "--eval-data", "--out", "--overwrite", "--no-overwrite", "--seed", "--eval-every", "--log-every", "--checkpoint-every",
     "--keep-checkpoints", "--max-failures", "--stop-at-step", "--tensorboard", "--no-tensorboard", "--wandb",
+    "--async-checkpoint", "--no-async-checkpoint",
 }  # fmt: skip
 
 

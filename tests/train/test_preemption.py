@@ -263,3 +263,52 @@ def test_no_checkpoint_is_tried_when_the_deadline_is_too_near_or_one_holds_the_s
         Preempted, match=f"{dcp.checkpoint_name(4)} holds this step already; Ray Train restarts"
     ):
         loop_tests().run(cfg, world)
+
+
+def test_a_preempted_rank_raises_only_once_ray_trains_controller_took_its_last_reports(monkeypatch):
+    """Ray Train's controller acts on a worker's error in the poll that sees it, and a report still
+    queued then is lost: the restart would resume from the checkpoint before. The wait covers a report
+    still in the upload thread (queued after the upload) and one queued but not yet taken."""
+    import queue
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from ray.train.v2._internal.execution import context as ray_context
+
+    from pipeline import compat
+
+    results: queue.Queue = queue.Queue()
+    uploads = ThreadPoolExecutor(max_workers=1)  # Ray Train's: one thread, reports in order
+    fake = SimpleNamespace(
+        checkpoint_upload_threadpool=uploads, execution_context=SimpleNamespace(result_queue=results)
+    )
+    monkeypatch.setattr(ray_context, "get_train_context", lambda: fake)
+    taken: list[float] = []
+
+    def upload_then_report() -> None:
+        time.sleep(0.3)  # the upload
+        results.put("checkpoint_00000009")
+
+    def controller() -> None:  # polls, takes one report per poll
+        while not taken:
+            try:
+                results.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            time.sleep(0.2)  # the controller's handling of it
+            taken.append(time.monotonic())
+            results.task_done()
+
+    uploads.submit(upload_then_report)
+    poller = threading.Thread(target=controller)
+    poller.start()
+    try:
+        assert compat.wait_for_ray_train_reports(timeout_s=10)
+        done = time.monotonic()
+        assert taken and taken[0] <= done  # not before the controller took the report
+        results.put("never taken")
+        assert not compat.wait_for_ray_train_reports(timeout_s=0.2)  # a controller that never polls
+    finally:
+        poller.join()
+        uploads.shutdown()
