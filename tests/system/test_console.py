@@ -273,7 +273,7 @@ def foreign(console: str) -> list[str]:
 def test_a_longer_run_on_busy_cpus_and_a_finetuning_print_only_vitray_lines_and_verbose_brings_ray_back(
     tmp_path,
 ):
-    """A pretraining with a report every step and a checkpoint every 10 while a busy loop takes a core
+    """A pretraining with a report every step and a checkpoint every 4 while a busy loop takes a core
     (Ray's actors then answer late, and its periodic lines come in numbers), then fine-tuning from its
     weights on the same busy machine: every line is vitray's. With --verbose, Ray's lines are back."""
     from pipeline.data.synthetic import write_synthetic_shards
@@ -285,10 +285,10 @@ def test_a_longer_run_on_busy_cpus_and_a_finetuning_print_only_vitray_lines_and_
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         pretrain = job("pretrain.py", "--preset", "tiny", "--data", shards.dir, "--out", str(run), *small,
-                       "--max-steps", "30", "--log-every", "1", "--checkpoint-every", "10")  # fmt: skip
+                       "--max-steps", "16", "--log-every", "1", "--checkpoint-every", "4")  # fmt: skip
         finetune = job("finetune.py", "--weights", str(run), "--data", shards.dir, "--eval-data", held_out.dir,
                        "--out", str(tuned), "--image-size", "32", "--num-classes", "10", "--cpu", *small,
-                       "--max-steps", "8", "--log-every", "1", "--checkpoint-every", "4")  # fmt: skip
+                       "--max-steps", "4", "--log-every", "1", "--checkpoint-every", "2")  # fmt: skip
         verbose = job("pretrain.py", "--preset", "tiny", "--data", shards.dir, "--out", str(tmp_path / "v"),
                       *small, "--max-steps", "3", "--log-every", "1", "--verbose")  # fmt: skip
     finally:
@@ -296,10 +296,10 @@ def test_a_longer_run_on_busy_cpus_and_a_finetuning_print_only_vitray_lines_and_
         busy.wait()
     for result in (pretrain, finetune, verbose):
         assert result.returncode == 0, result.stdout[-4000:]
-    assert len(re.findall(r"^\(RayTrainWorker pid=\d+\) step \d+/30 ", pretrain.stdout, re.M)) == 30
-    assert "finished at step 30:" in pretrain.stdout
+    assert len(re.findall(r"^\(RayTrainWorker pid=\d+\) step \d+/16 ", pretrain.stdout, re.M)) == 16
+    assert "finished at step 16:" in pretrain.stdout
     assert re.search(
-        r"^finished at step 8: loss [\d.]+, accuracy [\d.]+%, eval accuracy", finetune.stdout, re.M
+        r"^finished at step 4: loss [\d.]+, accuracy [\d.]+%, eval accuracy", finetune.stdout, re.M
     )
     assert not foreign(pretrain.stdout), foreign(pretrain.stdout)
     assert not foreign(finetune.stdout), foreign(finetune.stdout)
