@@ -319,8 +319,7 @@ class Trainer:
         if eval_accuracy is not None:
             metrics["eval_accuracy"] = eval_accuracy
         if save:
-            with self.preemption.timing_save():
-                self.save_checkpoint(metrics)
+            self.save_checkpoint(metrics)
         else:
             self.session.report(metrics)
         if self.log is not None:

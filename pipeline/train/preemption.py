@@ -43,7 +43,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -196,7 +196,6 @@ class PreemptionWatcher:
         self.hook_notice: Notice | None = None
         self.info: Any = None  # Ray's notice, once read (a node drain is not taken back)
         self.next_poll = clock()
-        self.save_seconds = 0.0  # the longest checkpoint of this attempt: what a save before a deadline needs
         self.handles_sigterm = _on_main_thread(_install)
         compat.drop_ray_train_tracebacks(Preempted)  # `checkpoint_and_stop` logs its own line
 
@@ -217,13 +216,6 @@ class PreemptionWatcher:
         ranks = ", ".join(map(str, self.info.preempted_ranks))
         deadline = None if not self.info.deadline_ms else self.info.deadline_ms / 1000
         return Notice(f"Ray's preemption notice for the node(s) of rank(s) {ranks}", deadline)
-
-    @contextlib.contextmanager
-    def timing_save(self) -> Iterator[None]:
-        """Around a checkpoint: how long one takes is what a save before a deadline needs."""
-        start = time.perf_counter()
-        yield
-        self.save_seconds = max(self.save_seconds, time.perf_counter() - start)
 
     def close(self) -> None:
         """The SIGTERM handler before ours, back."""
@@ -260,9 +252,8 @@ def checkpoint_and_stop(trainer: Any) -> NoReturn:
     line from rank 0, then `Preempted` on every rank. ``trainer``: this rank's
     `pipeline.train.loop.Trainer`."""
     watcher, step, config = trainer.preemption, trainer.state.step, trainer.config
-    # An asynchronous save returns before it is in storage: what a save takes is the saver's record.
-    save_seconds = max(watcher.save_seconds, trainer.saver.longest_seconds)
-    plan = agree_on_plan(watcher.notice(step), save_seconds, trainer.group)
+    # What a save takes, start to storage (an asynchronous one returns before): the saver's record.
+    plan = agree_on_plan(watcher.notice(step), trainer.saver.longest_seconds, trainer.group)
     name = dcp.checkpoint_name(step)
     resumed_here = trainer.resumed_from is not None and trainer.resumed_from["step"] == step
     source = "it"
