@@ -279,7 +279,11 @@ def checkpoint_and_stop(trainer: Any) -> NoReturn:
         done = f"{name} saved in {time.perf_counter() - start:.1f} s"
     trainer.saver.wait()  # a save still in flight (this step's own, or the one before) completes first
     # Ray Train registers a checkpoint only from a report its controller took before this rank raised.
-    compat.wait_for_ray_train_reports(REPORTS_TIMEOUT_S)
+    if not compat.wait_for_ray_train_reports(REPORTS_TIMEOUT_S):
+        done += (
+            f", but Ray Train had not taken its report after {REPORTS_TIMEOUT_S:.0f} s "
+            "(the restart may resume from the checkpoint before)"
+        )
     line = (
         f"preempted at step {step} ({plan.why}): {done}; Ray Train restarts the run from {source} "
         f"within --max-failures {config.run.max_failures}, or run the same command again"
