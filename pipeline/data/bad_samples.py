@@ -60,6 +60,8 @@ class BadSamples:
     examples: list[dict[str, str]] = field(default_factory=list)
     max_lost_shards: int = 0
     lost: dict[str, str] = field(default_factory=dict)  # url -> why it gave no readable sample
+    # Mixed sources only (`pipeline.data.mixture`): name -> {"samples", "bad", "pass", "in_pass"}.
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: Any) -> BadSamples:
@@ -138,6 +140,10 @@ class BadSamples:
         self.examples.extend(other.examples[: max(room, 0)])
         for url, why in other.lost.items():
             self.lost.setdefault(url, why)
+        for name, theirs in other.sources.items():  # counts add up; a pass is the furthest any rank is in
+            mine = self.sources.setdefault(name, {})
+            for key, value in theirs.items():
+                mine[key] = max(mine.get(key, 0), value) if key == "pass" else mine.get(key, 0) + value
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,6 +157,7 @@ class BadSamples:
             "grace_samples": self.grace_samples,
             "lost_shards": dict(self.lost),
             "max_lost_shards": self.max_lost_shards,
+            **({"sources": {name: dict(c) for name, c in self.sources.items()}} if self.sources else {}),
         }
 
     @classmethod
@@ -164,4 +171,5 @@ class BadSamples:
             examples=list(values.get("examples", [])),
             max_lost_shards=values.get("max_lost_shards", 0),
             lost=dict(values.get("lost_shards", {})),
+            sources={name: dict(c) for name, c in values.get("sources", {}).items()},
         )

@@ -26,6 +26,7 @@ from typing import Any
 
 from pipeline import cli, console, storage
 from pipeline.data.dataset import check_shards
+from pipeline.data.mixture import parse_sources
 from pipeline.data.shards import expand_shards
 from pipeline.train.config import TrainConfig
 from pipeline.train.resources import local_out_problem, worker_resources
@@ -67,27 +68,42 @@ def ray_storage(out: storage.Location) -> tuple[str, str, Any]:
 
 
 def prepare(config: TrainConfig) -> list[str]:
-    """Every check that needs no cluster, cheapest first; returns the expanded shard list.
+    """Every check that needs no cluster, cheapest first; returns the expanded shard list (`prepare_data`)."""
+    return prepare_data(config)[0]
+
+
+def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] | None]:
+    """Every check that needs no cluster, cheapest first; returns the expanded shard list, and for sources
+    mixed by weight each source's ``{"name", "weight", "shards"}`` (None for one plain source).
 
     Raises a one-line ValueError: a config that cannot run, an ``--out`` that is a filesystem root or
     holds what no training run wrote (unless ``--overwrite``), an unknown model or an image size the
     patch size does not divide, missing shards, a first shard without images or labels, fewer
-    shards than workers.
+    shards than workers (with mixed sources: of each source).
     """
     from pipeline.train.model import model_config
 
     config.validate()
     check_out(config)
     patch_size = model_config(config).patch_size
-    shards = expand_shards(config.location(config.run.shards))
-    check_shards(shards, config.data_for(patch_size))
+    mixed = parse_sources(config.run.shards)
+    sources = [(s.name, s.weight, s.urls) for s in mixed] if mixed else [("", 1.0, config.run.shards)]
+    expanded = []
+    for name, weight, urls in sources:
+        shards = expand_shards(config.location(urls))
+        check_shards(shards, config.data_for(patch_size))
+        expanded.append({"name": name, "weight": weight, "shards": shards})
     check_resumable(config)
-    if len(shards) < config.cluster.num_workers:
-        raise ValueError(
-            f"{len(shards)} shard(s) for {config.cluster.num_workers} workers: every worker needs at least one; "
-            "write more, smaller shards (jobs/make_shards.py --samples-per-shard) or use fewer --num-workers"
-        )
-    return shards
+    for source in expanded:
+        if len(source["shards"]) < config.cluster.num_workers:
+            of = f" of source {source['name']}" if mixed else ""
+            raise ValueError(
+                f"{len(source['shards'])} shard(s){of} for {config.cluster.num_workers} workers: every worker "
+                "needs at least one; write more, smaller shards (jobs/make_shards.py --samples-per-shard) "
+                "or use fewer --num-workers"
+            )
+    shards = list(dict.fromkeys(url for source in expanded for url in source["shards"]))
+    return shards, expanded if mixed else None
 
 
 def owns_run_dir(entries: dict[str, bool]) -> bool:
@@ -174,9 +190,14 @@ def check_cluster(config: TrainConfig, *, local_ray: bool) -> None:
         raise ValueError(problem)
 
 
-def fit(config: TrainConfig, shards: list[str], eval_shards: list[str] | None = None) -> dict[str, Any]:
+def fit(
+    config: TrainConfig,
+    shards: list[str],
+    eval_shards: list[str] | None = None,
+    sources: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Run (or resume) training on the connected Ray cluster; `eval_shards` (fine-tuning) are
-    evaluated every ``eval_every`` steps and at the end.
+    evaluated every ``eval_every`` steps and at the end; ``sources`` (`prepare_data`) are mixed by weight.
 
     Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts).
     """
@@ -192,6 +213,7 @@ def fit(config: TrainConfig, shards: list[str], eval_shards: list[str] | None = 
             "train": config.to_dict(),  # secrets redacted: Ray Train records this
             "out": config.run_dir,  # the storage options, whole (`pipeline.train.config.worker_config`)
             "shards": shards,
+            **({"sources": sources} if sources else {}),
             "eval_shards": list(eval_shards or []),
             # None: each worker decides every epoch (pipeline.train.resources); the cluster the
             # driver sees now may not have its GPU and decode nodes yet.
@@ -265,11 +287,11 @@ def train(config: TrainConfig, args: argparse.Namespace) -> int:
         from pipeline.train.finetune import resolve_pretrained
 
         config = resolve_pretrained(config)  # one line if the weights do not load
-    shards = prepare(config)
+    shards, sources = prepare_data(config)
     eval_shards = prepare_eval(config)
     local = cli.connect_ray(args, needed_cpus=local_cpus_needed(config))
     check_cluster(config, local_ray=local)
     cli.start_work()
-    summary = fit(config, shards, eval_shards)
+    summary = fit(config, shards, eval_shards, sources)
     print(format_summary(summary, config))
     return 0

@@ -46,7 +46,7 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
 from pipeline.data.shards import dataset_root
-from pipeline.train import checkpoint, finetune, mfu, preemption, sinks
+from pipeline.train import checkpoint, finetune, mfu, preemption, sinks, sources
 from pipeline.train.config import worker_config
 from pipeline.train.cursor import EpochCursor, stream_fingerprint
 from pipeline.train.ema import WeightEMA
@@ -91,6 +91,8 @@ class Trainer:
     def __init__(self, loop_config: dict[str, Any], session: RaySession):
         self.config = config = worker_config(loop_config)
         self.shards: list[str] = loop_config["shards"]
+        # Sources mixed by weight (`pipeline.train.sources`), or None for one plain source.
+        self.mixture = sources.Mixture.from_loop_config(loop_config, config.run.source_exhausted)
         self.data_cpus: float = loop_config["data_cpus_per_worker"]
         self.session = session
         self.rank, self.world, self.device = session.rank, session.world, session.device
@@ -153,7 +155,9 @@ class Trainer:
 
     def resume_cursor(self) -> EpochCursor:
         """This rank's place in the epoch: the start, or what the checkpoint resumed from holds."""
-        stream = stream_fingerprint(self.shards, self.config.run.seed, self.data_config.shuffle_buffer)
+        seed, buffer = self.config.run.seed, self.data_config.shuffle_buffer
+        mixed = self.mixture and self.mixture.fingerprint(seed, buffer)
+        stream = mixed or stream_fingerprint(self.shards, seed, buffer)
         layout = (self.rank, self.world, self.config.optim.micro_batch_size, stream, self.data_config)
         if self.resumed_from is None:
             return EpochCursor.start(*layout)
@@ -223,19 +227,25 @@ class Trainer:
 
     def epoch_input(self) -> Prefetcher:
         """This rank's steps of input for the current epoch, after the micro-batches it has taken."""
-        order = shard_order(self.shards, self.config.run.seed, self.state.epoch)
         counts = self.cursor.replay_counts()
-        stream = micro_batches(
-            order[self.rank :: self.world],
-            self.data_config,
-            epoch=self.state.epoch,
-            rank=self.rank,
-            size=self.config.optim.micro_batch_size,
-            bad_samples=counts,
-            data_cpus=self.data_cpus
-            or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch),
-            root=dataset_root(self.shards),
-        )
+        cpus = self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch)
+        size, epoch = self.config.optim.micro_batch_size, self.state.epoch
+        if self.mixture:  # sources mixed by weight, drawn by step from the epoch's first step on
+            first_step = self.state.step - self.cursor.taken // self.accum
+            where = (epoch, self.rank, self.world, first_step, self.accum, size)
+            stream = self.mixture.stream(self.data_config, *where, counts=counts, data_cpus=cpus)
+        else:
+            order = shard_order(self.shards, self.config.run.seed, epoch)
+            stream = micro_batches(
+                order[self.rank :: self.world],
+                self.data_config,
+                epoch=epoch,
+                rank=self.rank,
+                size=size,
+                bad_samples=counts,
+                data_cpus=cpus,
+                root=dataset_root(self.shards),
+            )
         return Prefetcher(
             self.cursor.skip(stream),
             accum=self.accum,
@@ -318,6 +328,8 @@ class Trainer:
         )
         if eval_accuracy is not None:
             metrics["eval_accuracy"] = eval_accuracy
+        if self.mixture:
+            metrics.update(self.mixture.metrics(self.cursor.counts, self.group))
         if save:
             self.save_checkpoint(metrics)
         else:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from pipeline import storage
 from pipeline.train.mfu import mfu
+from pipeline.train.sources import format_sources
 
 if TYPE_CHECKING:
     from pipeline.train.state import TrainState
@@ -196,6 +197,8 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
     parts.append(f"data wait {100 * m['data_wait_share']:.0f}%")
     parts.append(f"bad samples {m['bad_samples']}")
+    if m.get("sources"):  # mixed sources: share against weight, pass, bad samples of each
+        parts.append(format_sources(m["sources"]))
     if m.get("skipped_steps"):
         parts.append(f"skipped steps {m['skipped_steps']}")
     parts.append(f"mem {m['memory_gib']:.1f} GiB")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline import settings
+from pipeline.data.mixture import EXHAUSTED, parse_sources
 from pipeline.settings import setting
 from vit.config import REGULARIZATION_FIELDS
 
@@ -276,7 +277,16 @@ class RunConfig:
     """What the run reads and writes, and when."""
 
     shards: str = setting(
-        "", "shard URL(s): path, directory, glob, brace range, s3://, gs://; comma-separated", flag="data"
+        "",
+        "shard URL(s): path, directory, glob, brace range, s3://, gs://; comma-separated; or sources mixed "
+        "by weight, NAME=URLS:WEIGHT,... or a .yaml file (README, 'Mixing sources')",
+        flag="data",
+    )
+    source_exhausted: str = setting(
+        "cycle",
+        "with mixed sources, what one that runs out does: cycle (its next pass, new shard order; the "
+        "epoch ends once every source has done a pass) or end (the epoch ends)",
+        choices=EXHAUSTED,
     )
     eval_shards: str = setting(
         "", "held-out shards evaluated every --eval-every steps and at the end (labeled)", flag="eval-data"
@@ -309,6 +319,7 @@ class RunConfig:
             raise ValueError(
                 "no training data: pass --data with a shard URL (path, glob, brace range, s3://...)"
             )
+        parse_sources(self.shards)  # a mixture's syntax and weights (one line)
         if not self.out:
             raise ValueError(
                 "no output location: pass --out with a run directory (local path, s3:// or gs://)"

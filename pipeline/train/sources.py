@@ -1,0 +1,134 @@
+"""Mixed sources in the training loop: each rank's mixed stream of an epoch, and what the log says of them.
+
+The driver expands each source of a ``--data`` mixture (`pipeline.data.mixture`) and hands the workers
+``sources``: ``[{"name", "weight", "shards"}, ...]``. A rank reads each source as it would read a single
+one (its shards ``order[rank::world]`` of the source's shard order for that pass), and
+`pipeline.data.mixture.mixed_micro_batches` fills every sample place of a step from the source drawn for
+it. The mixed stream is a pure function of the run's seed, the epoch's first step and the rank, so the
+loop's cursor (`pipeline.train.cursor.EpochCursor`) resumes it as it resumes a single source: by
+re-reading the micro-batches taken; the per-source counts come back with the re-read.
+
+A plain ``--data`` never comes here: it runs as before, sample for sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from pipeline.data.bad_samples import BadSamples
+from pipeline.data.config import DataConfig, shard_order
+from pipeline.data.dataset import Batch, micro_batches
+from pipeline.data.mixture import SourceReader, mixed_micro_batches, pass_epoch, shares
+from pipeline.data.shards import dataset_root, shard_name
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """The run's sources (name, weight, expanded shards) and what one that runs out does."""
+
+    names: list[str]
+    weights: list[float]
+    shards: list[list[str]]
+    exhausted: str
+
+    @classmethod
+    def from_loop_config(cls, loop_config: dict[str, Any], exhausted: str) -> Mixture | None:
+        """The workers' mixture, or None for one plain source."""
+        sources = loop_config.get("sources")
+        if not sources:
+            return None
+        return cls(
+            [s["name"] for s in sources], [float(s["weight"]) for s in sources],
+            [list(s["shards"]) for s in sources], exhausted,
+        )  # fmt: skip
+
+    def fingerprint(self, seed: int, shuffle_buffer: int) -> str:
+        """What fixes every rank's mixed stream beside the layout (as `pipeline.train.cursor.
+        stream_fingerprint` for one source): each source's shard names, its weight, the seed, the shuffle
+        buffer and what a source that runs out does."""
+        named = [
+            [name, weight, [shard_name(url, dataset_root(shards)) for url in shards]]
+            for name, weight, shards in zip(self.names, self.weights, self.shards, strict=True)
+        ]
+        text = json.dumps([named, seed, shuffle_buffer, self.exhausted])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def stream(
+        self,
+        data_config: DataConfig,
+        epoch: int,
+        rank: int,
+        world: int,
+        first_step: int,
+        accum: int,
+        size: int,
+        *,
+        counts: BadSamples,
+        data_cpus: float,
+    ) -> Iterator[Batch]:
+        """This rank's mixed micro-batches of ``epoch``, whose first step is ``first_step``; every source
+        counts into ``counts`` (its ``sources`` entry per source). The rank's decode CPUs are shared by the
+        sources' pipelines in proportion to their weights."""
+        seed = data_config.seed
+        cpus = [max(data_cpus * share, min(data_cpus, 1.0)) for share in shares(self.weights).tolist()]
+
+        def opener(shards: list[str], cpus: float):
+            root = dataset_root(shards)
+
+            def open_pass(passes: int) -> Iterator[Batch]:
+                key = pass_epoch(epoch, passes)
+                order = shard_order(shards, seed, key)
+                return micro_batches(
+                    order[rank::world], data_config, epoch=key, rank=rank, size=size,
+                    bad_samples=counts, data_cpus=cpus, root=root,
+                )  # fmt: skip
+
+            return open_pass
+
+        readers = [
+            SourceReader(name, opener(shards, c), counts)
+            for name, shards, c in zip(self.names, self.shards, cpus, strict=True)
+        ]
+        return mixed_micro_batches(
+            readers, self.weights, seed=seed, rank=rank, first_step=first_step, accum=accum,
+            size=size, exhausted=self.exhausted,
+        )  # fmt: skip
+
+    def metrics(self, counts: BadSamples, group: dist.ProcessGroup | None) -> dict[str, Any]:
+        """Collective: the ``sources`` entry of a metrics row, all ranks merged: per source the samples
+        taken, bad samples read, its share of the samples taken against its target weight, the pass of
+        this epoch the furthest rank is in and the samples taken in it."""
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, counts.sources, group=group)
+        merged = BadSamples()
+        for one in gathered:
+            merged.merge(BadSamples(sources=one))
+        total = sum(c.get("samples", 0) for c in merged.sources.values())
+        out = {}
+        for name, target in zip(self.names, shares(self.weights).tolist(), strict=True):
+            c = merged.sources.get(name, {})
+            out[name] = {
+                "samples": c.get("samples", 0),
+                "bad": c.get("bad", 0),
+                "share": c.get("samples", 0) / total if total else 0.0,
+                "weight": target,
+                "pass": c.get("pass", 1),
+                "in_pass": c.get("in_pass", 0),
+            }
+        return {"sources": out}
+
+
+def format_sources(sources: dict[str, dict[str, Any]]) -> str:
+    """``laion 70.3%/70% pass 1 (12,800) bad 2 · cc ...``: per source its share of the samples taken
+    against its weight, the pass it is in (samples taken in it) and its bad samples."""
+    return " · ".join(
+        f"{name} {100 * s['share']:.1f}%/{100 * s['weight']:.0f}% pass {s['pass']} ({s['in_pass']:,}) "
+        f"bad {s['bad']}"
+        for name, s in sources.items()
+    )

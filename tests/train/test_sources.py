@@ -1,0 +1,147 @@
+"""Sources mixed by weight in the worker loop (one process, gloo, no Ray; the fake streams of
+`tests.train.test_loop`): the draw's shares, per-source counts in metrics rows, an exact resume.
+
+Arithmetic: source ``big`` is 4 shards x 9 samples, ``small`` 2 shards x 6, each shard's first sample
+corrupt: 32 and 10 good samples. Micro-batch 4, batch 8. At weights 0.7 / 0.3 an epoch (``cycle``: every
+source once, ``small`` cycled meanwhile) is about 46 samples, 6 steps; ``end`` stops it when ``small``
+runs out, at about 33 samples.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import dcp
+from pipeline.data.dataset import rebatch
+from pipeline.train import loop, sources
+from pipeline.train.metrics import format_line
+from tests.train.test_loop import LocalSession, config, record_keys, weights
+
+SOURCES = [
+    {"name": "big", "weight": 0.7, "shards": [f"mem://big/shard-{i}" for i in range(4)]},
+    {"name": "small", "weight": 0.3, "shards": [f"mem://small/shard-{i}" for i in range(2)]},
+]
+SIZES = {"big": 9, "small": 6}
+
+
+def fake_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, data_cpus, root=None):
+    """`pipeline.data.dataset.micro_batches` without Ray: a shard's rows are a pure function of (shard,
+    epoch); its first sample is corrupt."""
+    patches = (data_config.image_size // data_config.patch_size) ** 2
+    patch_dim = data_config.patch_size**2 * 3
+
+    def rows():
+        for url in shards:
+            n = SIZES[url.split("/")[2]]
+            g = np.random.default_rng([zlib.crc32(url.encode()), epoch % 2**32])
+            batch = {
+                "key": np.array([f"{url}/{i}" for i in range(n)]),
+                "url": np.array([url] * n),
+                "patches": g.integers(0, 256, (n, patches, patch_dim), dtype=np.uint8),
+                "label": g.integers(0, 4, n),
+                "error": np.array(["truncated image: test"] + [""] * (n - 1), dtype=object),
+            }
+            yield bad_samples.filter(batch)
+
+    yield from rebatch(rows(), size)
+
+
+@pytest.fixture
+def mixed_data(monkeypatch):
+    monkeypatch.setattr(sources, "micro_batches", fake_micro_batches)
+    monkeypatch.setattr(loop, "micro_batches", None)  # a mixed run never reads the plain stream
+
+
+def run(cfg, device, mix=SOURCES):
+    session = LocalSession(device, Path(cfg.run.out))
+    shards = [url for s in mix for url in s["shards"]]
+    loop_config = {"train": cfg.to_dict(), "shards": shards, "sources": mix, "data_cpus_per_worker": 1.0}
+    return loop.Trainer(loop_config, session).train(), session
+
+
+def source_of(key: str) -> str:
+    return key.split("/")[2]
+
+
+@pytest.mark.parametrize("stop_at", [3, 7])  # mid-epoch 0; mid-epoch 1
+def test_a_mixed_run_stopped_and_resumed_trains_on_the_samples_of_a_straight_run(
+    world, mixed_data, monkeypatch, tmp_path, stop_at
+):
+    taken = record_keys(monkeypatch)
+    straight = config(tmp_path / "straight", max_steps=10)
+    summary, session = run(straight, world)
+    straight_keys, _ = list(taken), taken.clear()
+    assert len(straight_keys) == 10
+
+    stopped = config(tmp_path / "stopped", max_steps=10, stop_at_step=stop_at)
+    run(stopped, world)
+    resumed, resumed_session = run(stopped.replace(stop_at_step=None), world)
+    assert taken == straight_keys  # the same samples, step by step, in the same places
+    assert resumed["bad_samples"] == summary["bad_samples"]  # per source too: the re-read not counted twice
+    assert summary["bad_samples"]["sources"]["small"]["bad"] > 0
+    assert resumed_session.reports[-1]["sources"] == session.reports[-1]["sources"]
+    a, b = weights(straight, 10), weights(stopped, 10)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_metrics_rows_and_the_log_line_say_where_the_run_is_in_each_source(
+    world, mixed_data, monkeypatch, tmp_path
+):
+    taken = record_keys(monkeypatch)
+    cfg = config(tmp_path / "run", max_steps=12)
+    run(cfg, world)
+    trained = [k for keys in taken for k in keys]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]["sources"]
+    assert set(last) == {"big", "small"}
+    assert last["big"]["weight"] == pytest.approx(0.7) and last["small"]["weight"] == pytest.approx(0.3)
+    for name in ("big", "small"):  # samples taken: those trained (an epoch's last step is short)
+        assert last[name]["samples"] == sum(source_of(k) == name for k in trained)
+    assert last["small"]["share"] == pytest.approx(0.3, abs=0.12)
+    # 12 steps of 8 cross an epoch; small is cycled within one (its second pass).
+    assert rows[-1]["epoch"] == 1 and any(row["sources"]["small"]["pass"] == 2 for row in rows)
+    assert last["small"]["bad"] >= 2 and rows[-1]["bad_samples"] == last["big"]["bad"] + last["small"]["bad"]
+    line = format_line(rows[-1], 12, 0.0, 0)
+    assert "big " in line and "/70% pass" in line and "small " in line
+
+
+def test_with_cycle_the_small_source_repeats_within_an_epoch_with_end_it_ends_the_epoch(
+    world, mixed_data, monkeypatch, tmp_path
+):
+    epochs: dict[str, list[tuple[int, list[str]]]] = {}
+    real = loop.Trainer.train_step
+    for mode in ("cycle", "end"):
+        steps = epochs[mode] = []
+
+        def train_step(self, data, step_input, agreement, steps=steps):
+            steps.append((self.state.epoch, list(step_input.keys)))
+            return real(self, data, step_input, agreement)
+
+        monkeypatch.setattr(loop.Trainer, "train_step", train_step)
+        run(config(tmp_path / mode, max_steps=8, source_exhausted=mode), world)
+    for mode, steps in epochs.items():
+        first = [k for epoch, keys in steps if epoch == 0 for k in keys]
+        small = [k for k in first if source_of(k) == "small"]
+        big = [k for k in first if source_of(k) == "big"]
+        if mode == "cycle":  # every big sample once; small ones twice or more
+            assert len(big) == len(set(big)) == 32 and len(small) > len(set(small)) == 10
+        else:  # no sample twice; small whole, big not
+            assert len(first) == len(set(first)) and len(set(small)) == 10 and len(big) < 32
+
+
+def test_a_resume_with_other_weights_starts_the_epoch_again_and_says_so(
+    world, mixed_data, monkeypatch, tmp_path, capsys
+):
+    stopped = config(tmp_path / "run", stop_at_step=2)
+    run(stopped, world)
+    other = [dict(SOURCES[0], weight=0.5), dict(SOURCES[1], weight=0.5)]
+    run(stopped.replace(stop_at_step=None), world, mix=other)
+    assert "it was taken from other shards" in capsys.readouterr().out
+    assert dcp.latest_complete(tmp_path / "run") is not None
