@@ -27,7 +27,7 @@ from typing import Any
 from pipeline import cli, console, storage
 from pipeline.data.dataset import check_shards
 from pipeline.data.mixture import parse_sources
-from pipeline.data.shards import expand_shards
+from pipeline.data.shards import ShardError, expand_shards
 from pipeline.train.config import TrainConfig
 from pipeline.train.resources import local_out_problem, worker_resources
 
@@ -90,8 +90,13 @@ def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] |
     sources = [(s.name, s.weight, s.urls) for s in mixed] if mixed else [("", 1.0, config.run.shards)]
     expanded = []
     for name, weight, urls in sources:
-        shards = expand_shards(config.location(urls))
-        check_shards(shards, config.data_for(patch_size))
+        try:
+            shards = expand_shards(config.location(urls))
+            check_shards(shards, config.data_for(patch_size))
+        except ShardError as e:
+            if not mixed:
+                raise
+            raise ShardError(f"source {name}: {e}") from e  # which of the sources
         expanded.append({"name": name, "weight": weight, "shards": shards})
     check_resumable(config)
     for source in expanded:
@@ -274,7 +279,11 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     return (
         f"\n{finished}\n"
         f"samples read: {bad['total']}, skipped as bad: {bad['bad']} ({reasons})\n"
-        f"lost shards (no readable sample): {len(lost)}{' (' + ', '.join(lost) + ')' if lost else ''}\n"
+        + "".join(  # mixed sources: each one's part
+            f"source {name}: {c['samples']} samples taken, {c['bad']} bad\n"
+            for name, c in bad.get("sources", {}).items()
+        )
+        + f"lost shards (no readable sample): {len(lost)}{' (' + ', '.join(lost) + ')' if lost else ''}\n"
         f"run directory: {config.run.out} (checkpoints, metrics.jsonl, final/)"
     )
 

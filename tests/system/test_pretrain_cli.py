@@ -41,7 +41,7 @@ FLAGS = {
     "--num-workers", "--use-gpu", "--no-use-gpu", "--cpu", "--cpus-per-worker", "--placement-strategy",
     "--data-cpus-per-worker", "--shard-group-size", "--shared-out", "--no-shared-out",
     # run
-    "--data", "--eval-data", "--out", "--overwrite", "--no-overwrite", "--seed", "--eval-every", "--log-every", "--checkpoint-every",
+    "--data", "--source-exhausted", "--eval-data", "--out", "--overwrite", "--no-overwrite", "--seed", "--eval-every", "--log-every", "--checkpoint-every",
     "--keep-checkpoints", "--max-failures", "--stop-at-step", "--tensorboard", "--no-tensorboard", "--wandb",
     "--async-checkpoint", "--no-async-checkpoint",
 }  # fmt: skip
@@ -102,6 +102,7 @@ def test_augmentation_flags_reach_the_data_stage():
         (["--batch-size", "48"], "is not a multiple of --micro-batch-size"),
         (["--randaug-magnitude", "12"], "--randaug-magnitude must be in [0, 10], got 12.0"),
         (["--randaug-ops", "-1"], "--randaug-ops must be 0 (none) or more, got -1"),
+        (["--data", "a=/x/{0..3}.tar:0.5,b=/y:0"], "source b: weight 0.0 must be a positive number"),
     ],
 )
 def test_bad_configuration_fails_at_once_with_one_line(synthetic_shards, tmp_path, args, message):

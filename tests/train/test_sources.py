@@ -19,8 +19,10 @@ import torch
 
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
-from pipeline.train import loop, sources
+from pipeline.data.shards import ShardError
+from pipeline.train import driver, loop, sources
 from pipeline.train.metrics import format_line
+from pipeline.train.presets import PRESETS
 from tests.train.test_loop import LocalSession, config, record_keys, weights
 
 SOURCES = [
@@ -145,3 +147,21 @@ def test_a_resume_with_other_weights_starts_the_epoch_again_and_says_so(
     run(stopped.replace(stop_at_step=None), world, mix=other)
     assert "it was taken from other shards" in capsys.readouterr().out
     assert dcp.latest_complete(tmp_path / "run") is not None
+
+
+def test_the_driver_expands_and_checks_each_source_before_any_cluster_work(synthetic_shards, tmp_path):
+    urls = synthetic_shards.urls
+    base = PRESETS["tiny"]().replace(out=str(tmp_path / "run"), num_workers=2)
+    spec = f"a={urls[0]},{urls[1]}:0.7,b={urls[2]},{urls[3]}:0.3"
+    shards, mix = driver.prepare_data(base.replace(data=spec))
+    assert shards == urls and [(s["name"], s["weight"], s["shards"]) for s in mix] == [
+        ("a", 0.7, urls[:2]),
+        ("b", 0.3, urls[2:]),
+    ]
+    assert driver.prepare_data(base.replace(data=synthetic_shards.dir)) == (urls, None)  # one plain source
+    with pytest.raises(ValueError, match=r"^2 shard\(s\) of source a for 4 workers: every worker needs"):
+        driver.prepare_data(base.replace(data=spec, num_workers=4, micro_batch_size=16))
+    with pytest.raises(ShardError, match=r"^source b: shard not found: .*/b .*; check the path"):
+        driver.prepare_data(base.replace(data=f"a={synthetic_shards.dir}:1,b={tmp_path / 'b/'}:1"))
+    with pytest.raises(ValueError, match=r"weight 0\.0 must be a positive number"):
+        driver.prepare_data(base.replace(data=f"a={synthetic_shards.dir}:0"))

@@ -1,0 +1,181 @@
+"""Sources mixed by weight, without Ray or torch: the ``--data`` spec, the draw, the mixed stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples
+from pipeline.data.mixture import (
+    MixtureError,
+    Source,
+    SourceReader,
+    draw_sources,
+    mixed_micro_batches,
+    parse_sources,
+    pass_epoch,
+)
+
+
+@pytest.mark.parametrize(
+    "spec, sources",
+    [
+        (
+            "laion=s3://a/{000..999}.tar:0.7,cc=s3://b/{00..99}.tar:0.3",
+            [Source("laion", "s3://a/{000..999}.tar", 0.7), Source("cc", "s3://b/{00..99}.tar", 0.3)],
+        ),
+        # URLs of one source, comma-separated; a weight left out is 1; weights are relative.
+        (
+            "a=/x/a.tar,/x/b.tar:2,b=gs://y/{0..3}.tar",
+            [Source("a", "/x/a.tar,/x/b.tar", 2.0), Source("b", "gs://y/{0..3}.tar")],
+        ),
+        ("only=/data/shards", [Source("only", "/data/shards")]),
+    ],
+)
+def test_a_mixture_spec_gives_its_sources(spec, sources):
+    assert parse_sources(spec) == sources
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["/data/shards", "s3://b/train-{000..009}.tar,s3://b/extra.tar", "s3://b/date=2024/x.tar", "x.tar"],
+)
+def test_a_plain_data_spec_is_no_mixture(spec):
+    assert parse_sources(spec) is None
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("a=/x:0,b=/y:1", "weight 0.0 must be a positive number"),
+        ("a=/x:-1,b=/y:1", "weight -1.0 must be a positive number"),
+        ("a=/x:nan", "weight nan must be a positive number"),
+        ("a=/x:inf", "weight inf must be a positive number"),
+        ("a=/x:heavy", "weight 'heavy' is not a number"),
+        ("a=/x:", "weight '' is not a number"),
+        ("a=:0.5,b=/y", "source a names no shards"),
+        ("/x,b=/y:1", "names some sources but not the first"),
+        ("a=/x:1,a=/y:1", "source a is named twice"),
+    ],
+)
+def test_a_bad_mixture_spec_is_one_line_that_says_what_to_do(spec, says):
+    with pytest.raises(MixtureError) as error:
+        parse_sources(spec)
+    assert says in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_yaml_file_lists_the_sources(tmp_path):
+    path = tmp_path / "mix.yaml"
+    path.write_text(
+        "sources:\n"
+        "  - {name: laion, data: 's3://a/{000..999}.tar', weight: 0.7}\n"
+        "  - name: cc\n    data: [/b/0.tar, /b/1.tar]\n    weight: 3\n"
+    )
+    assert parse_sources(str(path)) == [
+        Source("laion", "s3://a/{000..999}.tar", 0.7),
+        Source("cc", "/b/0.tar,/b/1.tar", 3.0),
+    ]
+    path.write_text("sources:\n  - {name: a, data: /x, weight: 0}\n")
+    with pytest.raises(MixtureError, match="positive"):
+        parse_sources(str(path))
+    path.write_text("- a\n")
+    with pytest.raises(MixtureError, match="no list under 'sources:'"):
+        parse_sources(str(path))
+    with pytest.raises(MixtureError, match="cannot read the sources file"):
+        parse_sources(str(tmp_path / "missing.yaml"))
+
+
+def test_the_draw_is_a_pure_function_of_seed_step_rank_and_place():
+    a = draw_sources([0.7, 0.3], seed=0, step=5, rank=1, places=64)
+    assert np.array_equal(a, draw_sources([0.7, 0.3], seed=0, step=5, rank=1, places=64))
+    assert np.array_equal(
+        a[:10], draw_sources([0.7, 0.3], seed=0, step=5, rank=1, places=10)
+    )  # place by place
+    for other in (
+        {"seed": 1, "step": 5, "rank": 1},
+        {"seed": 0, "step": 6, "rank": 1},
+        {"seed": 0, "step": 5, "rank": 0},
+    ):
+        assert not np.array_equal(a, draw_sources([0.7, 0.3], places=64, **other)), other
+    assert np.array_equal(a, draw_sources([7, 3], seed=0, step=5, rank=1, places=64))  # weights are relative
+
+
+def test_the_drawn_shares_come_close_to_the_weights_over_many_steps():
+    weights = [0.6, 0.3, 0.1]
+    drawn = np.concatenate(
+        [draw_sources(weights, 3, step, rank, 64) for step in range(300) for rank in range(2)]
+    )
+    shares = np.bincount(drawn, minlength=3) / len(drawn)
+    assert np.allclose(shares, weights, atol=0.01), shares
+
+
+def stream_of(name: str, shards: int, per_shard: int, epochs: list[int]):
+    """A source's ``open_pass``: micro-batches of 4 over ``shards`` x ``per_shard`` samples, the first of
+    each shard bad (counted into the reader's counts by the test's filter)."""
+
+    def open_pass(passes: int, counts: BadSamples):
+        epochs.append(passes)
+        for shard in range(shards):
+            keys = np.array([f"{name}/{shard}/{i}" for i in range(per_shard)])
+            error = np.array(["truncated image: t"] + [""] * (per_shard - 1), dtype=object)
+            rows = {"key": keys, "url": np.array([name] * per_shard), "label": np.arange(per_shard)}
+            batch = counts.filter({**rows, "error": error})
+            for start in range(0, len(batch["key"]), 4):
+                yield {c: v[start : start + 4] for c, v in batch.items()}
+
+    return open_pass
+
+
+def mixed(exhausted: str, *, first_step: int = 0, skip: int = 0):
+    counts, passes = BadSamples(), {"big": [], "small": []}
+    readers = [
+        SourceReader("big", lambda p: stream_of("big", 4, 9, passes["big"])(p, counts), counts),
+        SourceReader("small", lambda p: stream_of("small", 1, 6, passes["small"])(p, counts), counts),
+    ]
+    stream = mixed_micro_batches(
+        readers, [0.7, 0.3], seed=0, rank=0, first_step=first_step, accum=2, size=4, exhausted=exhausted
+    )
+    return list(stream), counts, passes
+
+
+def test_each_place_takes_the_source_drawn_for_it_and_a_short_source_cycles():
+    batches, counts, passes = mixed("cycle")
+    keys = [k for b in batches for k in b["key"].tolist()]
+    for index, batch in enumerate(batches[:-1]):  # the last one stops where the epoch ended
+        step, micro = divmod(index, 2)
+        drawn = draw_sources([0.7, 0.3], 0, step, 0, 8)[micro * 4 : (micro + 1) * 4]
+        assert [k.split("/")[0] for k in batch["key"]] == [["big", "small"][s] for s in drawn]
+    big = [k for k in keys if k.startswith("big")]
+    assert len(big) == len(set(big)) == 32  # the epoch: every big sample once
+    assert passes["small"][:2] == [0, 1] and passes["big"] == [0]  # small cycled, big not
+    assert counts.sources["small"]["pass"] == len(passes["small"]) >= 2
+    assert counts.sources["big"] == {"samples": 32, "bad": 4, "pass": 1, "in_pass": 32}
+    assert counts.sources["small"]["samples"] == len(keys) - 32
+    assert counts.bad == 4 + counts.sources["small"]["bad"]
+
+
+def test_with_end_the_first_source_to_run_out_ends_the_epoch():
+    batches, counts, passes = mixed("end")
+    keys = [k for b in batches for k in b["key"].tolist()]
+    assert len(keys) == len(set(keys))  # nothing repeats
+    assert counts.sources["small"]["samples"] == 5 and counts.sources["big"]["samples"] < 32
+    assert passes["small"] == [0]
+
+
+def test_a_later_epoch_start_draws_from_its_own_steps():
+    a, _, _ = mixed("cycle", first_step=0)
+    b, _, _ = mixed("cycle", first_step=100)
+    assert [k for x in a for k in x["key"]] != [k for x in b for k in x["key"]]
+    assert pass_epoch(3, 0) == 3 and pass_epoch(3, 1) not in (3, pass_epoch(3, 2))
+
+
+def test_a_source_that_gives_nothing_in_a_pass_stops_with_one_line():
+    counts = BadSamples()
+    empty = SourceReader("empty", lambda p: iter([]), counts)
+    full = SourceReader("full", lambda p: stream_of("full", 8, 9, [])(p, counts), counts)
+    with pytest.raises(BadSampleBudgetError, match="source empty gave no readable sample"):
+        list(
+            mixed_micro_batches(
+                [full, empty], [1, 1], seed=0, rank=0, first_step=0, accum=1, size=4, exhausted="cycle"
+            )
+        )
