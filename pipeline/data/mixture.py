@@ -176,34 +176,35 @@ class SourceReader:
         self.entry = counts.sources.setdefault(name, {"samples": 0, "bad": 0})
         self.entry.update({"pass": 1, "in_pass": 0})
         self.passes, self.batches = 0, open_pass(0)
-        self.pending: list[Batch] = []  # read, not yet taken
+        self.pending: Batch = {}  # read; its last ``left`` samples not yet taken
         self.left = 0
 
     def take(self, n: int) -> tuple[list[Batch], bool]:
         """Up to ``n`` samples, as pieces; True when the pass ran out first."""
         pieces: list[Batch] = []
         while n > 0:
-            if not self.pending:
-                bad = self.counts.bad
-                batch = next(self.batches, None)
-                self.entry["bad"] += self.counts.bad - bad
-                if batch is None:
-                    return pieces, True
-                self.pending, self.left = [batch], len(batch["key"])
-                if not self.left:
-                    self.pending = []
-                    continue
-            batch = self.pending[0]
+            if self.at_end():
+                return pieces, True
+            batch = self.pending
             start = len(batch["key"]) - self.left
             k = min(n, self.left)
             pieces.append({c: v[start : start + k] for c, v in batch.items()})
             self.left -= k
             n -= k
-            if not self.left:
-                self.pending = []
             self.entry["samples"] += k
             self.entry["in_pass"] += k
         return pieces, False
+
+    def at_end(self) -> bool:
+        """Whether this pass has no sample left (reads its next micro-batch when none is pending)."""
+        while not self.left:
+            bad = self.counts.bad
+            batch = next(self.batches, None)
+            self.entry["bad"] += self.counts.bad - bad
+            if batch is None:
+                return True
+            self.pending, self.left = batch, len(batch["key"])
+        return False
 
     def next_pass(self) -> None:
         """Its next pass, with a new shard order; a pass that gave no sample cannot be cycled."""
@@ -215,7 +216,7 @@ class SourceReader:
         self.close()
         self.passes += 1
         self.entry.update({"pass": self.passes + 1, "in_pass": 0})
-        self.batches, self.pending = self.open_pass(self.passes), []
+        self.batches, self.pending, self.left = self.open_pass(self.passes), {}, 0
 
     def close(self) -> None:
         close = getattr(self.batches, "close", None)
@@ -258,6 +259,9 @@ def mixed_micro_batches(
                     got += more
                 pieces += got
                 filled.append(sum(len(p["key"]) for p in got))
+            # A pass that ends with this micro-batch counts as run out now, not at the next one's draw.
+            done = [d or reader.at_end() for d, reader in zip(done, readers, strict=True)]
+            over = over or all(done) or (exhausted == "end" and any(done))
             batch = _in_places(pieces, places, filled)
             if batch is not None:
                 yield batch
