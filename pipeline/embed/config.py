@@ -25,7 +25,8 @@ class EmbedConfig:
     """One embedding run; the command line of ``jobs/embed.py`` maps onto it field by field."""
 
     data: str = setting(
-        help="shard URL(s): path, directory, glob, brace range, s3://, gs://; comma-separated"
+        help="shard URL(s): path, directory, glob, brace range, s3://, gs://; comma-separated; or named "
+        "sources, NAME=URLS,... or a .yaml file, as training's (every source's shards, weights unused)"
     )
     weights: str = setting(help="run dir, final/ export, checkpoint_* dir, HF dir or weights file")
     out: str = setting(help="output directory (local path, s3:// or gs://)")

@@ -34,6 +34,7 @@ from pipeline import storage
 from pipeline.data.bad_samples import BadSamples, reason_category
 from pipeline.data.config import DataConfig
 from pipeline.data.dataset import build_dataset, check_shards
+from pipeline.data.mixture import parse_sources
 from pipeline.data.shards import expand_shards
 from pipeline.embed.actor import Embedder, actor_memory, embedding_dim
 from pipeline.embed.config import DEFAULT_LABEL_KEY, EmbedConfig
@@ -149,7 +150,10 @@ def prepare(config: EmbedConfig) -> EmbedPlan:
     storage.check_output_dir(  # an output's manifest is written before its first commit: it marks it
         out, job="the embedding job", owns=lambda entries: MANIFEST in entries, overwrite=config.overwrite
     )
-    shards = expand_shards(config.location(config.data))
+    # Several named sources (`pipeline.data.mixture`): every source's shards, each keeping its keys.
+    sources = parse_sources(config.data)
+    parts = [s.urls for s in sources] if sources else [config.data]
+    shards = list(dict.fromkeys(url for urls in parts for url in expand_shards(config.location(urls))))
     source = load_model_source(
         config.location(config.weights),
         weights_format=config.weights_format,
