@@ -155,9 +155,9 @@ class Trainer:
 
     def resume_cursor(self) -> EpochCursor:
         """This rank's place in the epoch: the start, or what the checkpoint resumed from holds."""
-        seed, buffer = self.config.run.seed, self.data_config.shuffle_buffer
-        mixed = self.mixture and self.mixture.fingerprint(seed, buffer)
-        stream = mixed or stream_fingerprint(self.shards, seed, buffer)
+        stream = stream_fingerprint(self.shards, self.config.run.seed, self.data_config.shuffle_buffer)
+        if self.mixture:  # the sources' shards and weights fix the streams, and what one run out does
+            stream = self.mixture.fingerprint(self.config.run.seed, self.data_config.shuffle_buffer)
         layout = (self.rank, self.world, self.config.optim.micro_batch_size, stream, self.data_config)
         if self.resumed_from is None:
             return EpochCursor.start(*layout)
@@ -227,25 +227,21 @@ class Trainer:
 
     def epoch_input(self) -> Prefetcher:
         """This rank's steps of input for the current epoch, after the micro-batches it has taken."""
+        if self.mixture:  # sources mixed by weight, each place drawn by step (`pipeline.train.sources`)
+            return sources.epoch_input(self)
+        order = shard_order(self.shards, self.config.run.seed, self.state.epoch)
         counts = self.cursor.replay_counts()
-        cpus = self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch)
-        size, epoch = self.config.optim.micro_batch_size, self.state.epoch
-        if self.mixture:  # sources mixed by weight, drawn by step from the epoch's first step on
-            first_step = self.state.step - self.cursor.taken // self.accum
-            where = (epoch, self.rank, self.world, first_step, self.accum, size)
-            stream = self.mixture.stream(self.data_config, *where, counts=counts, data_cpus=cpus)
-        else:
-            order = shard_order(self.shards, self.config.run.seed, epoch)
-            stream = micro_batches(
-                order[self.rank :: self.world],
-                self.data_config,
-                epoch=epoch,
-                rank=self.rank,
-                size=size,
-                bad_samples=counts,
-                data_cpus=cpus,
-                root=dataset_root(self.shards),
-            )
+        stream = micro_batches(
+            order[self.rank :: self.world],
+            self.data_config,
+            epoch=self.state.epoch,
+            rank=self.rank,
+            size=self.config.optim.micro_batch_size,
+            bad_samples=counts,
+            data_cpus=self.data_cpus
+            or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch),
+            root=dataset_root(self.shards),
+        )
         return Prefetcher(
             self.cursor.skip(stream),
             accum=self.accum,
@@ -328,7 +324,7 @@ class Trainer:
         )
         if eval_accuracy is not None:
             metrics["eval_accuracy"] = eval_accuracy
-        if self.mixture:
+        if self.mixture:  # collective: where the run is in each source
             metrics.update(self.mixture.metrics(self.cursor.counts, self.group))
         if save:
             self.save_checkpoint(metrics)

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from pipeline import storage
 from pipeline.train.mfu import mfu
-from pipeline.train.sources import format_sources
 
 if TYPE_CHECKING:
     from pipeline.train.state import TrainState
@@ -209,6 +208,16 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
         eta = (time.perf_counter() - started) / done * (last_step - m["step"])
         parts.append(f"eta {_hms(eta)}")
     return " | ".join(parts)
+
+
+def format_sources(sources: dict[str, dict[str, Any]]) -> str:
+    """``laion 70.3%/70% pass 1 (12,800) bad 2 · cc ...``: per source its share of the samples taken
+    against its weight, the pass it is in (samples taken in it) and its bad samples."""
+    return " · ".join(
+        f"{name} {100 * s['share']:.1f}%/{100 * s['weight']:.0f}% pass {s['pass']} ({s['in_pass']:,}) "
+        f"bad {s['bad']}"
+        for name, s in sources.items()
+    )
 
 
 def _hms(seconds: float) -> str:

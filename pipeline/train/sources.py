@@ -26,6 +26,8 @@ from pipeline.data.config import DataConfig, shard_order
 from pipeline.data.dataset import Batch, micro_batches
 from pipeline.data.mixture import SourceReader, mixed_micro_batches, pass_epoch, shares
 from pipeline.data.shards import dataset_root, shard_name
+from pipeline.train.prefetch import Prefetcher
+from pipeline.train.resources import data_cpus_per_worker
 
 
 @dataclass(frozen=True)
@@ -124,11 +126,30 @@ class Mixture:
         return {"sources": out}
 
 
-def format_sources(sources: dict[str, dict[str, Any]]) -> str:
-    """``laion 70.3%/70% pass 1 (12,800) bad 2 · cc ...``: per source its share of the samples taken
-    against its weight, the pass it is in (samples taken in it) and its bad samples."""
-    return " · ".join(
-        f"{name} {100 * s['share']:.1f}%/{100 * s['weight']:.0f}% pass {s['pass']} ({s['in_pass']:,}) "
-        f"bad {s['bad']}"
-        for name, s in sources.items()
+def epoch_input(trainer: Any) -> Prefetcher:
+    """`pipeline.train.loop.Trainer.epoch_input` for mixed sources: the rank's mixed micro-batches of the
+    epoch, drawn by step from the epoch's first step on, after the micro-batches it has taken."""
+    t = trainer
+    counts = t.cursor.replay_counts()
+    cpus = t.data_cpus or data_cpus_per_worker(t.config, t.world, t.rank, t.state.epoch)
+    first_step = t.state.step - t.cursor.taken // t.accum  # the cursor's places: accum per step
+    size = t.config.optim.micro_batch_size
+    stream = t.mixture.stream(
+        t.data_config,
+        t.state.epoch,
+        t.rank,
+        t.world,
+        first_step,
+        t.accum,
+        size,
+        counts=counts,
+        data_cpus=cpus,
+    )
+    return Prefetcher(
+        t.cursor.skip(stream),
+        accum=t.accum,
+        columns=t.objective.columns,
+        bad_samples=counts,
+        pin=t.device.type == "cuda",
+        depth=t.config.speed.prefetch_steps,
     )
