@@ -46,7 +46,7 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
 from pipeline.data.shards import dataset_root
-from pipeline.train import checkpoint, finetune, mfu, preemption, sinks
+from pipeline.train import checkpoint, finetune, mfu, preemption, sinks, stacks
 from pipeline.train.config import worker_config
 from pipeline.train.cursor import EpochCursor, stream_fingerprint
 from pipeline.train.ema import WeightEMA
@@ -94,6 +94,7 @@ class Trainer:
         self.data_cpus: float = loop_config["data_cpus_per_worker"]
         self.session = session
         self.rank, self.world, self.device = session.rank, session.world, session.device
+        stacks.start(self.rank)  # with VITRAY_SAMPLE_STACKS only
         self.eval_shards: list[str] = loop_config.get("eval_shards", [])
         self.model_config = model_config(config)
         self.objective = objective_for(config)  # loss, batch columns, FLOPs, what final/ holds
@@ -325,6 +326,7 @@ class Trainer:
         if self.log is not None:
             log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
             self.log.append(metrics, flush=save)
+        stacks.mark(self.state.step)
         self.last_metrics = metrics
         # A new window, started after any checkpoint so that saving does not count as training time.
         self.window = MetricsWindow(self.device)
