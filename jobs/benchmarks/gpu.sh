@@ -16,6 +16,8 @@
 # such an image lacks (jsonschema, referencing, rpds-py, jsonschema-specifications, pydantic,
 # pydantic-core, annotated-types, typing-inspection, tensorboardX; the versions in constraints.txt),
 # plus torchao for fp8: `pip install --no-index --no-deps --target DIR WHEELS...`, then PYTHONPATH=DIR.
+# Ray's wheel unpacked without ray/jars and ray/dashboard/client/build (Java, the dashboard's web
+# pages) is 30 MB as a .tar.xz: `tar xJf ray.tar.xz -C DIR` installs it where a wheel would not fit.
 set -u
 out=${1:?usage: bash jobs/benchmarks/gpu.sh OUT ITEM...}
 shift

@@ -28,7 +28,7 @@ A preemption notice on any rank rides on the same agreement: every rank checkpoi
 boundary and stops, and Ray Train restarts the run from there (`pipeline.train.preemption`).
 
 The GPU is not kept waiting on the host: the next steps' input is built on a background thread
-(`pipeline.train.prefetch`), the ranks' agreements go through a CPU group, and loss and accuracy
+(`pipeline.train.prefetch`), which starts the next epoch's pipeline as soon as this one's runs dry, the ranks' agreements go through a CPU group, and loss and accuracy
 stay on the device until a log line is due, as do the counts of skipped steps: with fused AdamW a
 step waits for nothing (`pipeline.train.step`); other AdamW kernels read the gradient norm back.
 """
@@ -126,6 +126,7 @@ class Trainer:
         self.last_metrics: dict[str, Any] = {}
         self.first_step, self.run_start = self.state.step, time.perf_counter()
         self.window = MetricsWindow(self.device)
+        self.upcoming: tuple[int, Prefetcher] | None = None  # the next epoch's input, started ahead
         self.preemption = preemption.PreemptionWatcher(self.rank, self.world, first_step=self.state.step)
         self.announce(peak_note)
 
@@ -193,12 +194,15 @@ class Trainer:
             error = str(stop)
         finally:
             self.preemption.close()
+            if self.upcoming is not None:  # started ahead for an epoch the run did not reach
+                self.upcoming[1].close()
         return self.finish(error)
 
     def train_epoch(self) -> None:
         """Steps until the schedule ends or every rank's stream has run dry; then the next epoch begins."""
         state, last_step = self.state, self.config.last_step
-        data = self.epoch_input()
+        upcoming, self.upcoming = self.upcoming, None
+        data = upcoming[1] if upcoming is not None and upcoming[0] == state.epoch else self.epoch_input()
         try:
             while state.step < last_step:
                 step_input, agreement = self.next_step_input(data)
@@ -222,29 +226,37 @@ class Trainer:
         state.epoch += 1
         self.cursor.next_epoch()
 
-    def epoch_input(self) -> Prefetcher:
-        """This rank's steps of input for the current epoch, after the micro-batches it has taken."""
-        order = shard_order(self.shards, self.config.run.seed, self.state.epoch)
-        counts = self.cursor.replay_counts()
+    def epoch_input(self, ahead: BadSamples | None = None) -> Prefetcher:
+        """This rank's steps of input for the current epoch, after the micro-batches it has taken; or,
+        given ``ahead`` (the counts this epoch's stream ended with), the next epoch's from its start."""
+        epoch = self.state.epoch + (ahead is not None)
+        order = shard_order(self.shards, self.config.run.seed, epoch)
+        counts = self.cursor.replay_counts() if ahead is None else ahead
         stream = micro_batches(
             order[self.rank :: self.world],
             self.data_config,
-            epoch=self.state.epoch,
+            epoch=epoch,
             rank=self.rank,
             size=self.config.optim.micro_batch_size,
             bad_samples=counts,
-            data_cpus=self.data_cpus
-            or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch),
+            data_cpus=self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, epoch),
             root=dataset_root(self.shards),
         )
         return Prefetcher(
-            self.cursor.skip(stream),
+            self.cursor.skip(stream) if ahead is None else stream,
             accum=self.accum,
             columns=self.objective.columns,
             bad_samples=counts,
             pin=self.device.type == "cuda",
             depth=self.config.speed.prefetch_steps,
+            on_dry=lambda final: self.start_next_epoch(epoch, final),
         )
+
+    def start_next_epoch(self, epoch: int, final: BadSamples) -> None:
+        """On the data thread, when this rank's stream of ``epoch`` has run dry: the next epoch's input
+        starts now, while the epoch's last steps train (`Prefetcher`); `train_epoch` takes it."""
+        if epoch == self.state.epoch and self.state.step + 1 < self.config.last_step:
+            self.upcoming = (epoch + 1, self.epoch_input(ahead=final))
 
     def next_step_input(self, data: Prefetcher) -> tuple[StepInput, StepAgreement]:
         """Collective: this rank's input for the next step, and what all ranks agree on."""
