@@ -144,3 +144,11 @@ def wait_for_ray_train_reports(timeout_s: float) -> bool:
     while queued.unfinished_tasks and time.monotonic() < deadline:
         time.sleep(0.05)
     return not queued.unfinished_tasks
+
+
+def thread_frame(ident: int) -> Any | None:
+    """The innermost frame of thread ``ident`` now, or None once it has ended (CPython's
+    ``sys._current_frames``; `pipeline.train.stacks` samples the training thread with it)."""
+    import sys
+
+    return sys._current_frames().get(ident)

@@ -6,12 +6,18 @@
 # Each ITEM writes OUT/ITEM.log and its JSON beside it; a failing or timed-out item (ITEM_TIMEOUT
 # seconds, default 900) is reported and the next one runs. PYTHON picks the interpreter (python3).
 # Items without Ray: h14-timm (with a profiler trace of one step), b16-timm, h14-model, fp8, embed,
-# mae, ac, largest. With Ray installed: shards, then curve-bf16 and curve-fp8 (the loss curves of
-# --fp8 against bf16, whose logs also give the worker loop's `data wait`), embed-job.
+# mae, ac, largest, b16-step (the step the real job runs, without Ray), test-gpu (`make test-gpu`'s
+# tests; what needs Ray is skipped without it). With Ray installed: shards, then curve-bf16 and
+# curve-fp8 (the loss curves of --fp8 against bf16), job-b16 (the real job, one GPU, the config of
+# b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling), ckpt-h14 (the training stall of ViT-H/14 checkpoints, sync and
+# async), embed-job, embed-job-b16 (the embedding job against the model alone).
+# DEADLINE (seconds since the epoch) cuts every item's timeout to what is left before it.
 # A GPU machine with torch but no Ray (and no network) takes Ray's wheel and the few it needs that
 # such an image lacks (jsonschema, referencing, rpds-py, jsonschema-specifications, pydantic,
 # pydantic-core, annotated-types, typing-inspection, tensorboardX; the versions in constraints.txt),
 # plus torchao for fp8: `pip install --no-index --no-deps --target DIR WHEELS...`, then PYTHONPATH=DIR.
+# Ray's wheel unpacked without ray/jars and ray/dashboard/client/build (Java, the dashboard's web
+# pages) is 30 MB as a .tar.xz: `tar xJf ray.tar.xz -C DIR` installs it where a wheel would not fit.
 set -u
 out=${1:?usage: bash jobs/benchmarks/gpu.sh OUT ITEM...}
 shift
@@ -24,8 +30,13 @@ run() {
     local name=$1
     shift
     echo "== $name: $*"
-    local start=$SECONDS
-    timeout "${ITEM_TIMEOUT:-900}" "$@" >"$out/$name.log" 2>&1
+    local start=$SECONDS limit=${ITEM_TIMEOUT:-900}
+    if [ -n "${DEADLINE:-}" ]; then
+        local left=$((DEADLINE - $(date +%s)))
+        [ "$left" -lt "$limit" ] && limit=$left
+        [ "$limit" -le 5 ] && { echo "   $name: skipped, no time left"; return; }
+    fi
+    timeout -s INT -k 15 "$limit" "$@" >"$out/$name.log" 2>&1  # INT: pytest still prints its failures
     echo "   $name: exit $? after $((SECONDS - start)) s"
     grep -v "^\[rank" "$out/$name.log" | tail -n "${TAIL:-14}"
 }
@@ -62,6 +73,20 @@ for item in "$@"; do
         --out "$shards" ;;
     curve-bf16) curve "$item" ;;
     curve-fp8) curve "$item" --fp8 ;;
+    b16-step) run "$item" "${bench[@]}" train --model vit_b16 --micro-batch-size 128 --configs compile-model \
+        --warmup 5 --iters 20 --json "$out/b16-step.json" ;;
+    job-b16) TORCH_LOGS=recompiles curve "$item" --compile-scope model ;;
+    job-b16-stacks)  # the same with the training thread sampled: where each window's time went
+        VITRAY_SAMPLE_STACKS="$out" curve "$item" --compile-scope model
+        "$py" jobs/benchmarks/stacks.py "$out/stacks-rank0.tsv" >"$out/$item-windows.txt" && cat "$out/$item-windows.txt" ;;
+    ckpt-h14) run "$item" "${bench[@]}" checkpoint --model vit_h14 --image-size 224 --num-workers 1 \
+        --micro-batch-size 16 --steps 6 --checkpoint-every 2 --gpu --json "$out/ckpt-h14.json" ;;
+    embed-job-b16) run "$item" "${bench[@]}" embed --model vit_b16 --device cuda --batch-size 256 \
+        --images 4096 --per-shard 256 --repeats 1 --cpus-per-actor 2 --ray-cpus "$(nproc)" \
+        --json "$out/embed-job-b16.json" ;;
+    test-gpu)  # the files holding gpu tests: others may import what a bare GPU image lacks (s3fs, boto3)
+        mapfile -t files < <(grep -rl "mark.gpu" tests --include="test_*.py")
+        run "$item" "$py" -m pytest -m gpu -rs -q -p no:cacheprovider "${files[@]}" ;;
     embed-job)  # the Ray job against the naive loop where Ray is installed, the loop alone where not
         naive=(--naive-only)
         "$py" -c "import ray" 2>/dev/null && naive=()

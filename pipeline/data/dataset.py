@@ -178,8 +178,8 @@ def check_shards(shards: list[str], config: DataConfig, *, probe: int = 16) -> N
 def rebatch(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
     """Cut a stream of uneven batches (corrupt samples removed) into batches of exactly `size`, but
     for the last: a short remainder at the end is one smaller batch, so every sample is taken. Fixed
-    shapes keep compiled graphs from recompiling; an epoch's one short batch costs a compiled model
-    one more graph, with a dynamic batch dimension, once per run (not once per size)."""
+    shapes keep compiled graphs from recompiling; under compile the step pads an epoch's one short
+    batch back to `size` (`pipeline.train.objective.Objective.forward`)."""
     pending: list[Batch] = []
     count = 0
     for batch in batches:

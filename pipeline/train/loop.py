@@ -28,7 +28,7 @@ A preemption notice on any rank rides on the same agreement: every rank checkpoi
 boundary and stops, and Ray Train restarts the run from there (`pipeline.train.preemption`).
 
 The GPU is not kept waiting on the host: the next steps' input is built on a background thread
-(`pipeline.train.prefetch`), the ranks' agreements go through a CPU group, and loss and accuracy
+(`pipeline.train.prefetch`), which starts the next epoch's pipeline as soon as this one's runs dry, the ranks' agreements go through a CPU group, and loss and accuracy
 stay on the device until a log line is due, as do the counts of skipped steps: with fused AdamW a
 step waits for nothing (`pipeline.train.step`); other AdamW kernels read the gradient norm back.
 """
@@ -46,9 +46,9 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
 from pipeline.data.shards import dataset_root
-from pipeline.train import checkpoint, finetune, mfu, preemption, sinks, sources
+from pipeline.train import checkpoint, finetune, mfu, preemption, sinks, sources, stacks
 from pipeline.train.config import worker_config
-from pipeline.train.cursor import EpochCursor, stream_fingerprint
+from pipeline.train.cursor import EpochCursor
 from pipeline.train.ema import WeightEMA
 from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
 from pipeline.train.model import build_model, model_config
@@ -91,11 +91,11 @@ class Trainer:
     def __init__(self, loop_config: dict[str, Any], session: RaySession):
         self.config = config = worker_config(loop_config)
         self.shards: list[str] = loop_config["shards"]
-        # Sources mixed by weight (`pipeline.train.sources`), or None for one plain source.
-        self.mixture = sources.Mixture.from_loop_config(loop_config, config.run.source_exhausted)
+        self.mixture = sources.Mixture.from_loop_config(loop_config, config.run.source_exhausted)  # or None
         self.data_cpus: float = loop_config["data_cpus_per_worker"]
         self.session = session
         self.rank, self.world, self.device = session.rank, session.world, session.device
+        stacks.start(self.rank)  # with VITRAY_SAMPLE_STACKS only
         self.eval_shards: list[str] = loop_config.get("eval_shards", [])
         self.model_config = model_config(config)
         self.objective = objective_for(config)  # loss, batch columns, FLOPs, what final/ holds
@@ -127,6 +127,7 @@ class Trainer:
         self.last_metrics: dict[str, Any] = {}
         self.first_step, self.run_start = self.state.step, time.perf_counter()
         self.window = MetricsWindow(self.device)
+        self.upcoming: tuple[int, Prefetcher] | None = None  # the next epoch's input, started ahead
         self.preemption = preemption.PreemptionWatcher(self.rank, self.world, first_step=self.state.step)
         self.announce(peak_note)
 
@@ -155,9 +156,7 @@ class Trainer:
 
     def resume_cursor(self) -> EpochCursor:
         """This rank's place in the epoch: the start, or what the checkpoint resumed from holds."""
-        stream = stream_fingerprint(self.shards, self.config.run.seed, self.data_config.shuffle_buffer)
-        if self.mixture:  # the sources' shards and weights fix the streams, and what one run out does
-            stream = self.mixture.fingerprint(self.config.run.seed, self.data_config.shuffle_buffer)
+        stream = sources.stream_fingerprint(self)  # of the shards, or of the mixed sources
         layout = (self.rank, self.world, self.config.optim.micro_batch_size, stream, self.data_config)
         if self.resumed_from is None:
             return EpochCursor.start(*layout)
@@ -196,12 +195,15 @@ class Trainer:
             error = str(stop)
         finally:
             self.preemption.close()
+            if self.upcoming is not None:  # started ahead for an epoch the run did not reach
+                self.upcoming[1].close()
         return self.finish(error)
 
     def train_epoch(self) -> None:
         """Steps until the schedule ends or every rank's stream has run dry; then the next epoch begins."""
         state, last_step = self.state, self.config.last_step
-        data = self.epoch_input()
+        upcoming, self.upcoming = self.upcoming, None
+        data = upcoming[1] if upcoming is not None and upcoming[0] == state.epoch else self.epoch_input()
         try:
             while state.step < last_step:
                 step_input, agreement = self.next_step_input(data)
@@ -225,31 +227,39 @@ class Trainer:
         state.epoch += 1
         self.cursor.next_epoch()
 
-    def epoch_input(self) -> Prefetcher:
-        """This rank's steps of input for the current epoch, after the micro-batches it has taken."""
+    def epoch_input(self, ahead: BadSamples | None = None) -> Prefetcher:
+        """This rank's steps of input for the current epoch, after the micro-batches it has taken; or,
+        given ``ahead`` (the counts this epoch's stream ended with), the next epoch's from its start."""
         if self.mixture:  # sources mixed by weight, each place drawn by step (`pipeline.train.sources`)
-            return sources.epoch_input(self)
-        order = shard_order(self.shards, self.config.run.seed, self.state.epoch)
-        counts = self.cursor.replay_counts()
+            return sources.epoch_input(self)  # (never started ahead: the mixed input has no on_dry)
+        epoch = self.state.epoch + (ahead is not None)
+        order = shard_order(self.shards, self.config.run.seed, epoch)
+        counts = self.cursor.replay_counts() if ahead is None else ahead
         stream = micro_batches(
             order[self.rank :: self.world],
             self.data_config,
-            epoch=self.state.epoch,
+            epoch=epoch,
             rank=self.rank,
             size=self.config.optim.micro_batch_size,
             bad_samples=counts,
-            data_cpus=self.data_cpus
-            or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch),
+            data_cpus=self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, epoch),
             root=dataset_root(self.shards),
         )
         return Prefetcher(
-            self.cursor.skip(stream),
+            self.cursor.skip(stream) if ahead is None else stream,
             accum=self.accum,
             columns=self.objective.columns,
             bad_samples=counts,
             pin=self.device.type == "cuda",
             depth=self.config.speed.prefetch_steps,
+            on_dry=lambda final: self.start_next_epoch(epoch, final),
         )
+
+    def start_next_epoch(self, epoch: int, final: BadSamples) -> None:
+        """On the data thread, when this rank's stream of ``epoch`` has run dry: the next epoch's input
+        starts now, while the epoch's last steps train (`Prefetcher`); `train_epoch` takes it."""
+        if epoch == self.state.epoch and self.state.step + 1 < self.config.last_step:
+            self.upcoming = (epoch + 1, self.epoch_input(ahead=final))
 
     def next_step_input(self, data: Prefetcher) -> tuple[StepInput, StepAgreement]:
         """Collective: this rank's input for the next step, and what all ranks agree on."""
@@ -324,8 +334,7 @@ class Trainer:
         )
         if eval_accuracy is not None:
             metrics["eval_accuracy"] = eval_accuracy
-        if self.mixture:  # collective: where the run is in each source
-            metrics.update(self.mixture.metrics(self.cursor.counts, self.group))
+        metrics.update(sources.metrics(self))  # collective: where a mixed run is in each source
         if save:
             self.save_checkpoint(metrics)
         else:
@@ -333,6 +342,7 @@ class Trainer:
         if self.log is not None:
             log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
             self.log.append(metrics, flush=save)
+        stacks.mark(self.state.step)
         self.last_metrics = metrics
         # A new window, started after any checkpoint so that saving does not count as training time.
         self.window = MetricsWindow(self.device)
@@ -367,12 +377,8 @@ class Trainer:
             merged.merge(counts)
         if not error:
             self.export()
-        return {
-            "metrics": self.last_metrics,
-            "bad_samples": merged.to_dict(),
-            "error": error,
-            "resumed_from": self.resumed_from,
-        }
+        summary = {"metrics": self.last_metrics, "bad_samples": merged.to_dict(), "error": error}
+        return {**summary, "resumed_from": self.resumed_from}
 
     def export(self) -> None:
         """Collective: the run directory's `final/` (and `final_ema/` with an EMA of the weights)."""

@@ -8,6 +8,11 @@
                 export: the encoder alone, under the ViT's own names; its pool (gap) is what the
                 embedding job uses by default
 
+Under --compile every forward has the configured micro-batch size: an epoch's short last micro-batch
+is padded with copies of its first sample, whose outputs are dropped before the loss, and a pass of
+zero loss takes a full batch. A compiled graph sees one batch shape for the whole run, so an epoch's
+end recompiles nothing (a new batch size recompiled the whole model: tens of seconds, mid-run).
+
 The step (`pipeline.train.step.TrainStep`) and the loop call the objective instead of naming a loss
 or a column, so both objectives share every other part of a run: FSDP2, accumulation, skipped steps,
 checkpoints, resume, metrics. The module itself is built by `pipeline.train.model.create_module`
@@ -40,6 +45,18 @@ class Objective:
         self.config = config
         self.model_config = model_config(config)
         self.mixer = Mixer(config.task, self.model_config) if Mixer.wanted(config.task) else None
+        # Under compile, the one batch size every forward has (see the module's docstring).
+        self.rows = config.optim.micro_batch_size if config.speed.compile else None
+
+    def forward(self, model: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+        """``model(*inputs)``, padded to `rows` samples (copies of the first) under compile; the
+        output keeps the real samples' rows. Samples are independent in the model (no batch
+        statistics), so the padding changes no real sample's output or gradient."""
+        n = inputs[0].shape[0]
+        if self.rows is None or n >= self.rows:
+            return model(*inputs)
+        pad = self.rows - n
+        return model(*(torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) for t in inputs))[:n]
 
     def losses(
         self, model: nn.Module, batch: tuple[torch.Tensor, ...], seed: int | None = None
@@ -52,20 +69,20 @@ class Objective:
         """
         patches, labels = batch  # uint8 (B, N, K), int64 (B,)
         if self.mixer is None or seed is None:
-            logits = model(patches).float()  # (B, num_classes)
+            logits = self.forward(model, patches).float()  # (B, num_classes)
             smoothing = self.config.task.label_smoothing
             losses = F.cross_entropy(logits, labels, reduction="none", label_smoothing=smoothing)
             return losses, (logits.detach().argmax(-1) == labels).sum()
         patches, targets = self.mixer(patches, labels, seed)  # uint8 (B, N, K), float32 (B, num_classes)
-        logits = model(patches).float()
+        logits = self.forward(model, patches).float()
         losses = F.cross_entropy(logits, targets, reduction="none")
         return losses, (logits.detach().argmax(-1) == targets.argmax(-1)).sum()
 
     def idle_batch(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """One sample of zeros in `losses`' form: the input of a rank without samples."""
-        c = self.model_config
-        patches = torch.zeros(1, c.num_patches, c.patch_dim, dtype=torch.uint8, device=device)
-        return patches, torch.zeros(1, dtype=torch.long, device=device)
+        """Zeros in `losses`' form, one sample (`rows` under compile): the input of a rank without samples."""
+        c, b = self.model_config, self.rows or 1
+        patches = torch.zeros(b, c.num_patches, c.patch_dim, dtype=torch.uint8, device=device)
+        return patches, torch.zeros(b, dtype=torch.long, device=device)
 
     def participate(self, model: nn.Module, device: torch.device) -> None:
         """A forward/backward of zero loss: FSDP2's collectives run, every gradient it adds is zero."""
@@ -102,13 +119,13 @@ class MAEObjective(Objective):
         self, model: nn.Module, batch: tuple[torch.Tensor, ...], seed: int | None = None
     ) -> tuple[torch.Tensor, None]:
         visible, masked, ids_shuffle = batch  # uint8 (B, n, K), uint8 (B, N-n, K), int16/32 (B, N)
-        return model(visible, masked, ids_shuffle).float(), None
+        return self.forward(model, visible, masked, ids_shuffle).float(), None
 
     def idle_batch(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        c, n = self.model_config, self.num_visible
-        visible = torch.zeros(1, n, c.patch_dim, dtype=torch.uint8, device=device)
-        masked = torch.zeros(1, c.num_patches - n, c.patch_dim, dtype=torch.uint8, device=device)
-        return visible, masked, torch.arange(c.num_patches, device=device).unsqueeze(0)
+        c, n, b = self.model_config, self.num_visible, self.rows or 1
+        visible = torch.zeros(b, n, c.patch_dim, dtype=torch.uint8, device=device)
+        masked = torch.zeros(b, c.num_patches - n, c.patch_dim, dtype=torch.uint8, device=device)
+        return visible, masked, torch.arange(c.num_patches, device=device).repeat(b, 1)
 
     def flops_per_image(self) -> float:
         """`train_flops` of the encoder over the visible tokens + the decoder over all, `vit.count_mae_flops`."""

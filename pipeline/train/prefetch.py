@@ -11,6 +11,12 @@ what was left (fewer micro-batches than a step takes, the last one maybe smaller
 after it is empty, so the rank joins the epoch's last steps with nothing to train on
 (`pipeline.train.step.TrainStep` makes its passes with zero loss).
 
+When the stream runs dry, `on_dry` is called with its final bad-sample counts, on the thread that
+found it, before the step that input belongs to is handed over: the loop starts the next epoch's
+pipeline there, while this epoch's last steps (up to `depth` of them built) still train, so the next
+epoch's first input is not waited for from scratch (a new Ray Data pipeline takes 1-1.5 s to its
+first step of input on a GPU node: BENCHMARKS.md, "The product path on one GPU").
+
 Pinned buffers are reused: a buffer goes back to the pool with a CUDA event recorded after its copy
 to the device was issued, and the thread waits on that event before writing into it again.
 """
@@ -20,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +104,7 @@ class Prefetcher:
     `bad_samples` is the object the stream counts into; each `StepInput` carries a copy of it, so the
     caller never reads it while the thread writes it. After the input where the stream ran dry, `next`
     returns empty inputs (`ran_dry`, no samples, the stream's final counts) for as long as it is called.
+    `on_dry(final_counts)`, if given, is called once, when the stream has run dry (not on an error).
     """
 
     def __init__(
@@ -109,8 +116,10 @@ class Prefetcher:
         bad_samples: BadSamples,
         pin: bool,
         depth: int,
+        on_dry: Callable[[BadSamples], None] | None = None,
     ):
         self.stream, self.accum, self.columns = stream, accum, tuple(columns)
+        self.on_dry = on_dry
         self.bad_samples = bad_samples
         self.pool = PinnedPool() if pin else None
         self.depth = depth
@@ -128,6 +137,7 @@ class Prefetcher:
             return StepInput([], [], 0, True, "", _copy(self._final_counts))
         if self._thread is None:
             item = self._build()
+            self._dry(item)
         else:
             item = self._queue.get()
             if isinstance(item, BaseException):
@@ -158,6 +168,7 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 step_input = self._build()
+                self._dry(step_input)
                 if not self._hand_over(step_input) or step_input.ran_dry or step_input.error:
                     break
         except BaseException as e:  # handed to the training thread, which raises it
@@ -165,6 +176,11 @@ class Prefetcher:
         finally:
             self.stream.close()
             self._hand_over(_DONE)
+
+    def _dry(self, step_input: StepInput) -> None:
+        if step_input.ran_dry and not step_input.error and self.on_dry is not None:
+            on_dry, self.on_dry = self.on_dry, None
+            on_dry(_copy(step_input.bad_samples))
 
     def _hand_over(self, item: Any) -> bool:
         while not self._stop.is_set():

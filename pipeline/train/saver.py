@@ -10,7 +10,8 @@ Design notes
   Ray Train uploads it, and only then does training go on: the stall is the write plus the upload.
 - Asynchronous (the default): training waits only for the copy of the state into host memory (DCP's
   `DefaultStager`; pinned memory on CUDA). The stager keeps its buffers and refills them at every later
-  save, so the host memory is taken once per run, not once per save: one copy of the rank's shards of
+  save, so the host memory is taken once per run, not once per save (`KeptStager`: torch 2.11's
+  `async_save` closes the stager it is given after each save, which empties it for the next one): one copy of the rank's shards of
   model, optimizer and EMA, held until the run ends (what asynchronous saves cost). DCP writes the copy from a
   background thread over a gloo group of its own: the training's collectives run on the default group
   meanwhile, and a process group serves one thread's collectives, in order. The upload follows the write
@@ -128,7 +129,7 @@ class Saver:
             self.wait()
         finally:
             if self.stager is not None:
-                self.stager.close()
+                self.stager.release()
                 self.stager = None
 
     def _stager(self) -> DefaultStager:
@@ -141,8 +142,21 @@ class Saver:
                 use_async_staging=False,
                 use_non_blocking_copy=cuda,
             )
-            self.stager = DefaultStager(options)
+            self.stager = KeptStager(options)
         return self.stager
+
+
+class KeptStager(DefaultStager):
+    """A `DefaultStager` that only the `Saver` closes. torch 2.11's `async_save` calls ``close()`` on
+    the stager it is given once the save is staged (later releases close only a stager of their own);
+    a closed stager has dropped its host buffers and the copier table it stages with, so the next
+    save would fail (``KeyError: <class 'type'>``). Here DCP's close is a no-op and `release` frees."""
+
+    def close(self) -> None:
+        pass
+
+    def release(self) -> None:
+        super().close()
 
 
 def _writer(directory: str, step: int) -> FileSystemWriter:

@@ -225,7 +225,9 @@ class SpeedConfig:
         False, "float8 training of the blocks' Linear layers (torchao; H100 or newer; with --compile)"
     )
     prefetch_steps: int = setting(
-        2, "steps of input built ahead on a background thread (0: built by the step)"
+        8,
+        "steps of input built ahead on a background thread, hence the steps the next epoch's "
+        "pipeline starts ahead (0: built by the step)",
     )
 
     def validate(self) -> None:

@@ -26,6 +26,7 @@ from pipeline.data.config import DataConfig, shard_order
 from pipeline.data.dataset import Batch, micro_batches
 from pipeline.data.mixture import SourceReader, mixed_micro_batches, pass_epoch, shares
 from pipeline.data.shards import dataset_root, shard_name
+from pipeline.train import cursor
 from pipeline.train.prefetch import Prefetcher
 from pipeline.train.resources import data_cpus_per_worker
 
@@ -153,3 +154,20 @@ def epoch_input(trainer: Any) -> Prefetcher:
         pin=t.device.type == "cuda",
         depth=t.config.speed.prefetch_steps,
     )
+
+
+def stream_fingerprint(trainer: Any) -> str:
+    """The fingerprint of the rank's streams the cursor resumes (`pipeline.train.cursor.stream_fingerprint`
+    for one source; `Mixture.fingerprint` for several)."""
+    seed, buffer = trainer.config.run.seed, trainer.data_config.shuffle_buffer
+    if trainer.mixture is None:
+        return cursor.stream_fingerprint(trainer.shards, seed, buffer)
+    return trainer.mixture.fingerprint(seed, buffer)
+
+
+def metrics(trainer: Any) -> dict[str, Any]:
+    """Collective for a mixed run: the ``sources`` entry of its metrics row (`Mixture.metrics`); {} for one
+    source (no collective)."""
+    if trainer.mixture is None:
+        return {}
+    return trainer.mixture.metrics(trainer.cursor.counts, trainer.group)

@@ -371,3 +371,36 @@ def test_a_compiled_run_with_activation_checkpointing_trains_like_an_eager_one(w
     wa, wb = weights(eager, 4), weights(fast, 4)
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_next_epochs_input_starts_while_the_last_steps_of_this_one_train(world, monkeypatch, tmp_path):
+    """A new epoch's pipeline takes a while to its first input (1-1.5 s on a GPU node): it is started
+    when this rank's stream runs dry, and the run trains what it trained without the head start."""
+    events = []
+
+    def micro_batches(*args, epoch, **kwargs):
+        events.append(("stream", epoch))
+        yield from fake_micro_batches(*args, epoch=epoch, **kwargs)
+
+    real = loop.Trainer.train_step
+
+    def train_step(self, data, step_input, agreement):
+        events.append(("step", self.state.epoch, self.state.step))
+        return real(self, data, step_input, agreement)
+
+    monkeypatch.setattr(loop, "micro_batches", micro_batches)
+    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
+    taken = record_keys(monkeypatch)
+    ahead = config(tmp_path / "ahead", prefetch_steps=2, max_steps=12, checkpoint_every=12)
+    run(ahead, world)
+    streams = [events.index(e) for e in events if e[0] == "stream"]
+    last_steps = [
+        max(i for i, e in enumerate(events) if e[0] == "step" and e[1] == epoch) for epoch in (0, 1)
+    ]
+    # 4 steps an epoch, 3 epochs; the fourth epoch's input, started ahead of the run's end, is closed
+    assert [events[i][1] for i in streams] == [0, 1, 2, 3]
+    assert streams[1] < last_steps[0] and streams[2] < last_steps[1]  # before each epoch's last step
+    ahead_keys = list(taken)
+    taken.clear()
+    run(ahead.replace(out=str(tmp_path / "plain"), prefetch_steps=0), world)  # no thread: no head start
+    assert taken == ahead_keys and len(taken) == 12

@@ -80,6 +80,40 @@ def test_mae_steps_lower_the_reconstruction_loss_and_report_no_hits(world):
 
 
 @pytest.mark.parametrize("config", [SUPERVISED, MAE], ids=["supervised", "mae"])
+def test_under_compile_every_forward_has_the_micro_batch_size_and_padding_changes_nothing(world, config):
+    """An epoch's short last micro-batch and a pass of zero loss: the model sees the configured batch
+    size (a compiled graph that saw another would recompile mid-run); the real samples' losses and
+    gradients are those of the unpadded batch."""
+    model = build_model(config, world)
+    compiled = objective_for(config.replace(compile=True))  # the objective's view; the model stays eager
+    plain = objective_for(config)
+    seen = []
+    model.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+    batch = mae_batch(3, seed=5) if config is MAE else (torch.from_numpy(patches(3, 5)), torch.arange(3) % 4)
+
+    def losses_and_grads(objective):
+        losses, _ = objective.losses(model, batch)
+        losses.sum().backward()
+        grads = {k: p.grad.full_tensor().clone() for k, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return losses.detach(), grads
+
+    model.set_requires_gradient_sync(True)
+    padded_losses, padded_grads = losses_and_grads(compiled)
+    assert seen == [8] and padded_losses.shape == (3,)
+    losses, grads = losses_and_grads(plain)
+    assert seen == [8, 3]
+    torch.testing.assert_close(padded_losses, losses, rtol=1e-5, atol=1e-6)
+    assert padded_grads.keys() == grads.keys() and grads
+    for k in grads:
+        torch.testing.assert_close(padded_grads[k], grads[k], rtol=1e-4, atol=1e-6)
+    compiled.participate(model, world)
+    plain.participate(model, world)
+    assert seen == [8, 3, 8, 1]
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("config", [SUPERVISED, MAE], ids=["supervised", "mae"])
 def test_a_rank_without_samples_joins_with_zero_gradients(world, config):
     model = build_model(config, world)
     before = full(model)

@@ -4,6 +4,7 @@ reach the training thread, and stopping it never hangs."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -159,3 +160,41 @@ def test_a_stream_that_ran_dry_gives_its_short_tail_then_empty_inputs(depth):
     assert taken[1].micro_batches[0][0].shape == (3, 3, 6) and taken[1].keys[-1] == "shard-1/2-2"
     assert [s.bad_samples.total for s in taken] == [8, 11, 11, 11]
     assert taken[2].keys == [] and taken[2].error == "" and taken[2].bad_samples is not taken[3].bad_samples
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_on_dry_is_called_once_with_the_final_counts_before_the_dry_input_is_handed_over(depth):
+    """The loop starts the next epoch's pipeline there: on the data thread as soon as the stream has
+    run dry (with a thread, while up to `depth` built steps still wait to train), never on an error."""
+    bad, calls, taken = BadSamples(), [], []
+
+    def counted():
+        for i in range(5):
+            bad.total += 4
+            yield micro_batch(i)
+
+    def on_dry(final):
+        calls.append((final.total, threading.current_thread().name, len(taken)))
+
+    prefetcher = Prefetcher(
+        counted(), accum=2, columns=("patches", "label"), bad_samples=bad, pin=False, depth=depth,
+        on_dry=on_dry,
+    )  # fmt: skip
+    if depth:
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:  # the thread reads all 3 steps ahead
+            time.sleep(0.01)
+    for _ in range(5):
+        taken.append(prefetcher.next())
+    prefetcher.close()
+    assert [s.ran_dry for s in taken] == [False, False, True, True, True]
+    thread = "vitray-prefetch" if depth else threading.current_thread().name
+    assert calls == [(20, thread, 0 if depth else 2)]  # once; with a thread, before any step was taken
+
+    failing = Prefetcher(
+        stream(3, fail=BadSampleBudgetError("too many bad samples")), accum=2,
+        columns=("patches", "label"), bad_samples=BadSamples(), pin=False, depth=depth,
+        on_dry=on_dry,
+    )  # fmt: skip
+    assert [s.error for s in steps(failing)][-1] == "too many bad samples"
+    assert len(calls) == 1

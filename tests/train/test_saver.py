@@ -106,15 +106,25 @@ def test_the_log_line_says_what_a_checkpoint_stalled(world, tmp_path, capsys, mo
 
 
 class HeldSession:
-    """A session whose uploads finish when the test says so (`release`)."""
+    """A session whose uploads finish when the test says so (`release`), each after its write, as
+    Ray Train's upload thread waits for the write (the saver removes the directory once uploaded)."""
 
     def __init__(self):
         self.uploads: list[Future] = []
+        self.writes: list[Future] = []
 
     def report(self, metrics, checkpoint_dir=None, name="", written=None):
         assert written is not None and checkpoint_dir is not None
         self.uploads.append(Future())
+        self.writes.append(written)
         return self.uploads[-1]
+
+    def release(self, i: int, error: BaseException | None = None) -> None:
+        self.writes[i].result(timeout=60)
+        if error is None:
+            self.uploads[i].set_result(None)
+        else:
+            self.uploads[i].set_exception(error)
 
 
 @pytest.fixture
@@ -141,15 +151,42 @@ def test_a_save_waits_for_the_one_in_flight_and_reuses_its_host_buffers(parts):
     second.start()
     second.join(timeout=3)
     assert second.is_alive() and len(session.uploads) == 1  # waiting for the first save's upload
-    session.uploads[0].set_result(None)
+    session.release(0)
     second.join(timeout=60)
     assert not second.is_alive() and len(session.uploads) == 2
     again = dict(saver.stager._state_dict_stager._cached_storage_mapping.items())
     assert again.keys() == cached.keys()
     assert all(again[k] is cached[k] for k in cached)  # the same host buffers, refilled
-    session.uploads[1].set_exception(OSError("the store said no"))
+    session.release(1, OSError("the store said no"))
     with pytest.raises(OSError, match="the store said no"):  # a failed upload fails the run's end
         saver.close()
+
+
+def test_the_host_buffers_outlive_dcp_closing_the_stager_after_each_save(parts, monkeypatch):
+    """torch 2.11's async_save closes the stager it is given once the save is staged; the next save
+    must still stage, into the same buffers (on the GPU the second save failed with a KeyError)."""
+    model, optimizer = parts
+    async_save = torch_dcp.async_save
+
+    def closing_async_save(*args, async_stager, **kwargs):
+        try:
+            return async_save(*args, async_stager=async_stager, **kwargs)
+        finally:
+            async_stager.close()
+
+    monkeypatch.setattr(torch_dcp, "async_save", closing_async_save)
+    session = HeldSession()
+    saver = Saver(session, model, optimizer, None, asynchronous=True)
+    saver.start({}, {"step": 4}, {})
+    cached = dict(saver.stager._state_dict_stager._cached_storage_mapping.items())
+    session.release(0)
+    saver.start({}, {"step": 8}, {})
+    again = saver.stager._state_dict_stager._cached_storage_mapping
+    assert len(session.uploads) == 2 and cached and all(again[k] is cached[k] for k in cached)
+    session.release(1)
+    stager = saver.stager
+    saver.close()
+    assert saver.stager is None and not stager._state_dict_stager._cached_storage_mapping  # released
 
 
 class BackgroundSession(LocalSession):

@@ -258,18 +258,38 @@ def test_resampling_a_non_square_grid_needs_the_old_grid():
         vit.resample_pos_embed(torch.randn(1 + 8, 4), 4)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", [TINY, HYBRID, "vit_b16", "vit_r50_b16"])
-def test_cuda_bf16_kernels_agree_with_fp32(name):
-    # On GPU, SDPA picks flash / memory-efficient kernels under bf16; they must compute the same function.
+# How far bf16 autocast may move the embedding from float32's, as ||bf16 - fp32|| / ||fp32||. A ViT's
+# rounding stays near bf16's own (2^-9 per operation); the hybrid's ResNet adds 16 more residual
+# units of bf16 convolutions: at random weights, vit_r50_b16 measured 0.041 on CPU, vit_b16 0.0067.
+BF16_DRIFT = {TINY: 0.02, HYBRID: 0.06, "vit_b16": 0.02, "vit_r50_b16": 0.06}
+
+
+def bf16_drift(name: str, device: str) -> tuple[float, float]:
+    """(relative drift of bf16 autocast against float32, of the float-input path against the patch path)."""
     torch.manual_seed(0)
-    model = vit.create_model(name, num_classes=0, head="finetune").cuda()
+    model = vit.create_model(name, num_classes=0, head="finetune").to(device)
     c = model.config
-    images = pixels(4, size=c.image_size).cuda()
+    images = pixels(4, size=c.image_size).to(device)
     with torch.no_grad():
         exact = model.embed(vit.patchify(images, c.patch_size))
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            fast = model.embed(vit.patchify(images, c.patch_size))
-            from_floats = model.embed(normalized(images.cpu(), c).cuda())
-    torch.testing.assert_close(fast.float(), exact, rtol=0.05, atol=0.05)
-    torch.testing.assert_close(from_floats.float(), fast.float(), rtol=0.05, atol=0.05)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            fast = model.embed(vit.patchify(images, c.patch_size)).float()
+            from_floats = model.embed(normalized(images.cpu(), c).to(device)).float()
+    assert torch.isfinite(fast).all() and torch.isfinite(from_floats).all()
+    return ((fast - exact).norm() / exact.norm()).item(), ((from_floats - fast).norm() / fast.norm()).item()
+
+
+@pytest.mark.parametrize("name", [TINY, HYBRID])
+def test_bf16_autocast_stays_within_its_rounding_of_float32(name):
+    drift, paths = bf16_drift(name, "cpu")
+    assert 0 < drift < BF16_DRIFT[name] and paths < BF16_DRIFT[name]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [TINY, HYBRID, "vit_b16", "vit_r50_b16"])
+def test_cuda_bf16_kernels_agree_with_fp32(name, monkeypatch):
+    # On GPU, SDPA picks flash / memory-efficient kernels under bf16; they must compute the same
+    # function. The float32 reference keeps its convolutions float32 (cuDNN would take TF32).
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    drift, paths = bf16_drift(name, "cuda")
+    assert drift < BF16_DRIFT[name] and paths < BF16_DRIFT[name]

@@ -1,0 +1,52 @@
+"""The training thread's stack sampler (`pipeline.train.stacks`) and its per-window summary."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from pipeline.train import stacks
+from pipeline.train.stacks import table, windows
+
+# Two functions whose frames look like the loop's: waiting for input, and the step.
+LOOP = (
+    compile("import time\ndef next(seconds):\n    time.sleep(seconds)\n", "prefetch.py", "exec"),
+    compile("import time\ndef __call__(seconds):\n    time.sleep(seconds)\n", "step.py", "exec"),
+)
+
+
+def test_samples_fall_into_the_log_windows_and_say_where_the_thread_waited(tmp_path, monkeypatch):
+    monkeypatch.setenv(stacks.ENV, str(tmp_path))
+    monkeypatch.setattr(stacks, "_out", None)
+    wait, step = ({}, {})
+    exec(LOOP[0], wait)
+    exec(LOOP[1], step)
+
+    def training_thread():
+        stacks.start(rank=3)
+        wait["next"](0.4)  # a window spent waiting for data
+        stacks.mark(10)
+        step["__call__"](0.4)  # a window spent in the step
+        stacks.mark(20)
+
+    thread = threading.Thread(target=training_thread)
+    thread.start()
+    thread.join()
+    time.sleep(3 * stacks.INTERVAL_S)  # the sampler sees the thread gone and stops
+    stacks._out.close()
+    found = windows((tmp_path / "stacks-rank3.tsv").read_text().splitlines())
+    assert [w.last_step for w in found] == [10, 20]
+    first, second = found
+    assert first.samples >= 10 and second.samples >= 10
+    assert first.parts["data wait"] >= 0.8 * first.samples and second.parts["step"] >= 0.8 * second.samples
+    assert 0.35 < first.end - first.start < 1.0
+    lines = table(found, top=2).splitlines()
+    assert lines[1].split()[0] == "10" and lines[2].split()[0] == "20"
+
+
+def test_off_without_the_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv(stacks.ENV, raising=False)
+    monkeypatch.setattr(stacks, "_out", None)
+    stacks.start(rank=0)
+    stacks.mark(1)  # nothing to write to
+    assert stacks._out is None and not list(tmp_path.iterdir())
