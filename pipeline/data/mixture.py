@@ -8,9 +8,11 @@ mixing). A source's URLS are anything `pipeline.data.shards.expand_shards` takes
 part without ``NAME=`` belongs to the source before it. The weight ends the source (``:0.7``); left
 out, it is 1. Weights are relative: 7 and 3 mix as 0.7 and 0.3.
 
-Which source fills each sample place of a step is `draw_sources`: a pure function of (seed, step,
-rank, place), a counter-based generator (Philox) keyed by the first three. A run resumed mid-epoch
-draws what a straight run drew, and each source's own stream (its shards `order[rank::world]` of the
+Which source fills each sample place of a step is `draw_sources`: a pure function of (seed, epoch,
+step of the epoch, rank, place), a counter-based generator (Philox) keyed by all but the place. The
+epoch's steps count from its start, not the run's: a rank's mixed stream of an epoch is then known
+before the epoch's first step (its pipeline can start while the last epoch's steps train, as a
+single source's does). A run resumed mid-epoch draws what a straight run drew, and each source's own stream (its shards `order[rank::world]` of the
 source's shard order, read like a single source's) is re-read to where it stood; so a resumed mixed
 run trains on the samples of a straight one, in the same order.
 
@@ -147,11 +149,14 @@ def shares(weights: list[float]) -> np.ndarray:
     return w / w.sum()
 
 
-def draw_sources(weights: list[float], seed: int, step: int, rank: int, places: int) -> np.ndarray:
-    """The source index of each of the ``places`` sample places of (``seed``, ``step``, ``rank``): place i
-    takes the i-th uniform of a Philox generator keyed by the three, through the cumulative shares
-    (inverse CDF). Place i's draw does not depend on ``places``; int64 ``(places,)``."""
-    key = sample_seed(seed, step, f"rank-{rank}", "source-mix")
+def draw_sources(
+    weights: list[float], seed: int, epoch: int, step: int, rank: int, places: int
+) -> np.ndarray:
+    """The source index of each of the ``places`` sample places of step ``step`` of ``epoch`` (counted
+    from the epoch's start) on ``rank``: place i takes the i-th uniform of a Philox generator keyed by
+    (``seed``, ``epoch``, ``step``, ``rank``), through the cumulative shares (inverse CDF). Place i's draw
+    does not depend on ``places``; int64 ``(places,)``."""
+    key = sample_seed(seed, epoch, f"rank-{rank}", f"source-mix-{step}")
     uniform = np.random.Generator(np.random.Philox(key=key)).random(places)
     cumulative = np.cumsum(shares(weights))
     cumulative[-1] = 1.0  # rounding: the last source takes everything above the others
@@ -230,20 +235,19 @@ def mixed_micro_batches(
     *,
     seed: int,
     rank: int,
-    first_step: int,
+    epoch: int,
     accum: int,
     size: int,
     exhausted: str,
 ) -> Iterator[Batch]:
-    """One rank's micro-batches of an epoch that begins at step ``first_step``, each place filled from the
-    source `draw_sources` drew for it; ``exhausted`` says what a source that runs out does (module doc).
+    """One rank's micro-batches of ``epoch``, each place filled from the source `draw_sources` drew for it; ``exhausted`` says what a source that runs out does (module doc).
     The last micro-batch may be short (the places of the source that ran out are left empty)."""
     done = [False] * len(readers)
     try:
         for index in itertools.count():
             step, micro = divmod(index, accum)
             if micro == 0:
-                drawn = draw_sources(weights, seed, step + first_step, rank, accum * size)
+                drawn = draw_sources(weights, seed, epoch, step, rank, accum * size)
             places = drawn[micro * size : (micro + 1) * size]
             pieces, filled, over = [], [], False
             for s, reader in enumerate(readers):

@@ -231,7 +231,7 @@ class Trainer:
         """This rank's steps of input for the current epoch, after the micro-batches it has taken; or,
         given ``ahead`` (the counts this epoch's stream ended with), the next epoch's from its start."""
         if self.mixture:  # sources mixed by weight, each place drawn by step (`pipeline.train.sources`)
-            return sources.epoch_input(self)  # (never started ahead: the mixed input has no on_dry)
+            return sources.epoch_input(self, ahead)
         epoch = self.state.epoch + (ahead is not None)
         order = shard_order(self.shards, self.config.run.seed, epoch)
         counts = self.cursor.replay_counts() if ahead is None else ahead

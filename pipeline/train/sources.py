@@ -4,8 +4,7 @@ The driver expands each source of a ``--data`` mixture (`pipeline.data.mixture`)
 ``sources``: ``[{"name", "weight", "shards"}, ...]``. A rank reads each source as it would read a single
 one (its shards ``order[rank::world]`` of the source's shard order for that pass), and
 `pipeline.data.mixture.mixed_micro_batches` fills every sample place of a step from the source drawn for
-it. The mixed stream is a pure function of the run's seed, the epoch's first step and the rank, so the
-loop's cursor (`pipeline.train.cursor.EpochCursor`) resumes it as it resumes a single source: by
+it. The mixed stream is a pure function of the run's seed, the epoch and the rank, so the loop's cursor (`pipeline.train.cursor.EpochCursor`) resumes it as it resumes a single source: by
 re-reading the micro-batches taken; the per-source counts come back with the re-read.
 
 A plain ``--data`` never comes here: it runs as before, sample for sample.
@@ -68,16 +67,15 @@ class Mixture:
         epoch: int,
         rank: int,
         world: int,
-        first_step: int,
         accum: int,
         size: int,
         *,
         counts: BadSamples,
         data_cpus: float,
     ) -> Iterator[Batch]:
-        """This rank's mixed micro-batches of ``epoch``, whose first step is ``first_step``; every source
-        counts into ``counts`` (its ``sources`` entry per source). The rank's decode CPUs are shared by the
-        sources' pipelines in proportion to their weights."""
+        """This rank's mixed micro-batches of ``epoch``; every source counts into ``counts`` (its
+        ``sources`` entry per source). The rank's decode CPUs are shared by the sources' pipelines in
+        proportion to their weights."""
         seed = data_config.seed
         cpus = [max(data_cpus * share, min(data_cpus, 1.0)) for share in shares(self.weights).tolist()]
 
@@ -99,7 +97,7 @@ class Mixture:
             for name, shards, c in zip(self.names, self.shards, cpus, strict=True)
         ]
         return mixed_micro_batches(
-            readers, self.weights, seed=seed, rank=rank, first_step=first_step, accum=accum,
+            readers, self.weights, seed=seed, rank=rank, epoch=epoch, accum=accum,
             size=size, exhausted=self.exhausted,
         )  # fmt: skip
 
@@ -127,32 +125,26 @@ class Mixture:
         return {"sources": out}
 
 
-def epoch_input(trainer: Any) -> Prefetcher:
+def epoch_input(trainer: Any, ahead: BadSamples | None = None) -> Prefetcher:
     """`pipeline.train.loop.Trainer.epoch_input` for mixed sources: the rank's mixed micro-batches of the
-    epoch, drawn by step from the epoch's first step on, after the micro-batches it has taken."""
+    epoch after those it has taken; given ``ahead`` (the counts this epoch's stream ended with), the next
+    epoch's from its start. When the stream runs dry the next epoch's input starts, as for one source."""
     t = trainer
-    counts = t.cursor.replay_counts()
-    cpus = t.data_cpus or data_cpus_per_worker(t.config, t.world, t.rank, t.state.epoch)
-    first_step = t.state.step - t.cursor.taken // t.accum  # the cursor's places: accum per step
+    epoch = t.state.epoch + (ahead is not None)
+    counts = t.cursor.replay_counts() if ahead is None else ahead
+    cpus = t.data_cpus or data_cpus_per_worker(t.config, t.world, t.rank, epoch)
     size = t.config.optim.micro_batch_size
     stream = t.mixture.stream(
-        t.data_config,
-        t.state.epoch,
-        t.rank,
-        t.world,
-        first_step,
-        t.accum,
-        size,
-        counts=counts,
-        data_cpus=cpus,
+        t.data_config, epoch, t.rank, t.world, t.accum, size, counts=counts, data_cpus=cpus
     )
     return Prefetcher(
-        t.cursor.skip(stream),
+        t.cursor.skip(stream) if ahead is None else stream,
         accum=t.accum,
         columns=t.objective.columns,
         bad_samples=counts,
         pin=t.device.type == "cuda",
         depth=t.config.speed.prefetch_steps,
+        on_dry=lambda final: t.start_next_epoch(epoch, final),
     )
 
 

@@ -85,25 +85,28 @@ def test_a_yaml_file_lists_the_sources(tmp_path):
         parse_sources(str(tmp_path / "missing.yaml"))
 
 
-def test_the_draw_is_a_pure_function_of_seed_step_rank_and_place():
-    a = draw_sources([0.7, 0.3], seed=0, step=5, rank=1, places=64)
-    assert np.array_equal(a, draw_sources([0.7, 0.3], seed=0, step=5, rank=1, places=64))
+def test_the_draw_is_a_pure_function_of_seed_epoch_step_rank_and_place():
+    a = draw_sources([0.7, 0.3], seed=0, epoch=2, step=5, rank=1, places=64)
+    assert np.array_equal(a, draw_sources([0.7, 0.3], seed=0, epoch=2, step=5, rank=1, places=64))
     assert np.array_equal(
-        a[:10], draw_sources([0.7, 0.3], seed=0, step=5, rank=1, places=10)
+        a[:10], draw_sources([0.7, 0.3], seed=0, epoch=2, step=5, rank=1, places=10)
     )  # place by place
     for other in (
-        {"seed": 1, "step": 5, "rank": 1},
-        {"seed": 0, "step": 6, "rank": 1},
-        {"seed": 0, "step": 5, "rank": 0},
+        {"seed": 1, "epoch": 2, "step": 5, "rank": 1},
+        {"seed": 0, "epoch": 3, "step": 5, "rank": 1},
+        {"seed": 0, "epoch": 2, "step": 6, "rank": 1},
+        {"seed": 0, "epoch": 2, "step": 5, "rank": 0},
     ):
         assert not np.array_equal(a, draw_sources([0.7, 0.3], places=64, **other)), other
-    assert np.array_equal(a, draw_sources([7, 3], seed=0, step=5, rank=1, places=64))  # weights are relative
+    assert np.array_equal(
+        a, draw_sources([7, 3], seed=0, epoch=2, step=5, rank=1, places=64)
+    )  # weights are relative
 
 
 def test_the_drawn_shares_come_close_to_the_weights_over_many_steps():
     weights = [0.6, 0.3, 0.1]
     drawn = np.concatenate(
-        [draw_sources(weights, 3, step, rank, 64) for step in range(300) for rank in range(2)]
+        [draw_sources(weights, 3, 0, step, rank, 64) for step in range(300) for rank in range(2)]
     )
     shares = np.bincount(drawn, minlength=3) / len(drawn)
     assert np.allclose(shares, weights, atol=0.01), shares
@@ -126,14 +129,14 @@ def stream_of(name: str, shards: int, per_shard: int, epochs: list[int]):
     return open_pass
 
 
-def mixed(exhausted: str, *, first_step: int = 0, skip: int = 0):
+def mixed(exhausted: str, *, epoch: int = 0):
     counts, passes = BadSamples(), {"big": [], "small": []}
     readers = [
         SourceReader("big", lambda p: stream_of("big", 4, 9, passes["big"])(p, counts), counts),
         SourceReader("small", lambda p: stream_of("small", 1, 6, passes["small"])(p, counts), counts),
     ]
     stream = mixed_micro_batches(
-        readers, [0.7, 0.3], seed=0, rank=0, first_step=first_step, accum=2, size=4, exhausted=exhausted
+        readers, [0.7, 0.3], seed=0, rank=0, epoch=epoch, accum=2, size=4, exhausted=exhausted
     )
     return list(stream), counts, passes
 
@@ -143,7 +146,7 @@ def test_each_place_takes_the_source_drawn_for_it_and_a_short_source_cycles():
     keys = [k for b in batches for k in b["key"].tolist()]
     for index, batch in enumerate(batches[:-1]):  # the last one stops where the epoch ended
         step, micro = divmod(index, 2)
-        drawn = draw_sources([0.7, 0.3], 0, step, 0, 8)[micro * 4 : (micro + 1) * 4]
+        drawn = draw_sources([0.7, 0.3], 0, 0, step, 0, 8)[micro * 4 : (micro + 1) * 4]
         assert [k.split("/")[0] for k in batch["key"]] == [["big", "small"][s] for s in drawn]
     big = [k for k in keys if k.startswith("big")]
     assert len(big) == len(set(big)) == 32  # the epoch: every big sample once
@@ -162,9 +165,9 @@ def test_with_end_the_first_source_to_run_out_ends_the_epoch():
     assert passes["small"] == [0]
 
 
-def test_a_later_epoch_start_draws_from_its_own_steps():
-    a, _, _ = mixed("cycle", first_step=0)
-    b, _, _ = mixed("cycle", first_step=100)
+def test_another_epoch_draws_other_places():
+    a, _, _ = mixed("cycle", epoch=0)
+    b, _, _ = mixed("cycle", epoch=1)
     assert [k for x in a for k in x["key"]] != [k for x in b for k in x["key"]]
     assert pass_epoch(3, 0) == 3 and pass_epoch(3, 1) not in (3, pass_epoch(3, 2))
 
@@ -176,6 +179,6 @@ def test_a_source_that_gives_nothing_in_a_pass_stops_with_one_line():
     with pytest.raises(BadSampleBudgetError, match="source empty gave no readable sample"):
         list(
             mixed_micro_batches(
-                [full, empty], [1, 1], seed=0, rank=0, first_step=0, accum=1, size=4, exhausted="cycle"
+                [full, empty], [1, 1], seed=0, rank=0, epoch=0, accum=1, size=4, exhausted="cycle"
             )
         )

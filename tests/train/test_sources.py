@@ -165,3 +165,28 @@ def test_the_driver_expands_and_checks_each_source_before_any_cluster_work(synth
         driver.prepare_data(base.replace(data=f"a={synthetic_shards.dir}:1,b={tmp_path / 'b/'}:1"))
     with pytest.raises(ValueError, match=r"weight 0\.0 must be a positive number"):
         driver.prepare_data(base.replace(data=f"a={synthetic_shards.dir}:0"))
+
+
+def test_the_next_epochs_mixed_input_starts_ahead_and_trains_what_input_built_in_step_trains(
+    world, mixed_data, monkeypatch, tmp_path
+):
+    taken = record_keys(monkeypatch)
+    started = []
+    real = sources.epoch_input
+
+    def epoch_input(trainer, ahead=None):
+        started.append((trainer.state.epoch, ahead is not None))
+        return real(trainer, ahead)
+
+    monkeypatch.setattr(sources, "epoch_input", epoch_input)
+    run(config(tmp_path / "ahead", max_steps=12, prefetch_steps=3), world)
+    assert (0, True) in started  # epoch 1's input started during epoch 0's last steps
+    ahead, _ = list(taken), taken.clear()
+    run(config(tmp_path / "inline", max_steps=12, prefetch_steps=0), world)
+    assert taken == ahead
+    a, b = (
+        weights(config(tmp_path / "ahead", max_steps=12), 12),
+        weights(config(tmp_path / "inline", max_steps=12), 12),
+    )
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
