@@ -12,9 +12,10 @@ Which source fills each sample place of a step is `draw_sources`: a pure functio
 step of the epoch, rank, place), a counter-based generator (Philox) keyed by all but the place. The
 epoch's steps count from its start, not the run's: a rank's mixed stream of an epoch is then known
 before the epoch's first step (its pipeline can start while the last epoch's steps train, as a
-single source's does). A run resumed mid-epoch draws what a straight run drew, and each source's own stream (its shards `order[rank::world]` of the
-source's shard order, read like a single source's) is re-read to where it stood; so a resumed mixed
-run trains on the samples of a straight one, in the same order.
+single source's does). A run resumed mid-epoch draws what a straight run drew, and each source's own
+stream (its shards `order[rank::world]` of the source's shard order, read like a single source's) is
+re-read to where it stood; so a resumed mixed run trains on the samples of a straight one, in the same
+order.
 
 `mixed_micro_batches` takes, for each micro-batch, the drawn number of samples from each source's
 stream and puts them in the drawn places. A source's stream that runs out (its pass over its shards on
@@ -128,7 +129,8 @@ def _from_yaml(path: str) -> list[Source]:
     entries = values.get("sources") if isinstance(values, dict) else None
     if not isinstance(entries, list) or not entries:
         raise MixtureError(
-            f"{path} holds no list under 'sources:'; write sources: [{{name: laion, data: URLS, weight: 0.7}}, ...]"
+            f"{path} holds no list under 'sources:'; "
+            "write sources: [{name: laion, data: URLS, weight: 0.7}, ...]"
         )
     sources = []
     for i, entry in enumerate(entries):
@@ -240,8 +242,9 @@ def mixed_micro_batches(
     size: int,
     exhausted: str,
 ) -> Iterator[Batch]:
-    """One rank's micro-batches of ``epoch``, each place filled from the source `draw_sources` drew for it; ``exhausted`` says what a source that runs out does (module doc).
-    The last micro-batch may be short (the places of the source that ran out are left empty)."""
+    """One rank's micro-batches of ``epoch``, each place filled from the source `draw_sources` drew for
+    it; ``exhausted`` says what a source that runs out does (module doc). The last micro-batch may be
+    short (the places of the source that ran out are left empty)."""
     done = [False] * len(readers)
     try:
         for index in itertools.count():

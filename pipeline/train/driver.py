@@ -103,9 +103,9 @@ def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] |
         if len(source["shards"]) < config.cluster.num_workers:
             of = f" of source {source['name']}" if mixed else ""
             raise ValueError(
-                f"{len(source['shards'])} shard(s){of} for {config.cluster.num_workers} workers: every worker "
-                "needs at least one; write more, smaller shards (jobs/make_shards.py --samples-per-shard) "
-                "or use fewer --num-workers"
+                f"{len(source['shards'])} shard(s){of} for {config.cluster.num_workers} workers: every "
+                "worker needs at least one; write more, smaller shards (jobs/make_shards.py "
+                "--samples-per-shard) or use fewer --num-workers"
             )
     shards = list(dict.fromkeys(url for source in expanded for url in source["shards"]))
     return shards, expanded if mixed else None

@@ -4,8 +4,10 @@ The driver expands each source of a ``--data`` mixture (`pipeline.data.mixture`)
 ``sources``: ``[{"name", "weight", "shards"}, ...]``. A rank reads each source as it would read a single
 one (its shards ``order[rank::world]`` of the source's shard order for that pass), and
 `pipeline.data.mixture.mixed_micro_batches` fills every sample place of a step from the source drawn for
-it. The mixed stream is a pure function of the run's seed, the epoch and the rank, so the loop's cursor (`pipeline.train.cursor.EpochCursor`) resumes it as it resumes a single source: by
-re-reading the micro-batches taken; the per-source counts come back with the re-read.
+it. The mixed stream is a pure function of the run's seed, the epoch and the rank, so the loop's cursor
+(`pipeline.train.cursor.EpochCursor`) resumes it as it resumes a single source: by re-reading the
+micro-batches taken; the per-source counts come back with the re-read. The next epoch's mixed input starts
+while this one's last steps train, as a single source's does (`pipeline.train.prefetch`).
 
 A plain ``--data`` never comes here: it runs as before, sample for sample.
 """
