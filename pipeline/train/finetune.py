@@ -6,6 +6,7 @@
                  to the new grid ([CLS] kept) -> `load_pretrained` into the FSDP2 model; the new
                  head keeps its zero initialization (the paper's, Sec. 3.2)
     --eval-data -> `evaluate`: each rank its slice of the shards, evaluation crop, top-1 accuracy
+                   (`evaluate_in_run`: at the training loop's evaluation steps)
 
 All ranks must join every FSDP2 forward (each all-gathers parameters), so evaluation agrees batch by
 batch, as the training loop does step by step: a rank out of batches runs a forward over one idle
@@ -14,6 +15,7 @@ sample until no rank has any left.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +28,8 @@ import vit
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.train.config import TrainConfig
+from pipeline.train.metrics import log_line
+from pipeline.train.resources import data_cpus_per_worker
 from pipeline.train.state import agree_on_error
 
 # Fields of the pretrained model that fine-tuning changes; every other field is the weights' own. The
@@ -111,8 +115,8 @@ def evaluate(
     device: torch.device,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[float, int]:
-    """Collective: (top-1 accuracy, samples) over every rank's ``batches``; ``idle`` is one sample
-    of patches ``(1, N, K)`` a rank without batches runs so that every forward has all ranks.
+    """Collective: (top-1 accuracy, samples) over every rank's ``batches``; ``idle`` is patches
+    ``(b, N, K)`` a rank without batches runs so that every forward has all ranks.
 
     Per batch, the ranks agree (on ``group``, a CPU group) whether any still has one and whether any
     failed; a data error on any rank ends the evaluation on all with that rank's message. The model
@@ -124,6 +128,27 @@ def evaluate(
         return _evaluate(model, batches, idle, device, group)
     finally:
         model.train(training)
+
+
+def evaluate_in_run(trainer: Any) -> float:
+    """Collective: the training loop's evaluation (a `pipeline.train.loop.Trainer`'s): top-1 accuracy
+    over its evaluation shards, each rank its slice, with the evaluation crop; rank 0 logs it. Its time
+    is not training time: the metrics window starts later by as much. A data error on any rank raises
+    RuntimeError with that rank's line on every rank."""
+    start = time.perf_counter()
+    t, config = trainer, trainer.config
+    eval_config = eval_data_config(config, t.model_config.patch_size)
+    cpus = t.data_cpus or data_cpus_per_worker(config, t.world, t.rank, t.state.epoch)
+    batches = eval_batches(t.eval_shards[t.rank :: t.world], eval_config, config.optim.micro_batch_size, cpus)
+    idle = t.objective.idle_batch(t.device)[0]
+    accuracy, seen = evaluate(t.model, batches, idle, t.device, t.group)
+    seconds = time.perf_counter() - start
+    t.window.start += seconds
+    if t.rank == 0:
+        log_line(
+            f"step {t.state.step}: eval accuracy {100 * accuracy:.2f}% on {seen} images ({seconds:.0f} s)"
+        )
+    return accuracy
 
 
 def _evaluate(

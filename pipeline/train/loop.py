@@ -294,25 +294,11 @@ class Trainer:
             self.report(stats, save=save, eval_accuracy=self.evaluate() if evaluate else None)
 
     def evaluate(self) -> float:
-        """Collective: top-1 accuracy over the evaluation shards (each rank its slice, eval crop)."""
-        start = time.perf_counter()
-        eval_config = finetune.eval_data_config(self.config, self.model_config.patch_size)
-        cpus = self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch)
-        shards = self.eval_shards[self.rank :: self.world]
-        batches = finetune.eval_batches(shards, eval_config, self.config.optim.micro_batch_size, cpus)
-        idle = self.objective.idle_batch(self.device)[0]
+        """Collective: top-1 accuracy over the evaluation shards (`finetune.evaluate_in_run`)."""
         try:
-            accuracy, seen = finetune.evaluate(self.model, batches, idle, self.device, self.group)
+            return finetune.evaluate_in_run(self)
         except RuntimeError as e:  # every rank raises alike, with the failing rank's message
             raise StopRun(str(e)) from e
-        seconds = time.perf_counter() - start
-        self.window.start += seconds  # evaluation is not training time
-        if self.rank == 0:
-            log_line(
-                f"step {self.state.step}: eval accuracy {100 * accuracy:.2f}% "
-                f"on {seen} images ({seconds:.0f} s)"
-            )
-        return accuracy
 
     # --- report and checkpoint -------------------------------------------------------------------
     def report(self, stats: StepStats, *, save: bool, eval_accuracy: float | None = None) -> None:
