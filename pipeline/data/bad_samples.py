@@ -62,6 +62,9 @@ class BadSamples:
     lost: dict[str, str] = field(default_factory=dict)  # url -> why it gave no readable sample
     # Mixed sources only (`pipeline.data.mixture`): name -> {"samples", "bad", "pass", "in_pass"}.
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
+    # (url, index, shard_size) of the bad samples counted since `take_counted`, for a data position
+    # (rows with an ``index`` column only); never saved, never merged.
+    counted: list[tuple[str, int, int]] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, config: Any) -> BadSamples:
@@ -80,6 +83,7 @@ class BadSamples:
         if not bad.any():
             self.total += len(errors)
             return batch
+        indexed = "index" in batch and "shard_size" in batch
         for i in np.flatnonzero(bad):
             reason = str(errors[i])
             if reason_category(reason) == LOST_SHARD:
@@ -87,9 +91,18 @@ class BadSamples:
             else:
                 self.total += 1
                 self.record(str(batch["url"][i]), str(batch["key"][i]), reason, counted=True)
+                if indexed and batch["index"][i] >= 0:
+                    self.counted.append(
+                        (str(batch["url"][i]), int(batch["index"][i]), int(batch["shard_size"][i]))
+                    )
         self.total += int((~bad).sum())
         keep = ~bad
         return {name: column[keep] for name, column in batch.items()}
+
+    def take_counted(self) -> list[tuple[str, int, int]]:
+        """The (url, index, shard_size) of the bad samples counted since the last call."""
+        taken, self.counted = self.counted, []
+        return taken
 
     def record(self, url: str, key: str, reason: str, *, counted: bool = False) -> None:
         """Count one bad sample (``counted``: it is already in ``total``)."""

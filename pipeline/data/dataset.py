@@ -27,6 +27,7 @@ import numpy as np
 
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig, shuffle_seed
+from pipeline.data.consumed import Consumed
 from pipeline.data.decode import preprocess_batch
 from pipeline.data.masking import mask_batch
 from pipeline.data.rows import raise_lost_shard
@@ -40,7 +41,13 @@ Batch = dict[str, np.ndarray]
 
 
 def build_dataset(
-    shards: list[str], config: DataConfig, *, train: bool, epoch: int = 0, root: str | None = None
+    shards: list[str],
+    config: DataConfig,
+    *,
+    train: bool,
+    epoch: int = 0,
+    root: str | None = None,
+    skip: dict[str, Consumed] | None = None,
 ) -> ray.data.Dataset:
     """A streaming dataset of patch rows over ``shards`` in the given order, one read task per shard.
 
@@ -53,6 +60,7 @@ def build_dataset(
     shard by shard as given, tar order inside a shard.
     With ``config.mask_ratio`` and ``train``, `pipeline.data.masking.mask_batch` replaces ``patches``
     by ``visible``, ``masked`` and ``ids_shuffle`` (evaluation datasets are never masked).
+    ``skip`` (shard URL -> `Consumed`): samples the read stage passes over, before decoding them.
     """
     import ray.data
 
@@ -68,6 +76,7 @@ def build_dataset(
         config.row_spec,
         block_rows=config.block_rows,
         retry=config.retry,
+        skip=skip,
     )
     # override_num_blocks = one per shard: Ray would otherwise split read outputs, which blocks fusion.
     ds = ray.data.read_datasource(
@@ -208,15 +217,19 @@ def micro_batches(
     bad_samples: BadSamples,
     data_cpus: float,
     root: str,
+    skip: dict[str, Consumed] | None = None,
 ) -> Iterator[Batch]:
     """One training rank's micro-batches for one epoch: every good sample once, exactly `size` each
     but the last, which holds what is left (`rebatch`).
 
+    ``skip``: the samples of each shard the epoch had consumed before (`build_dataset`).
     Raises the data pipeline's one-line errors (bad-sample budget passed, shards without labels).
     """
     if not shards:
         return
-    dataset = for_one_rank(build_dataset(shards, config, train=True, epoch=epoch, root=root), data_cpus)
+    dataset = for_one_rank(
+        build_dataset(shards, config, train=True, epoch=epoch, root=root, skip=skip), data_cpus
+    )
     batches = iter_batches(
         dataset, size, config, epoch=epoch, rank=rank, shuffle=True, bad_samples=bad_samples
     )

@@ -176,7 +176,8 @@ def preprocess_batch(
     seeded by the sample's shard name relative to ``root`` (`shards.shard_name`) and its key.
 
     In: ``key``, ``url`` (str), ``image`` (bytes), ``label`` (int64), ``error`` (str) arrays of length B.
-    Out: ``key``, ``url``, ``patches`` uint8 ``(B, N, P*P*3)``, ``label`` int64 ``(B,)``, ``error``.
+    Out: ``key``, ``url``, ``patches`` uint8 ``(B, N, P*P*3)``, ``label`` int64 ``(B,)``, ``error``,
+    and ``index`` and ``shard_size`` as they came in.
     """
     # PIL settings are process-global; pin the two that decide what counts as a bad image.
     ImageFile.LOAD_TRUNCATED_IMAGES = False
@@ -206,4 +207,6 @@ def preprocess_batch(
         "patches": patchify(pixels, config.patch_size),  # (B, N, P*P*3)
         "label": np.asarray(batch["label"], dtype=np.int64),
         "error": out_errors,
+        # A sample's place in its shard, and the shard's size on its last row (`pipeline.data.rows`).
+        **{name: batch[name] for name in ("index", "shard_size") if name in batch},
     }

@@ -7,6 +7,11 @@ Rows (one per sample, Arrow blocks of up to ``block_rows`` samples, no per-sampl
 - ``image``: binary, the encoded image member (b"" on error rows)
 - ``label``: int64, -1 when the sample has none
 - ``error``: str, "" for a good sample, otherwise ``"<category>: <detail>"``
+- ``index``: int64, the sample's place in the shard's tar order, every sample counted (-1 on the rows
+  that mark an unreadable or lost shard): with the shard, a sample's name in a data position
+  (`pipeline.data.consumed`)
+- ``shard_size``: int64, on the last row read of a shard the number of samples the shard holds; -1
+  on every other row (a consumer learns there that the shard is done)
 
 A shard that cannot be opened, a truncated tar or a sample with a problem becomes an error row;
 reading never raises on bad data. Pure Python + pyarrow: no Ray here (`pipeline.data.source` wraps it).
@@ -35,6 +40,7 @@ from typing import IO
 import pyarrow as pa
 
 from pipeline.data.bad_samples import LOST_SHARD, BadSampleBudgetError
+from pipeline.data.consumed import Consumed
 from pipeline.data.shards import open_shard
 from pipeline.data.tar import Sample, ShardReadError, iter_samples, open_tar_stream
 from pipeline.storage import Location
@@ -46,8 +52,11 @@ SCHEMA = pa.schema(
         ("image", pa.binary()),
         ("label", pa.int64()),
         ("error", pa.string()),
+        ("index", pa.int64()),
+        ("shard_size", pa.int64()),
     ]
 )
+Row = tuple[str, bytes, int, str, int, int]  # key, image, label, error, index, shard_size
 MAX_BLOCK_BYTES = 64 << 20  # encoded bytes per block; far below Arrow's 2 GiB binary-array limit
 UNREADABLE = "unreadable shard"
 INT64_MAX = 2**63 - 1
@@ -195,7 +204,11 @@ def _sample_row(sample: Sample, spec: RowSpec) -> tuple[bytes, int, str]:
 
 
 def read_shard(
-    shard: Location | str, spec: RowSpec, block_rows: int, retry: Retry | None = None
+    shard: Location | str,
+    spec: RowSpec,
+    block_rows: int,
+    retry: Retry | None = None,
+    skip: Consumed | None = None,
 ) -> Iterator[pa.Table]:
     """Arrow blocks of rows for one shard, in tar order; never raises on bad data.
 
@@ -203,29 +216,39 @@ def read_shard(
     then adds one ``unreadable shard`` error row (key "") after the rows read before; a shard that gives
     no readable sample (no sample at all, or only bad ones: zeros, an HTML page, a tar of broken images)
     ends with one ``lost shard`` row (key ""), counted apart from bad samples (`BadSamples.lost`).
+    The samples in ``skip`` (consumed before: `pipeline.data.consumed`) are read past, never made
+    into rows; a shard read before is not lost for giving no row now.
     """
     retry, url = retry or Retry(), str(shard)
-    rows: list[tuple[str, bytes, int, str]] = []
-    nbytes, done, last_key = 0, 0, ""  # done: samples made into rows, by every try so far
+    rows: list[Row] = []
+    held: Row | None = None  # the latest row, kept back until the next: the last one carries the size
+    nbytes, done, last_key = 0, 0, ""  # done: samples read past or made into rows, by every try so far
     good, first_error = 0, ""  # rows without an error; the first error row's reason
     failures, waited = 0, 0.0
     while True:
         try:
-            for row in _rows_after(shard, spec, done, last_key):
-                rows.append(row)
-                nbytes += len(row[1])
-                done, last_key, good = done + 1, row[0], good + (not row[3])
-                first_error = first_error or row[3]
-                if len(rows) >= block_rows or nbytes >= MAX_BLOCK_BYTES:
-                    yield _table(rows, url)
-                    rows, nbytes = [], 0
-            if not good:  # a lost shard, not a bad sample: counted apart (`BadSamples.lost`)
+            for index, key, row in _rows_after(shard, spec, done, last_key, skip):
+                done, last_key = index + 1, key
+                if row is None:
+                    continue
+                if held is not None:
+                    rows.append(held)
+                    nbytes += len(held[1])
+                    if len(rows) >= block_rows or nbytes >= MAX_BLOCK_BYTES:
+                        yield _table(rows, url)
+                        rows, nbytes = [], 0
+                held = row
+                good, first_error = good + (not row[3]), first_error or row[3]
+            if held is not None:
+                rows.append((*held[:5], done))
+                held = None
+            if not good and not (skip and len(skip)):  # a lost shard, counted apart (`BadSamples.lost`)
                 why = (
                     f"{done} row(s), none readable, first: {first_error}"
                     if done
                     else "the tar holds no samples"
                 )
-                rows.append(("", b"", -1, f"{LOST_SHARD}: {why}"))
+                rows.append(("", b"", -1, f"{LOST_SHARD}: {why}", -1, -1))
             break
         except (ShardReadError, *_FINAL, _ShardChangedError) as e:  # storage, never a sample's content
             failures += 1
@@ -234,7 +257,9 @@ def read_shard(
                 what = (
                     _one_line(e) if isinstance(e, ShardReadError) else f"{type(e).__name__}: {_one_line(e)}"
                 )
-                rows.append(("", b"", -1, f"{UNREADABLE}: {what} ({tries}; {done} read)"))
+                if held is not None:
+                    rows.append(held)
+                rows.append(("", b"", -1, f"{UNREADABLE}: {what} ({tries}; {done} read)", -1, -1))
                 break
             pause = retry.wait(failures)
             time.sleep(pause)
@@ -244,13 +269,18 @@ def read_shard(
 
 
 def _rows_after(
-    shard: Location | str, spec: RowSpec, skip: int, last_key: str
-) -> Iterator[tuple[str, bytes, int, str]]:
-    """The shard's rows from its ``skip``-th sample on; sample ``skip - 1`` must have key ``last_key``."""
+    shard: Location | str, spec: RowSpec, skip: int, last_key: str, consumed: Consumed | None
+) -> Iterator[tuple[int, str, Row | None]]:
+    """``(index, key, row)`` of the shard's samples from its ``skip``-th on, ``row`` None for those in
+    ``consumed``; sample ``skip - 1`` must have key ``last_key``."""
     with _opened(shard) as stream:
         for index, sample in enumerate(iter_samples(stream, spec.wanted)):
             if index >= skip:
-                yield from sample_rows([sample], spec)
+                if consumed is not None and index in consumed:
+                    yield index, sample.key, None
+                    continue
+                for key, image, label, error in sample_rows([sample], spec):
+                    yield index, sample.key, (key, image, label, error, index, -1)
             elif index == skip - 1 and sample.key != last_key:
                 raise _ShardChangedError(
                     f"shard changed between tries: sample {index} is {sample.key!r}, was {last_key!r}"
@@ -289,8 +319,8 @@ def raise_lost_shard(batch: dict) -> None:
             )
 
 
-def _table(rows: list[tuple[str, bytes, int, str]], url: str) -> pa.Table:
-    keys, images, labels, errors = zip(*rows, strict=True)
+def _table(rows: list[Row], url: str) -> pa.Table:
+    keys, images, labels, errors, indices, sizes = zip(*rows, strict=True)
     return pa.Table.from_arrays(
         [
             pa.array(keys, pa.string()),
@@ -298,6 +328,8 @@ def _table(rows: list[tuple[str, bytes, int, str]], url: str) -> pa.Table:
             pa.array(images, pa.binary()),
             pa.array(labels, pa.int64()),
             pa.array(errors, pa.string()),
+            pa.array(indices, pa.int64()),
+            pa.array(sizes, pa.int64()),
         ],
         schema=SCHEMA,
     )

@@ -12,6 +12,7 @@ import functools
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from pipeline.data.consumed import Consumed
 from pipeline.data.rows import Retry, RowSpec, read_shard
 from pipeline.storage import Location
 
@@ -26,12 +27,14 @@ class TarShardDatasource(Datasource):
         *,
         block_rows: int = 256,
         retry: Retry | None = None,
+        skip: dict[str, Consumed] | None = None,
     ):
         super().__init__()
         self._shards = list(shards)
         self._spec = spec
         self._block_rows = block_rows
         self._retry = retry or Retry()
+        self._skip = skip or {}  # shard URL -> the samples it had given this epoch (read past, not made rows)
 
     def get_read_tasks(
         self, parallelism: int, per_task_row_limit: int | None = None, data_context: object | None = None
@@ -39,7 +42,9 @@ class TarShardDatasource(Datasource):
         # One task per shard whatever `parallelism` asks: the shard is the unit of ordering and resumption.
         return [
             ReadTask(
-                functools.partial(read_shard, shard, self._spec, self._block_rows, self._retry),
+                functools.partial(
+                    read_shard, shard, self._spec, self._block_rows, self._retry, self._skip.get(shard.url)
+                ),
                 BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=[shard.url]),
                 per_task_row_limit=per_task_row_limit,
             )

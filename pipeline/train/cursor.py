@@ -9,8 +9,11 @@ what the rank has taken from it:
   the same on every rank. A rank has taken that many micro-batches of its stream, or, once its stream
   ran dry in the epoch's padded tail (`pipeline.train.state.StepAgreement`), all of them: either way
   a resume at the same layout and fingerprint skips exactly what the rank trained on (`skip` stops
-  at the stream's end) and trains on the rest; at another layout or fingerprint the epoch starts
-  again from its first sample, and the resume's log line says why (`resume`).
+  at the stream's end) and trains on the rest; at another layout (or after such a resume in the
+  same epoch) the cursor is ``elastic``: the epoch goes on from its position by sample
+  (`pipeline.train.position`), each remaining sample once; without one (another fingerprint, a
+  checkpoint that predates it) the epoch starts again from its first sample. The resume's log line
+  says which and why (`resume`).
 - ``counts``: this rank's bad-sample counts as of the last step's input (what reports, checkpoints and
   the summary hold), and ``at_epoch_start``: its counts when the epoch began. A resume re-reads the
   skipped micro-batches counting from ``at_epoch_start``, so it ends at exactly ``counts``: each bad
@@ -24,13 +27,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import torch.distributed as dist
 
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.data.shards import dataset_root, shard_name
+from pipeline.train.position import EpochPosition
+from pipeline.train.state import gather_bad_samples
 
 T = TypeVar("T")
 
@@ -73,14 +80,28 @@ class EpochCursor:
     counts: BadSamples
     at_epoch_start: BadSamples
     taken: int = 0  # micro-batch places of this epoch's steps: micro-batches taken, or the whole stream
+    # This epoch's streams hold what its position by sample had not consumed (a resume at another
+    # layout): re-reading micro-batches does not apply to it, not even at the same layout later.
+    elastic: bool = False
+    # What the epoch has consumed, by sample (`pipeline.train.position`): this rank's part, and what
+    # the run had consumed when it resumed; None where the cursor is given no shards (not tracked).
+    samples: EpochPosition | None = None
 
     @classmethod
     def start(
-        cls, rank: int, world: int, micro_batch_size: int, stream: str, data_config: DataConfig
+        cls,
+        rank: int,
+        world: int,
+        micro_batch_size: int,
+        stream: str,
+        data_config: DataConfig,
+        *,
+        shards: list[str] | None = None,
     ) -> EpochCursor:
-        """A cursor at the start of a fresh run."""
+        """A cursor at the start of a fresh run (over ``shards``: also by sample)."""
         counts = BadSamples.from_config(data_config)
-        return cls(rank, world, micro_batch_size, stream, counts, _copy(counts))
+        samples = None if shards is None else EpochPosition(shards)
+        return cls(rank, world, micro_batch_size, stream, counts, _copy(counts), samples=samples)
 
     @classmethod
     def resume(
@@ -93,15 +114,20 @@ class EpochCursor:
         data_config: DataConfig,
         *,
         schedule_done: bool = False,
+        shards: list[str] | None = None,
     ) -> tuple[EpochCursor, str]:
         """(The cursor a checkpoint's `TrainState` holds for this rank, a note for the resume's log line).
 
         At another world size or micro-batch size, or from another stream, the ranks' streams differ:
-        the epoch's data starts again from its first sample (``taken`` 0), and the note says why."""
+        where the checkpoint holds this epoch's position by sample for ``shards`` the cursor is
+        ``elastic``; else the epoch's data starts again from its first sample (``taken`` 0). The note
+        says which, and why."""
         counts = _counts_of(state.bad_samples, rank, world, data_config)
         # A checkpoint older than `epoch_bad_samples` has only the counts as of its step.
         start = _counts_of(state.epoch_bad_samples or state.bad_samples, rank, world, data_config)
         cursor = cls(rank, world, micro_batch_size, stream, counts, start)
+        by_sample = None if shards is None else EpochPosition.resume(shards, state.epoch_consumed)
+        cursor.samples = by_sample or (None if shards is None else EpochPosition(shards))
         if schedule_done:
             return cursor, "the schedule is done, nothing is re-read"
         position = state.epoch_position
@@ -109,19 +135,25 @@ class EpochCursor:
         layout = (position.get("world"), position.get("micro_batch_size"))
         if not taken:
             return cursor, ""
-        if layout != (world, micro_batch_size):
+        if position.get("elastic"):
+            why = "this epoch went on by sample after a resume at another layout"
+        elif layout != (world, micro_batch_size):
             why = f"it was taken with {layout[0]} workers x micro-batch {layout[1]}"
         elif position.get("stream") != stream:
             why = "it was taken from other shards, or with another seed or shuffle buffer"
         else:
             cursor.taken = taken
             return cursor, f"each worker re-reads the samples it had taken (up to {taken * micro_batch_size})"
+        if by_sample is not None:
+            cursor.elastic = True
+            return cursor, f"{why}: the workers share the samples this epoch had not consumed, each once"
         return cursor, f"{why}, so this epoch's data starts again from its first sample"
 
     def replay_counts(self) -> BadSamples:
         """A copy of the counts at the epoch's start: the epoch's stream counts into it from its first
-        sample, so re-reading what was taken brings it to `counts`."""
-        return _copy(self.at_epoch_start)
+        sample, so re-reading what was taken brings it to `counts`. An ``elastic`` stream re-reads
+        nothing: it counts on from `counts`."""
+        return _copy(self.counts if self.elastic else self.at_epoch_start)
 
     def skip(self, stream: Iterator[T]) -> Iterator[T]:
         """``stream`` after its first ``taken`` micro-batches: those this rank had trained on (all of
@@ -131,19 +163,48 @@ class EpochCursor:
                 return
         yield from stream
 
-    def took(self, micro_batches: int, counts: BadSamples) -> None:
+    @property
+    def at_start(self) -> bool:
+        """No step of this epoch has run, nor was any consumed before a resume."""
+        return self.taken == 0 and not self.elastic
+
+    def deal(self, order: list[str], ahead: bool = False) -> tuple[list[str], dict[str, Any]]:
+        """(This rank's shards of the epoch's shard ``order``; keyword arguments for the stream's
+        `micro_batches`). ``order[rank::world]``, none (the next epoch started ``ahead`` too); once
+        ``elastic``: every ``world``-th of the shards not done, and ``skip``, their consumed samples."""
+        if not self.elastic or ahead or self.samples is None:
+            return order[self.rank :: self.world], {}
+        shards, skip = self.samples.deal(order, self.rank, self.world)
+        return shards, {"skip": skip}
+
+    def took(self, micro_batches: int, counts: BadSamples, consumed: Iterable[Any] = ()) -> None:
         """A step of ``micro_batches`` places (its accumulation count, on every rank alike) trained on
-        what this rank's stream still had for them; ``counts`` as of its input."""
+        what this rank's stream still had for them; ``counts`` as of its input; ``consumed``: its
+        samples (`StepInput.consumed`)."""
         self.taken += micro_batches
         self.counts = counts
+        if self.samples is not None:
+            self.samples.took(consumed, [])
 
-    def saw(self, counts: BadSamples) -> None:
-        """The counts as of the latest step's input, trained or not (a rank that ran dry read them)."""
+    def saw(self, counts: BadSamples, counted: Iterable[tuple[str, int, int]] = ()) -> None:
+        """The counts as of the latest step's input, trained or not (a rank that ran dry read them);
+        ``counted``: the bad samples its input counted, consumed with them (`StepInput.counted`)."""
         self.counts = counts
+        if self.samples is not None:
+            self.samples.add(counted)
 
     def next_epoch(self) -> None:
-        self.taken = 0
+        self.taken, self.elastic = 0, False
         self.at_epoch_start = _copy(self.counts)
+        if self.samples is not None:
+            self.samples = EpochPosition(self.samples.shards)
+
+    def save_into(self, state: Any, group: dist.ProcessGroup | None) -> None:
+        """Collective: the `TrainState` fields a checkpoint holds of every rank's cursor."""
+        state.epoch_position = self.position()
+        state.epoch_consumed = {} if self.samples is None else self.samples.gathered(group)
+        state.bad_samples = gather_bad_samples(self.counts, group)
+        state.epoch_bad_samples = gather_bad_samples(self.at_epoch_start, group)
 
     def position(self) -> dict[str, Any]:
         """What `TrainState.epoch_position` holds: the layout, the stream and the micro-batches taken."""
@@ -152,4 +213,5 @@ class EpochCursor:
             "micro_batch_size": self.micro_batch_size,
             "stream": self.stream,
             "micro_batches": self.taken,
+            **({"elastic": True} if self.elastic else {}),
         }

@@ -12,10 +12,9 @@ the split is done here.)
 Resume at the sample: a checkpoint holds how many micro-batches each rank has taken from its stream
 this epoch. A run resumed at the same world size and micro-batch size rebuilds the same streams,
 re-reads those micro-batches without training on them and goes on from the next sample, so a
-stopped and resumed run trains on the same samples, in the same order, as a straight one. The
-re-read costs reading and decoding the epoch up to the checkpoint (at the data pipeline's speed, no
-step runs); at another layout the streams differ, and the epoch's data starts again from its first
-sample (logged).
+stopped and resumed run trains on the same samples, in the same order, as a straight one (the re-read
+runs at the data pipeline's speed). At another layout the checkpoint's position by sample deals the
+epoch's remaining samples to the new ranks, each once, in another order (`pipeline.train.position`).
 
 An epoch is every good sample once. Every step, ranks agree on how many samples it holds; the epoch
 goes on until every rank's stream has run dry (`pipeline.train.state.StepAgreement`). A rank whose
@@ -158,10 +157,11 @@ class Trainer:
         """This rank's place in the epoch: the start, or what the checkpoint resumed from holds."""
         stream = sources.stream_fingerprint(self)  # of the shards, or of the mixed sources
         layout = (self.rank, self.world, self.config.optim.micro_batch_size, stream, self.data_config)
+        shards = None if self.mixture else self.shards  # the position by sample: of one source's shards
         if self.resumed_from is None:
-            return EpochCursor.start(*layout)
+            return EpochCursor.start(*layout, shards=shards)
         done = self.state.step >= self.config.last_step
-        cursor, note = EpochCursor.resume(self.state, *layout, schedule_done=done)
+        cursor, note = EpochCursor.resume(self.state, *layout, schedule_done=done, shards=shards)
         if self.rank == 0:
             where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step}"
             log_line(f"{where} (epoch {self.state.epoch})" + (f": {note}" if note else ""))
@@ -209,7 +209,7 @@ class Trainer:
                 step_input, agreement = self.next_step_input(data)
                 if agreement.error:
                     raise StopRun(agreement.error)
-                if self.cursor.taken == 0 and agreement.samples < self.config.optim.batch_size:
+                if self.cursor.at_start and agreement.samples < self.config.optim.batch_size:
                     raise StopRun(
                         f"epoch {state.epoch} gave no full step: {len(self.shards)} shards hold fewer than "
                         f"{self.config.optim.batch_size} readable samples per step across {self.world} "
@@ -234,9 +234,10 @@ class Trainer:
             return sources.epoch_input(self, ahead)
         epoch = self.state.epoch + (ahead is not None)
         order = shard_order(self.shards, self.config.run.seed, epoch)
+        shards, skip = self.cursor.deal(order, ahead=ahead is not None)
         counts = self.cursor.replay_counts() if ahead is None else ahead
         stream = micro_batches(
-            order[self.rank :: self.world],
+            shards,
             self.data_config,
             epoch=epoch,
             rank=self.rank,
@@ -244,6 +245,7 @@ class Trainer:
             bad_samples=counts,
             data_cpus=self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, epoch),
             root=dataset_root(self.shards),
+            **skip,  # an elastic epoch's consumed samples, passed over (`EpochCursor.deal`)
         )
         return Prefetcher(
             self.cursor.skip(stream) if ahead is None else stream,
@@ -269,11 +271,11 @@ class Trainer:
         i, notice = step_input, self.preemption.notice(self.state.step)
         agreement = agree_on_step(i.samples, i.ran_dry, i.error, self.group, preempted=notice is not None)
         if agreement.error or not agreement.preempted:  # a preemption's checkpoint precedes this input
-            self.cursor.saw(step_input.bad_samples)
+            self.cursor.saw(step_input.bad_samples, step_input.counted)
         return step_input, agreement
 
     def train_step(self, data: Prefetcher, step_input: StepInput, agreement: StepAgreement) -> None:
-        self.cursor.took(self.accum, step_input.bad_samples)  # places: the same count on every rank
+        self.cursor.took(self.accum, step_input.bad_samples, step_input.consumed)  # places: same on all
         micro_batches = step_input.to_device(self.device)
         data.release(step_input)
         stats = self.step_fn(
@@ -347,9 +349,7 @@ class Trainer:
                 f"the weights hold NaN or inf at step {self.state.step} and were not saved; resume from "
                 "the last checkpoint with a lower --lr or a smaller --grad-clip"
             )
-        self.state.epoch_position = self.cursor.position()
-        self.state.bad_samples = gather_bad_samples(self.cursor.counts, self.group)
-        self.state.epoch_bad_samples = gather_bad_samples(self.cursor.at_epoch_start, self.group)
+        self.cursor.save_into(self.state, self.group)
         self.saver.start(dict(metrics), self.state.to_dict(), self.saved_config)
         metrics["checkpoint_stall_s"] = time.perf_counter() - started
 

@@ -50,6 +50,10 @@ class StepInput:
     error: str  # a data error's one line (bad-sample budget, unlabeled shards), "" when none
     bad_samples: BadSamples  # this rank's counts as of this step's last micro-batch (a copy)
     buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)  # pinned, back to the pool after use
+    # For the data position (`pipeline.train.position`): the micro-batches' samples as (url, index,
+    # shard_size) columns, and the bad samples counted while building this input (url, index, shard_size).
+    consumed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    counted: list[tuple[str, int, int]] = field(default_factory=list)
 
     def to_device(self, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         """The micro-batches on `device`; on CUDA the copies are queued, not waited for."""
@@ -214,6 +218,8 @@ class Prefetcher:
             error=error,
             bad_samples=_copy(self.bad_samples),
             buffers=buffers,
+            consumed=[(b["url"], b["index"], b["shard_size"]) for b in batches if "shard_size" in b],
+            counted=self.bad_samples.take_counted(),
         )
 
 

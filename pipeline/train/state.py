@@ -33,7 +33,10 @@ class TrainState:
     # stream ({} at the epoch's start): the same on every rank, each rank having taken that many of
     # its micro-batches or, in the epoch's padded tail, all of them. A run resumed at the same layout
     # and stream re-reads exactly those and trains on the rest (`pipeline.train.cursor.EpochCursor`).
-    epoch_position: dict[str, int] = field(default_factory=dict)
+    epoch_position: dict[str, Any] = field(default_factory=dict)
+    # What this epoch has consumed, by sample, whatever the layout (`pipeline.train.position`): the
+    # union over every rank. A run resumed at another layout takes up the epoch from it ({}: nothing).
+    epoch_consumed: dict[str, Any] = field(default_factory=dict)
     # Every rank's bad-sample counts when this epoch began: the re-read starts from them, so it ends
     # at exactly the counts of `bad_samples` (each sample counted once across the resume).
     epoch_bad_samples: list[dict[str, Any]] = field(default_factory=list)

@@ -308,6 +308,8 @@ def test_read_shard_yields_arrow_blocks_and_survives_a_missing_file(tmp_path):
             "image": b"",
             "label": -1,
             "error": "lost shard: the tar holds no samples",
+            "index": -1,
+            "shard_size": -1,
         }
     ]
 
