@@ -1,0 +1,179 @@
+"""Resume at another world size or micro-batch size, by sample (`pipeline.train.position`): the worker
+loop in-process, ranks as processes (gloo), over a stream that stands in for the Ray Data pipeline
+with the read stage's columns (``index``, ``shard_size``), its skipping of consumed samples, a seeded
+shuffle buffer before bad rows are counted and removed, and the real `rebatch`.
+
+Arithmetic: 6 shards of 8, 9, 14, 7, 11 and 10 samples (59), 3 corrupt (one the last of its shard, so
+a shard's size also reaches the position through a bad sample): 56 good samples an epoch, at least 7
+in every shard, so a rank's first step is full whichever shard it reads alone. Batch 24 of
+micro-batches of 2: 3 per rank step with 4 workers, 6 with 2, 4 with 3. A stop at step 2 falls inside
+epoch 0 whatever the layout, with samples still in shuffle buffers.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeline import dcp
+from pipeline.data.dataset import rebatch
+from pipeline.train.state import TrainState
+from tests.configs import tiny_config
+from tests.distributed import spawn
+from tests.train.test_loop import LocalSession
+
+SIZES = {f"mem://data/shard-{i}": n for i, n in enumerate((8, 9, 14, 7, 11, 10))}
+CORRUPT = {"mem://data/shard-1/8", "mem://data/shard-2/0", "mem://data/shard-4/5"}
+GOOD = sorted(f"{url}/{i}" for url, n in SIZES.items() for i in range(n) if f"{url}/{i}" not in CORRUPT)
+BUFFER = 5  # samples in the stand-in shuffle buffer
+
+
+def indexed_micro_batches(
+    shards, data_config, *, epoch, rank, size, bad_samples, data_cpus, root=None, skip=None
+):
+    """`pipeline.data.dataset.micro_batches` without Ray: rows in shard order and tar order, those in
+    ``skip`` read past (the last row read of a shard carries its size, as `read_shard` does), through a
+    seeded shuffle buffer, bad rows counted and removed, cut by `rebatch`."""
+    patches = (data_config.image_size // data_config.patch_size) ** 2
+    patch_dim = data_config.patch_size**2 * 3
+    skip = skip or {}
+
+    def rows():
+        for url in shards:
+            n, consumed = SIZES[url], skip.get(url)
+            kept = [i for i in range(n) if consumed is None or i not in consumed]
+            for i in kept:
+                yield url, i, n if i == kept[-1] else -1
+
+    def shuffled():
+        rng, held = random.Random(f"{epoch}/{rank}"), []
+        for row in rows():
+            held.append(row)
+            if len(held) > BUFFER:
+                yield held.pop(rng.randrange(len(held)))
+        while held:
+            yield held.pop(rng.randrange(len(held)))
+
+    def batches():
+        pending = []
+        for row in shuffled():
+            pending.append(row)
+            if len(pending) == size:
+                yield batch(pending)
+                pending = []
+        if pending:
+            yield batch(pending)
+
+    def batch(rows):
+        keys = [f"{url}/{i}" for url, i, _ in rows]
+        g = np.random.default_rng([epoch, *(i + 100 * int(url[-1]) for url, i, _ in rows)])
+        return bad_samples.filter(
+            {
+                "key": np.array(keys),
+                "url": np.array([url for url, _, _ in rows]),
+                "patches": g.integers(0, 256, (len(rows), patches, patch_dim), dtype=np.uint8),
+                "label": g.integers(0, 4, len(rows)),
+                "error": np.array(
+                    ["truncated image: test" if k in CORRUPT else "" for k in keys], dtype=object
+                ),
+                "index": np.array([i for _, i, _ in rows]),
+                "shard_size": np.array([s for _, _, s in rows]),
+            }
+        )
+
+    yield from rebatch(batches(), size)
+
+
+def config(out: Path, world: int, **changes):
+    return tiny_config(
+        out=str(out), num_workers=world, batch_size=24, micro_batch_size=2, max_steps=9, log_every=1,
+        checkpoint_every=100, prefetch_steps=2,
+    ).replace(**changes)  # fmt: skip
+
+
+def _run(rank: int, world: int, root: str, runs: list[tuple[str, dict]]) -> None:
+    """Each of ``runs`` (name, config changes) in turn on ``world`` ranks; rank 0 writes every step's
+    (epoch, keys of every rank, bad samples counted on every rank) to ``root``/<name>.json."""
+    from pipeline.train import loop
+
+    loop.micro_batches = indexed_micro_batches  # this process is the test's own
+    steps: list = []
+    real = loop.Trainer.train_step
+
+    def train_step(self, data, step_input, agreement):
+        steps.append((self.state.epoch, list(step_input.keys), step_input.bad_samples.bad))
+        return real(self, data, step_input, agreement)
+
+    loop.Trainer.train_step = train_step
+    for name, changes in runs:
+        cfg = config(Path(root) / changes.pop("dir", name), world, **changes)
+        session = LocalSession(torch.device("cpu"), Path(cfg.run.out), rank, world)
+        loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}
+        summary = loop.Trainer(loop_config, session).train()
+        dist.barrier()  # every rank's checkpoint files are in place before a resume reads them
+        ranks: list = [None] * world
+        dist.all_gather_object(ranks, list(steps))
+        steps.clear()
+        if rank == 0:
+            rows = [
+                (r[0][0], [one[1] for one in r], sum(one[2] for one in r)) for r in zip(*ranks, strict=True)
+            ]
+            record = {"steps": rows, "error": summary["error"], "bad": summary["bad_samples"]["bad"]}
+            (Path(root) / f"{name}.json").write_text(json.dumps(record))
+
+
+def epochs(*records: dict) -> dict[int, list[str]]:
+    """Every key trained, by epoch, over the steps of ``records`` in turn."""
+    out = collections.defaultdict(list)
+    for record in records:
+        for epoch, keys, _ in record["steps"]:
+            out[epoch] += [k for rank in keys for k in rank]
+    return out
+
+
+def bad_at_epoch_ends(*records: dict) -> dict[int, int]:
+    """The run's bad samples counted (all ranks) at each epoch's last step."""
+    steps = [s for r in records for s in r["steps"]]
+    return {e: bad for (e, _, bad), nxt in zip(steps, [*steps[1:], (None,)], strict=True) if nxt[0] != e}
+
+
+@pytest.mark.slow  # 4 ranks then 2, then 2 ranks then 3: about a minute of CPU
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 3)])
+def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(tmp_path, before, after):
+    stop = {"dir": "stopped", "stop_at_step": 2}
+    spawn(_run, before, str(tmp_path), [("straight", {}), ("stopped", dict(stop))], world_size=before)
+    spawn(
+        _run, after, str(tmp_path), [("resumed", {"dir": "stopped", "num_workers": after})], world_size=after
+    )
+    read = {
+        name: json.loads((tmp_path / f"{name}.json").read_text())
+        for name in ("straight", "stopped", "resumed")
+    }
+    assert [r["error"] for r in read.values()] == ["", "", ""]
+    stopped, resumed = read["stopped"], read["resumed"]
+    assert len(stopped["steps"]) == 2 and {e for e, _, _ in stopped["steps"]} == {0}
+    assert len(read["straight"]["steps"]) == 2 + len(resumed["steps"]) == 9
+    # The checkpoint at the stop named samples still in shuffle buffers: consumption is no prefix.
+    saved = TrainState.from_dict(
+        json.loads((tmp_path / "stopped" / dcp.checkpoint_name(2) / "train_state.json").read_text())
+    )
+    assert saved.epoch_consumed["partial"], saved.epoch_consumed
+
+    straight, elastic = epochs(read["straight"]), epochs(stopped, resumed)
+    complete = sorted(elastic)[:-1]  # the last epoch may have been cut by --max-steps
+    assert complete and complete[0] == 0, sorted(elastic)
+    for epoch in complete:
+        # The multiset of keys: every good sample once, no corrupt one, none twice, as a straight run.
+        assert collections.Counter(elastic[epoch]) == collections.Counter(GOOD), epoch
+        if epoch in straight and epoch < sorted(straight)[-1]:
+            assert collections.Counter(straight[epoch]) == collections.Counter(elastic[epoch]), epoch
+    # Each corrupt sample counted once an epoch across the resume: 3 by the end of epoch 0, 6 of 1 ...
+    ends = bad_at_epoch_ends(stopped, resumed)
+    assert all(ends[e] == len(CORRUPT) * (e + 1) for e in complete), ends
