@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import subprocess
@@ -16,7 +17,8 @@ from PIL import Image
 from pipeline.data import dataset
 from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples, LabelsMissingError
 from pipeline.data.config import DataConfig, shard_order
-from pipeline.data.dataset import build_dataset, check_shards, iter_batches
+from pipeline.data.consumed import Consumed
+from pipeline.data.dataset import build_dataset, check_shards, iter_batches, micro_batches
 from pipeline.data.decode import transform_image
 from pipeline.data.shards import ShardError
 from pipeline.data.synthetic import write_synthetic_shards
@@ -103,7 +105,7 @@ def test_a_ranks_training_pipeline_is_quiet_and_held_to_its_cpu_share(monkeypatc
 
     built = []  # datasets that are only their own context: no Ray needed
 
-    def build(shards, config, *, train, epoch=0, root=None):
+    def build(shards, config, *, train, epoch=0, root=None, skip=None):
         built.append(SimpleNamespace(context=DataContext()))
         return built[-1]
 
@@ -329,3 +331,27 @@ def test_tar_gz_reads_like_tar(ray_session, tmp_path, synthetic_shards):
     assert list(zipped["key"]) == list(plain["key"]) and list(zipped["label"]) == list(plain["label"])
     np.testing.assert_array_equal(zipped["patches"], plain["patches"])
     assert set(zipped["error"]) == {""}
+
+
+def test_a_rank_stream_passes_over_the_consumed_samples_and_names_every_other_one(
+    ray_session, synthetic_shards
+):
+    """The read stage's ``skip`` (a resume at another world size): each shard's consumed samples never
+    arrive, every other one does, once, with its place in the shard; the last row read of each shard
+    says the shard's size (12 samples)."""
+    urls = synthetic_shards.urls[:2]
+    skip = {urls[0]: Consumed().add([0, 1, 2, 5, 11]), urls[1]: Consumed().add(range(6))}
+    bad = BadSamples.from_config(CONFIG)
+    stream = micro_batches(
+        urls, CONFIG, epoch=0, rank=0, size=4, bad_samples=bad, data_cpus=1.0, root="", skip=skip
+    )
+    rows = collections.Counter()
+    sizes = {}
+    for batch in stream:
+        for url, index, size in zip(batch["url"], batch["index"], batch["shard_size"], strict=True):
+            rows[(url, int(index))] += 1
+            if size >= 0:
+                sizes[url] = int(size)
+    expected = {(url, i) for url in urls for i in range(12) if i not in skip[url]}
+    assert rows == collections.Counter(expected) and sizes == {url: 12 for url in urls}
+    assert bad.total == len(expected)  # consumed samples are not counted again

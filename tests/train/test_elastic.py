@@ -177,3 +177,29 @@ def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(t
     # Each corrupt sample counted once an epoch across the resume: 3 by the end of epoch 0, 6 of 1 ...
     ends = bad_at_epoch_ends(stopped, resumed)
     assert all(ends[e] == len(CORRUPT) * (e + 1) for e in complete), ends
+
+
+def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(world, monkeypatch, tmp_path, capsys):
+    """One worker, batch 8: 7 steps an epoch. Stopped at step 3 with micro-batches of 4, resumed with
+    micro-batches of 2: epoch 0 still trains every good sample once, and counts each bad one once."""
+    from pipeline.train import loop
+
+    monkeypatch.setattr(loop, "micro_batches", indexed_micro_batches)
+    steps: list = []
+    real = loop.Trainer.train_step
+
+    def train_step(self, data, step_input, agreement):
+        steps.append((self.state.epoch, [list(step_input.keys)], step_input.bad_samples.bad))
+        return real(self, data, step_input, agreement)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
+    stopped = config(tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=9, stop_at_step=3)
+    for cfg in (stopped, stopped.replace(stop_at_step=None, micro_batch_size=2)):
+        session = LocalSession(torch.device("cpu"), Path(cfg.run.out))
+        loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}
+        assert loop.Trainer(loop_config, session).train()["error"] == ""
+    assert "the workers share the samples this epoch had not consumed, each once" in capsys.readouterr().out
+    record = {"steps": steps}
+    assert [e for e, _, _ in steps] == [0] * 7 + [1] * 2
+    assert collections.Counter(epochs(record)[0]) == collections.Counter(GOOD)
+    assert bad_at_epoch_ends(record)[0] == len(CORRUPT)
