@@ -198,8 +198,8 @@ def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(world, monkeypat
         session = LocalSession(torch.device("cpu"), Path(cfg.run.out))
         loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}
         assert loop.Trainer(loop_config, session).train()["error"] == ""
-    assert "the workers share the samples this epoch had not consumed, each once" in capsys.readouterr().out
     record = {"steps": steps}
     assert [e for e, _, _ in steps] == [0] * 7 + [1] * 2
     assert collections.Counter(epochs(record)[0]) == collections.Counter(GOOD)
     assert bad_at_epoch_ends(record)[0] == len(CORRUPT)
+    assert "the workers share the samples this epoch had not consumed, each once" in capsys.readouterr().out
