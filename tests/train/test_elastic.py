@@ -203,3 +203,31 @@ def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(world, monkeypat
     assert collections.Counter(epochs(record)[0]) == collections.Counter(GOOD)
     assert bad_at_epoch_ends(record)[0] == len(CORRUPT)
     assert "the workers share the samples this epoch had not consumed, each once" in capsys.readouterr().out
+
+
+def test_the_real_pipeline_goes_on_by_sample_at_another_micro_batch_size(
+    world, ray_session, synthetic_shards, monkeypatch, tmp_path, capsys
+):
+    """The same resume through Ray Data (read, decode, the shuffle buffer of 1,024 holding the whole
+    epoch, so the samples trained before the stop are scattered over all 4 shards): 48 samples, batch
+    8, stopped at step 2 with micro-batches of 4, resumed with micro-batches of 2."""
+    from pipeline.train import loop
+
+    steps: list = []
+    real = loop.Trainer.train_step
+
+    def train_step(self, data, step_input, agreement):
+        steps.append((self.state.epoch, [list(step_input.keys)], step_input.bad_samples.bad))
+        return real(self, data, step_input, agreement)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
+    stopped = config(tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=7, stop_at_step=2)
+    for cfg in (stopped, stopped.replace(stop_at_step=None, micro_batch_size=2)):
+        session = LocalSession(torch.device("cpu"), Path(cfg.run.out))
+        loop_config = {"train": cfg.to_dict(), "shards": synthetic_shards.urls, "data_cpus_per_worker": 1.0}
+        assert loop.Trainer(loop_config, session).train()["error"] == ""
+    saved = json.loads((tmp_path / dcp.checkpoint_name(2) / "train_state.json").read_text())
+    assert len(saved["epoch_consumed"]["partial"]) > 1  # samples taken from more than one shard
+    assert [e for e, _, _ in steps] == [0] * 6 + [1]
+    assert sorted(epochs({"steps": steps})[0]) == sorted(synthetic_shards.keys)
+    assert "the workers share the samples this epoch had not consumed" in capsys.readouterr().out
