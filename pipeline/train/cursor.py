@@ -19,8 +19,13 @@ what the rank has taken from it:
   skipped micro-batches counting from ``at_epoch_start``, so it ends at exactly ``counts``: each bad
   sample is counted once across the resume.
 
-A checkpoint holds the cursor of every rank as `TrainState.epoch_position`, `bad_samples` and
-`epoch_bad_samples` (`save_into`).
+- ``samples``: what the epoch has consumed, by sample, whatever the layout (`EpochPosition`): the
+  samples of the steps this rank trained (`took`) and the bad ones it counted (`saw`), plus what the
+  run had consumed when it resumed. An ``elastic`` cursor's stream is the shards it is dealt, minus
+  their consumed samples (`deal`).
+
+A checkpoint holds the cursor of every rank as `TrainState.epoch_position`, `epoch_consumed` (the
+union of every rank's ``samples``), `bad_samples` and `epoch_bad_samples` (`save_into`).
 """
 
 from __future__ import annotations
