@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.train.cursor import EpochCursor, stream_fingerprint
@@ -104,3 +106,34 @@ def test_a_checkpoint_without_epoch_counts_starts_its_epoch_from_the_step_counts
     state.epoch_bad_samples = []  # written before the epoch's counts were kept
     again, _ = EpochCursor.resume(state, 0, 1, 4, SAME, DATA)
     assert again.at_epoch_start.bad == 1
+
+
+def columns(url: str, indices: list[int], size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A micro-batch's (url, index, shard_size) columns, ``size`` on its last row (`StepInput.consumed`)."""
+    return np.array([url] * len(indices)), np.array(indices), np.array([-1] * (len(indices) - 1) + [size])
+
+
+def test_at_another_layout_a_position_by_sample_makes_the_cursor_elastic_and_deals_what_is_left():
+    shards = ["d/a.tar", "d/b.tar", "d/c.tar"]
+    ranks = [EpochCursor.start(r, 2, 4, SAME, DATA, shards=shards) for r in range(2)]
+    ranks[0].took(1, counts(4, 0), [columns("d/a.tar", [0, 1, 2, 3], 4)])  # a.tar done: its size is known
+    ranks[1].took(1, counts(4, 1), [columns("d/b.tar", [0, 2, 3], -1)])
+    ranks[1].saw(counts(5, 1), [("d/b.tar", 1, -1), ("d/b.tar", 5, -1)])  # bad ones count as consumed
+    state = saved(ranks)
+    state.epoch_consumed = ranks[0].samples.update(ranks[1].samples.to_dict()).to_dict()
+    resumed, note = EpochCursor.resume(state, 0, 1, 4, SAME, DATA, shards=shards)
+    assert resumed.elastic and not resumed.at_start
+    assert "the workers share the samples this epoch had not consumed" in note
+    mine, skip = resumed.deal(["d/c.tar", "d/a.tar", "d/b.tar"])
+    assert mine == ["d/c.tar", "d/b.tar"] and list(skip["skip"]["d/b.tar"].bounds) == [0, 4, 5, 6]
+    assert resumed.deal(["d/c.tar", "d/a.tar", "d/b.tar"], ahead=True) == (
+        ["d/c.tar", "d/a.tar", "d/b.tar"],
+        {},
+    )
+    assert resumed.position()["elastic"]  # a later resume, even at this layout, goes on by sample too
+    resumed.next_epoch()
+    assert resumed.at_start and not resumed.elastic and resumed.samples.to_dict() == {}
+    # Without a position by sample (a checkpoint from before it), the epoch starts again.
+    state.epoch_consumed = {}
+    again, note = EpochCursor.resume(state, 0, 1, 4, SAME, DATA, shards=shards)
+    assert not again.elastic and note.endswith("so this epoch's data starts again from its first sample")
