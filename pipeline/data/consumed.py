@@ -7,8 +7,9 @@ sit in the buffer: a handful of intervals ``[start, end)``. The read stage skips
 `Consumed` before it parses them (`pipeline.data.rows.read_shard`), which is how a run resumed at
 another world size trains each remaining sample of the epoch once (`pipeline.train.position`).
 
-`encode` writes the intervals' bounds as deltas in LEB128 varints, base64: a bound costs a byte or
-two, whatever the shard's size.
+`encode` writes the intervals' bounds as deltas in LEB128 varints (a bound costs a byte or two, whatever
+the shard's size), or, where holes are dense, the prefix and a bitmap of the window past it, whichever
+is shorter, in base64.
 """
 
 from __future__ import annotations
@@ -75,30 +76,64 @@ class Consumed:
         return self
 
     def encode(self) -> str:
-        """The bounds as varint deltas, base64 (`decode` reads it back)."""
-        out = bytearray()
-        last = 0
-        for bound in self.bounds:
-            delta, last = bound - last, bound
-            while True:
-                byte, delta = delta & 0x7F, delta >> 7
-                out.append(byte | (0x80 if delta else 0))
-                if not delta:
-                    break
-        return base64.b64encode(bytes(out)).decode("ascii")
+        """Base64 of the shorter of two forms (`decode` reads either): a 0 byte, then the bounds as
+        varint deltas; or a 1 byte, then the prefix and the window past it as varints, then one bit
+        per sample of the window (consumed or not): the denser the holes, the better the bitmap."""
+        intervals = b"\0" + _varints(b - a for a, b in zip([0, *self.bounds], self.bounds, strict=False))
+        prefix, end = self.prefix, self.bounds[-1] if self.bounds else 0
+        if (end - prefix) // 8 < len(intervals):  # else the bitmap cannot be the shorter
+            bits = bytearray((end - prefix + 7) // 8)
+            for a, b in zip(self.bounds[::2], self.bounds[1::2], strict=True):
+                for i in range(max(a, prefix) - prefix, b - prefix):
+                    bits[i // 8] |= 1 << (i % 8)
+            bitmap = b"\1" + _varints([prefix, end - prefix]) + bytes(bits)
+            intervals = min(intervals, bitmap, key=len)
+        return base64.b64encode(intervals).decode("ascii")
 
     @classmethod
     def decode(cls, text: str) -> Consumed:
-        bounds, value, shift, last = [], 0, 0, 0
-        for byte in base64.b64decode(text):
-            value |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                last += value
-                bounds.append(last)
-                value, shift = 0, 0
-        if shift or len(bounds) % 2 or any(a >= b for a, b in itertools.pairwise(bounds)):
-            raise ValueError(
-                "not the intervals of a data position; the checkpoint's train_state.json is damaged"
-            )
+        raw = base64.b64decode(text)
+        if raw[:1] == b"\1":
+            (prefix, window), rest = _read_varints(raw[1:], 2)
+            if len(rest) != (window + 7) // 8:
+                raise ValueError(DAMAGED)
+            consumed = cls([0, prefix] if prefix else [])
+            return consumed.add(prefix + i for i in range(window) if rest[i // 8] >> (i % 8) & 1)
+        if raw[:1] != b"\0":
+            raise ValueError(DAMAGED)
+        deltas, _ = _read_varints(raw[1:], None)
+        bounds = list(itertools.accumulate(deltas))
+        if len(bounds) % 2 or any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise ValueError(DAMAGED)
         return cls(bounds)
+
+
+DAMAGED = "not the samples of a data position; the checkpoint's train_state.json is damaged"
+
+
+def _varints(values: Iterable[int]) -> bytes:
+    """LEB128: 7 bits a byte, low first, the high bit set on every byte but a number's last."""
+    out = bytearray()
+    for value in values:
+        while True:
+            byte, value = value & 0x7F, value >> 7
+            out.append(byte | (0x80 if value else 0))
+            if not value:
+                break
+    return bytes(out)
+
+
+def _read_varints(raw: bytes, count: int | None) -> tuple[list[int], bytes]:
+    """(``count`` numbers, or all, from the start of ``raw``; the bytes after them)."""
+    values, value, shift = [], 0, 0
+    for n, byte in enumerate(raw):
+        if count is not None and len(values) == count:
+            return values, raw[n:]
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            values.append(value)
+            value, shift = 0, 0
+    if shift or (count is not None and len(values) != count):
+        raise ValueError(DAMAGED)
+    return values, b""

@@ -86,11 +86,11 @@ def simulated_rank(shard_size: int, shards: int, buffer: int, in_flight: int, rn
 
 def test_the_position_of_14m_samples_in_14k_shards_stays_small():
     """14,000 shards of 1,000 samples, halfway through an epoch. Every rank's shuffle buffer (1,024, the
-    default) and 288 samples in flight (2 prefetched steps of 4 x 32, a micro-batch in rebatch) leave
-    holes in the shards it reads; half the shards are done. Printed: the record's bytes in
-    train_state.json, and the intervals a rank adds."""
+    default) and 1,056 samples in flight (8 prefetched steps, the default, of 4 x 32; one micro-batch in
+    rebatch) leave holes in the shards it reads; half the shards are done. Printed: the record's bytes
+    in train_state.json, and what a rank adds."""
     shards = [f"s3://bucket/laion/{i:05d}.tar" for i in range(14_000)]
-    consumed = simulated_rank(1000, 8, buffer=1024, in_flight=288, rng=random.Random(0))
+    consumed = simulated_rank(1000, 8, buffer=1024, in_flight=1056, rng=random.Random(0))
     figures = {}
     for world in (64, 256, 1024):
         position = EpochPosition(shards)
@@ -100,5 +100,9 @@ def test_the_position_of_14m_samples_in_14k_shards_stays_small():
         record = json.dumps(position.to_dict())
         figures[world] = len(record)
         intervals = sum(len(c.bounds) // 2 for c in position.partial.values()) / world
-        print(f"{world} ranks: {len(record) / 1024:.0f} KiB ({intervals:.0f} intervals a rank)")
-    assert figures[64] < 256 * 1024 and figures[1024] < 4 * 1024 * 1024, figures
+        encoded = sum(len(c.encode()) for c in position.partial.values()) / world
+        done = len(position.to_dict()["done"])
+        print(
+            f"{world} ranks: {len(record) / 1024:.0f} KiB ({done} B done, {encoded:.0f} B, {intervals:.0f} intervals a rank)"
+        )
+    assert figures[64] < 64 * 1024 and figures[1024] < 1024 * 1024, figures
