@@ -10,9 +10,9 @@ the union over all ranks (`gathered`, one gather at checkpoint time), as `TrainS
   against the same shards;
 - ``done``: a bitmap over the shard list, of the shards every sample of which was consumed (a rank
   learns a shard's size from its last row, `shard_size`);
-- ``partial``: per other shard it has begun, the consumed indices as intervals (`Consumed.encode`):
-  the shuffle buffer makes them a prefix with holes where samples still sat in a buffer, so a shard
-  costs a few bytes plus about three per hole;
+- ``partial``: per other shard it has begun, the consumed indices (`Consumed.encode`): the shuffle
+  buffer makes them a prefix with holes where samples still sat in a buffer or a prefetched step,
+  written as intervals or as the prefix and a bitmap past it, whichever is shorter;
 - ``sizes``: the sizes learned of those partial shards.
 
 A run resumed at another world size or micro-batch size (`EpochCursor.elastic`) deals the epoch's
