@@ -117,7 +117,8 @@ def _checked(sources: list[Source]) -> list[Source]:
 
 
 def _from_yaml(path: str) -> list[Source]:
-    """``sources: [{name: laion, data: s3://a/{000..999}.tar, weight: 0.7}, ...]``."""
+    """``sources: [{name: laion, data: s3://a/{000..999}.tar, weight: 0.7}, ...]``, read with
+    ``yaml.safe_load`` (plain data, nothing constructed); PyYAML comes with Ray, a dependency of its own."""
     import yaml
 
     from pipeline import storage
