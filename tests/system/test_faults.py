@@ -1,7 +1,8 @@
 """Pretraining through faults, as a user runs it: `jobs/pretrain.py` reads its shards from and writes its
 run to a loopback S3 whose every 4th request fails (503, a stall past the read timeout, 500, a dropped
 connection, in turn; 12 faults in the first run); its driver and the local Ray it started are SIGKILLed
-once a checkpoint is registered, and the same command is run again. In the second run every 2nd request
+once a checkpoint is registered (checkpoint 8's write held meanwhile by the saver's test hook, so that
+the kill lands mid-run), and the same command is run again. In the second run every 2nd request
 for a checkpoint's files fails: the restore's reads of the checkpoint it resumes from, then its saves.
 The run ends with the weights of the same command run straight on a local disk.
 
@@ -36,6 +37,7 @@ from safetensors.torch import load_file
 import vit
 from pipeline import dcp
 from pipeline.storage import Location
+from pipeline.train.saver import WRITE_DELAY_ENV
 from tests.flaky_s3 import FAULTS, FlakyS3
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,10 +87,13 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
             "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1",
+            # Checkpoint 8's write is held, so the run cannot reach its end (12 waits for 8 in storage)
+            # before the kill that follows the first registered checkpoint: a fast run raced past it.
+            WRITE_DELAY_ENV: "8:120",
         }
         secret = "vitray-second-run-secret"  # moto takes any keys
         options = {**s3.storage_options, "key": "vitray-second-run", "secret": secret}
-        options_only = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+        options_only = {k: v for k, v in env.items() if not k.startswith("AWS_") and k != WRITE_DELAY_ENV}
 
         def pretrain(data: str, out: str) -> list[str]:
             return [
