@@ -247,8 +247,12 @@ class Trainer:
             root=dataset_root(self.shards),
             **skip,  # an elastic epoch's consumed samples, passed over (`EpochCursor.deal`)
         )
+        return self.prefetcher(stream, epoch, counts, ahead=ahead is not None)
+
+    def prefetcher(self, stream: Any, epoch: int, counts: BadSamples, *, ahead: bool) -> Prefetcher:
+        """``epoch``'s steps of input from ``stream``, after the micro-batches taken (none ``ahead``)."""
         return Prefetcher(
-            self.cursor.skip(stream) if ahead is None else stream,
+            stream if ahead else self.cursor.skip(stream),
             accum=self.accum,
             columns=self.objective.columns,
             bad_samples=counts,

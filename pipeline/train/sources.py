@@ -139,15 +139,7 @@ def epoch_input(trainer: Any, ahead: BadSamples | None = None) -> Prefetcher:
     stream = t.mixture.stream(
         t.data_config, epoch, t.rank, t.world, t.accum, size, counts=counts, data_cpus=cpus
     )
-    return Prefetcher(
-        t.cursor.skip(stream) if ahead is None else stream,
-        accum=t.accum,
-        columns=t.objective.columns,
-        bad_samples=counts,
-        pin=t.device.type == "cuda",
-        depth=t.config.speed.prefetch_steps,
-        on_dry=lambda final: t.start_next_epoch(epoch, final),
-    )
+    return t.prefetcher(stream, epoch, counts, ahead=ahead is not None)
 
 
 def stream_fingerprint(trainer: Any) -> str:
