@@ -91,9 +91,11 @@ def ray_session():
             object_store_memory=2 * 1024**3,
             log_to_driver=False,
         )
-    from ray.data import DataContext
+    from pipeline.console import Console
 
-    DataContext.get_current().enable_progress_bars = False
+    # The console a job sets up once it joins Ray (`cli.connect_ray`, which the job tests replace with
+    # this Ray): Ray Data's progress bars off, its logger at WARNING; the job's stderr is its own lines.
+    Console().after_init()
     yield ray
     ray.shutdown()
 
