@@ -120,14 +120,9 @@ def test_eval_patches_are_the_first_images_with_the_eval_crop(synthetic_shards):
     np.testing.assert_array_equal(patches[12], expected)
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory):
-    torch.manual_seed(0)
-    model = vit.create_model("vit_tiny_test", num_classes=4)
-    path = tmp_path_factory.mktemp("export")
-    data = DataConfig(image_size=32, patch_size=8)
-    vit.save_pretrained(path, model.state_dict(), model.config, extra={"preprocessing": data.to_dict()})
-    return str(path)
+@pytest.fixture
+def export(tiny_export_32px):
+    return tiny_export_32px
 
 
 def test_analyze_writes_three_readable_figures_and_the_numbers(export, synthetic_shards, tmp_path, capsys):
