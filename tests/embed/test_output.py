@@ -162,20 +162,15 @@ def test_the_claim_is_exclusive_on_local_disk_with_hard_links_and_without(tmp_pa
 @pytest.fixture(scope="module")
 def s3_options():
     """A loopback S3 (moto's server) with one bucket; yields the storage options that reach it."""
-    import boto3
     from moto import server as moto_server
+
+    from tests.flaky_s3 import s3_client
 
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket="claims")
+    s3_client(endpoint).create_bucket(Bucket="claims")
     yield {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
     server.stop()
 
