@@ -149,15 +149,14 @@ class CurrentStderr(logging.StreamHandler):
 
 
 def follow_stderr() -> None:
-    """Ray's console handlers on the ``ray`` and ``ray.data`` loggers become `CurrentStderr` handlers, with
-    their level, format and filters. Ray makes them when ``ray`` (or ``ray.data``) is first imported, bound
-    to the ``sys.stderr`` of that moment; where that stream was replaced and closed since (the capture of
-    the test that first imported Ray Data), each of their records would end in a "Logging error" on the
-    stderr of the moment instead. Called at each job's start (`pipeline.cli.run_job`) and after
-    ``ray.init`` (`Console.after_init`); a handler already following is left alone."""
-    for name in ("ray", "ray.data"):
-        logger = logging.Logger.manager.loggerDict.get(name)
-        if not isinstance(logger, logging.Logger):  # not imported yet: Ray makes its handler then
+    """Ray's console handlers on its loggers (``ray``, ``ray.data``, ``ray.train``) become `CurrentStderr`
+    handlers, with their level, format and filters. Ray makes them when ``ray`` (or ``ray.data``) is first
+    imported, bound to the ``sys.stderr`` of that moment; where that stream was replaced and closed since
+    (the capture of the test that first imported Ray Data), each of their records would end in a "Logging
+    error" on the stderr of the moment instead. Called at each job's start (`pipeline.cli.run_job`) and
+    after ``ray.init`` (`Console.after_init`); a handler already following is left alone."""
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if not isinstance(logger, logging.Logger) or not (name == "ray" or name.startswith("ray.")):
             continue
         for i, handler in enumerate(logger.handlers):
             if compat.is_ray_console_handler(handler):
