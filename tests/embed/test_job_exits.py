@@ -4,7 +4,6 @@ was done), and the same command run again completes. In this process, on the tes
 from __future__ import annotations
 
 import errno
-import importlib.util
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -12,11 +11,9 @@ import pyarrow.parquet as pq
 from pipeline import cli
 from pipeline.embed import job
 from pipeline.embed.output import EmbeddingOutput
+from tests.job_scripts import load_job
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("vitray_jobs_embed_exits", ROOT / "jobs" / "embed.py")
-embed_job = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(embed_job)
+embed_job = load_job("embed", "vitray_jobs_embed_exits")
 
 
 def test_a_full_disk_and_a_lost_shard_fail_the_run_in_one_line_and_a_rerun_completes(

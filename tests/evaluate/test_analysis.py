@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,12 +17,9 @@ from pipeline.data.decode import transform_image
 from pipeline.evaluate import analysis
 from pipeline.evaluate.attention import attention_distances, mean_attention_distance, patch_distances
 from pipeline.evaluate.samples import eval_patches
+from tests.job_scripts import load_job
 
-ROOT = Path(__file__).resolve().parents[2]
-# The job script itself, run in this process (its output captured), under a name no package has.
-_spec = importlib.util.spec_from_file_location("vitray_jobs_analyze", ROOT / "jobs" / "analyze.py")
-analyze_job = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(analyze_job)
+analyze_job = load_job("analyze")  # the job script itself, run in this process (its output captured)
 
 GRID = (3, 4)  # 3 rows x 4 columns of patches
 PITCH = 8.0  # pixels per patch

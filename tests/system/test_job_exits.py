@@ -4,7 +4,6 @@ and no job writes into a directory of the user's. In this process, no Ray."""
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import socket
 import tempfile
@@ -15,16 +14,12 @@ import pytest
 from pipeline import cli, storage
 from pipeline.train import driver
 from pipeline.train.presets import PRESETS
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.job_scripts import load_job
 
 
 def job(name: str):
     """A job script, loaded in this process under a name no package has."""
-    spec = importlib.util.spec_from_file_location(f"vitray_jobs_{name}_exits", ROOT / "jobs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_job(name, f"vitray_jobs_{name}_exits")
 
 
 @pytest.fixture(autouse=True)
