@@ -364,6 +364,9 @@ def run_job(body: Callable[[], int], *, failures: tuple[type[BaseException], ...
     """
     global _work_started
     _work_started = False
+    from pipeline.console import follow_stderr
+
+    follow_stderr()  # Ray's console handlers, made when Ray was imported, may hold a stream closed since
     try:
         code = body()
     except KeyboardInterrupt:

@@ -95,6 +95,15 @@ def ray_train_preemption_info() -> Any | None:
     return context.preemption_context.preemption_info
 
 
+def is_ray_console_handler(handler: logging.Handler) -> bool:
+    """Whether ``handler`` is Ray's console handler (``ray._private.log.PlainRayHandler``), the one that
+    ``import ray`` puts on the ``ray`` logger and ``import ray.data`` on ``ray.data``. On the driver it
+    writes to the ``sys.stderr`` of the moment it was made, although its docstring says the moment of
+    each record. Told by its name, so that asking imports no Ray."""
+    kind = type(handler)
+    return kind.__module__ == "ray._private.log" and kind.__name__ == "PlainRayHandler"
+
+
 class _DropTracebacksOf(logging.Filter):
     def __init__(self, text: str):
         super().__init__()

@@ -120,6 +120,7 @@ class Console:
 
     def after_init(self) -> None:
         """Call after ``ray.init``: the driver's Ray Data settings and the filter on its Ray loggers."""
+        follow_stderr()
         if self.verbose:
             return
         import ray.data
@@ -132,6 +133,39 @@ class Console:
                     handler.addFilter(QuietFilter())
         compat.filter_forwarded_logs("vitray_quiet_records", QuietRecords())
         spend_actor_restart_notice()
+
+
+class CurrentStderr(logging.StreamHandler):
+    """A log handler that writes to ``sys.stderr`` as it is when a record is emitted, not as it was when
+    the handler was made: a stream since replaced (`StripColour`, a test's capture) may be closed."""
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _stream: TextIO) -> None:
+        pass  # set by StreamHandler.__init__ and setStream; this handler reads sys.stderr at each record
+
+
+def follow_stderr() -> None:
+    """Ray's console handlers on its loggers (``ray``, ``ray.data``, ``ray.train``) become `CurrentStderr`
+    handlers, with their level, format and filters. Ray makes them when ``ray`` (or ``ray.data``) is first
+    imported, bound to the ``sys.stderr`` of that moment; where that stream was replaced and closed since
+    (the capture of the test that first imported Ray Data), each of their records would end in a "Logging
+    error" on the stderr of the moment instead. Called at each job's start (`pipeline.cli.run_job`) and
+    after ``ray.init`` (`Console.after_init`); a handler already following is left alone."""
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if not isinstance(logger, logging.Logger) or not (name == "ray" or name.startswith("ray.")):
+            continue
+        for i, handler in enumerate(logger.handlers):
+            if compat.is_ray_console_handler(handler):
+                following = CurrentStderr()
+                following.setLevel(handler.level)
+                following.setFormatter(handler.formatter)
+                following.name, following.filters = handler.name, list(handler.filters)
+                logger.handlers[i] = following
+                handler.close()
 
 
 # The lines after a log record's message when it carries an exception (``exc_info``).

@@ -91,9 +91,11 @@ def ray_session():
             object_store_memory=2 * 1024**3,
             log_to_driver=False,
         )
-    from ray.data import DataContext
+    from pipeline.console import Console
 
-    DataContext.get_current().enable_progress_bars = False
+    # The console a job sets up once it joins Ray (`cli.connect_ray`, which the job tests replace with
+    # this Ray): Ray Data's progress bars off, its logger at WARNING; the job's stderr is its own lines.
+    Console().after_init()
     yield ray
     ray.shutdown()
 
@@ -109,3 +111,33 @@ def synthetic_shards(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("synthetic_shards")
     return write_synthetic_shards(out, 48, samples_per_shard=12, image_size=64, num_classes=4, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory) -> str:
+    """A saved `vit_tiny_test` with 4 classes and the weights it was made with, no preprocessing record:
+    what a job test hands to ``--weights`` where the values do not matter. Shared; never write into it."""
+    import vit
+
+    model = vit.create_model("vit_tiny_test", num_classes=4)
+    path = tmp_path_factory.mktemp("tiny_export")
+    vit.save_pretrained(path, model.state_dict(), model.config)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_export_32px(tmp_path_factory) -> str:
+    """`tiny_export` made from seed 0, with the preprocessing record training saves beside the weights
+    (32 px images, 8 px patches). Shared; never write into it."""
+    import torch
+
+    import vit
+    from pipeline.data.config import DataConfig
+
+    with torch.random.fork_rng():  # the same weights every time; the tests' random state left alone
+        torch.manual_seed(0)
+        model = vit.create_model("vit_tiny_test", num_classes=4)
+    path = tmp_path_factory.mktemp("tiny_export_32px")
+    data = DataConfig(image_size=32, patch_size=8)
+    vit.save_pretrained(path, model.state_dict(), model.config, extra={"preprocessing": data.to_dict()})
+    return str(path)

@@ -17,8 +17,33 @@ import threading
 import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 
 from pipeline.storage import Location
+
+
+def s3_client(endpoint: str) -> Any:
+    """A boto3 S3 client of the loopback store at ``endpoint`` (moto's server, or `FlakyS3`'s proxy)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+
+
+def upload_shards(endpoint: str, bucket: str, urls: list[str]) -> None:
+    """Creates ``bucket`` in the loopback store at ``endpoint`` and uploads each shard there as
+    ``shards/<its file name>``."""
+    client = s3_client(endpoint)
+    client.create_bucket(Bucket=bucket)
+    for url in urls:
+        client.upload_file(url, bucket, f"shards/{Path(url).name}")
+
 
 FAULTS = ("503", "stall", "500", "drop")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"}

@@ -140,6 +140,13 @@ def rel(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
 
+def importers(files: list[Path], module: str) -> list[str]:
+    """Those of ``files`` that import ``module`` or a module inside it."""
+    return [
+        rel(f) for f in files if any(m == module or m.startswith(f"{module}.") for m in imported_modules(f))
+    ]
+
+
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -205,29 +212,17 @@ def test_train_and_embed_never_import_each_other_and_data_imports_neither():
 
 
 def test_the_data_room_imports_no_torch():
-    offenders = [
-        rel(f)
-        for f in python_files("pipeline/data")
-        if any(m == "torch" or m.startswith("torch.") for m in imported_modules(f))
-    ]
+    offenders = importers(python_files("pipeline/data"), "torch")
     assert not offenders, f"pipeline/data/ must not import torch (every decode worker loads it): {offenders}"
 
 
 def test_vit_never_imports_ray():
-    offenders = [
-        rel(f)
-        for f in python_files("vit")
-        if any(m == "ray" or m.startswith("ray.") for m in imported_modules(f))
-    ]
+    offenders = importers(python_files("vit"), "ray")
     assert not offenders, f"vit/ must stay pure PyTorch, but these import ray: {offenders}"
 
 
 def test_only_one_vit_module_imports_torch_distributed():
-    users = [
-        rel(f)
-        for f in python_files("vit")
-        if any(m == "torch.distributed" or m.startswith("torch.distributed.") for m in imported_modules(f))
-    ]
+    users = importers(python_files("vit"), "torch.distributed")
     assert set(users) <= {VIT_DISTRIBUTED_MODULE}, (
         f"only {VIT_DISTRIBUTED_MODULE} may import torch.distributed, found: {users}"
     )
@@ -311,11 +306,7 @@ def test_pipeline_defines_no_models():
 
 def test_tests_do_not_import_jobs():
     # jobs/ holds thin entry points; logic a test needs lives in vit/ or pipeline/.
-    offenders = [
-        rel(f)
-        for f in sorted((ROOT / "tests").rglob("*.py"))
-        if any(m == "jobs" or m.startswith("jobs.") for m in imported_modules(f))
-    ]
+    offenders = importers(sorted((ROOT / "tests").rglob("*.py")), "jobs")
     assert not offenders, f"tests import from jobs/ (move that logic to pipeline/ or vit/): {offenders}"
 
 

@@ -3,11 +3,9 @@ misfit refused in one line before anything is written."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,14 +13,11 @@ import torch
 import vit
 from pipeline.data.config import DataConfig
 from pipeline.model_source import load_model_source
+from tests.job_scripts import load_job
 from tests.test_model_source import run_dir  # noqa: F401  (a fixture: a run written by the training code)
 
 TINY = "vit_tiny_test"  # embed_dim 64, depth 2, 4 heads, mlp 128, patch 8, image 32
-_SPEC = importlib.util.spec_from_file_location(
-    "vitray_jobs_export", Path(__file__).resolve().parents[1] / "jobs" / "export.py"
-)
-export_job = importlib.util.module_from_spec(_SPEC)  # the job script itself, run in this process
-_SPEC.loader.exec_module(export_job)
+export_job = load_job("export")  # the job script itself, run in this process
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 

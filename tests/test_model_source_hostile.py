@@ -22,25 +22,17 @@ import torch
 
 import vit
 from pipeline.model_source import load_model_source
+from tests.embed.test_job import trained_model
 from vit.weights import CONFIG_FILE, WEIGHTS_FILE
 
 TINY = "vit_tiny_test"  # embed_dim 64, depth 2, mlp_dim 128, patch 8, 4 heads, image 32
 FAST_S = 2.0  # the tiny model loads in tens of milliseconds; a refusal takes no longer
 
 
-def tiny_model() -> vit.VisionTransformer:
-    torch.manual_seed(0)
-    model = vit.create_model(TINY, num_classes=4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> Path:
     """The tiny model's export; loading it once here also pays the imports before any timing."""
-    model = tiny_model()
+    model = trained_model()
     path = tmp_path_factory.mktemp("export")
     vit.save_pretrained(path, model.state_dict(), model.config)
     assert load_model_source(str(path)).config == model.config
@@ -181,7 +173,7 @@ def checkpoint(tmp_path_factory) -> Path:
     """A checkpoint directory as training leaves one, for the model part: DCP shards + config.json."""
     import torch.distributed.checkpoint as dcp
 
-    model = tiny_model()
+    model = trained_model()
     path = tmp_path_factory.mktemp("run") / "checkpoint_00000001"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
     (path / CONFIG_FILE).write_text(json.dumps({"model_config": model.config.to_dict()}))
@@ -252,7 +244,7 @@ def checkpoint_config(field: str, value) -> Callable[[Path], None]:
 def nan_checkpoint(folder: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    state = tiny_model().state_dict()
+    state = trained_model().state_dict()
     state["pos_embed"][0, 0] = math.nan
     for file in folder.glob("*.distcp"):
         file.unlink()
@@ -334,7 +326,7 @@ def timm_tensors(change=None) -> Callable[[], dict[str, torch.Tensor]]:
     def make() -> dict[str, torch.Tensor]:
         from tests.test_model_source import timm_layout
 
-        model = tiny_model()
+        model = trained_model()
         tensors = timm_layout(model.state_dict(), model.config)
         if change is not None:
             change(tensors)
@@ -345,7 +337,7 @@ def timm_tensors(change=None) -> Callable[[], dict[str, torch.Tensor]]:
 
 def vitray_tensors(change) -> Callable[[], dict[str, torch.Tensor]]:
     def make() -> dict[str, torch.Tensor]:
-        tensors = dict(tiny_model().state_dict())
+        tensors = dict(trained_model().state_dict())
         change(tensors)
         return tensors
 

@@ -12,6 +12,7 @@ import struct
 import tarfile
 import tracemalloc
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -34,18 +35,25 @@ HELD_LIMIT = 64 << 20  # Python memory a reader may hold while passing a 1 GiB m
 CLIMBING = ["../../../escape", "a/../../b", "./../c", "C:\\Windows\\e"]
 
 
-def test_climbing_and_absolute_member_names_are_keys_never_paths(tmp_path, monkeypatch):
-    """The parser writes nothing: such names come back as plain keys, and no file appears anywhere
-    they point (the reader runs deeper below tmp_path than any `../` climbs, so such a write would land
-    inside it where this test looks, and the absolute name points inside it too)."""
-    names = [*CLIMBING, str(tmp_path / "planted" / "absolute")]
-    members = [(f"{name}.{ext}", data) for name in names for ext, data in (("cls", b"1"), ("jpg", b"J"))]
+def hostile_shard(tmp_path: Path, members: list[tuple[str, bytes]], monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``members`` as the shard ``shards/hostile-000000.tar`` below ``tmp_path``, with this process's
+    working directory moved deeper below ``tmp_path`` (``work/one/two/three``) than `CLIMBING` climbs."""
     shard = tmp_path / "shards" / "hostile-000000.tar"
     shard.parent.mkdir()
     shard.write_bytes(tar_bytes(members))
     cwd = tmp_path / "work" / "one" / "two" / "three"
     cwd.mkdir(parents=True)
     monkeypatch.chdir(cwd)
+    return shard
+
+
+def test_climbing_and_absolute_member_names_are_keys_never_paths(tmp_path, monkeypatch):
+    """The parser writes nothing: such names come back as plain keys, and no file appears anywhere
+    they point (the reader runs deeper below tmp_path than any `../` climbs, so such a write would land
+    inside it where this test looks, and the absolute name points inside it too)."""
+    names = [*CLIMBING, str(tmp_path / "planted" / "absolute")]
+    members = [(f"{name}.{ext}", data) for name in names for ext, data in (("cls", b"1"), ("jpg", b"J"))]
+    shard = hostile_shard(tmp_path, members, monkeypatch)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     rows = pa.concat_tables(read_shard(str(shard), RowSpec(require_labels=True), 4)).to_pylist()
     assert [(r["key"], r["image"], r["label"], r["error"]) for r in rows] == [

@@ -13,6 +13,7 @@ from pipeline.data.config import DataConfig
 from pipeline.data.dataset import build_dataset, check_shards
 from pipeline.data.shards import ShardError, expand_shards
 from pipeline.storage import Location
+from tests.flaky_s3 import upload_shards
 
 BUCKET = "vitray-test"
 
@@ -20,22 +21,11 @@ BUCKET = "vitray-test"
 @pytest.fixture(scope="module")
 def s3(synthetic_shards):
     """Upload the synthetic shards; yields the storage options that reach the endpoint."""
-    import boto3
-
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket=BUCKET)
-    for url in synthetic_shards.urls:
-        client.upload_file(url, BUCKET, f"shards/{Path(url).name}")
+    upload_shards(endpoint, BUCKET, synthetic_shards.urls)
     options = {
         "key": "testing",
         "secret": "testing",
@@ -84,23 +74,12 @@ def test_s3_shards_read_like_local_ones_in_ray_workers(ray_session, s3, syntheti
 def test_s3_reads_through_5xx_timeouts_and_drops_deliver_every_sample_once(ray_session, synthetic_shards):
     """Every 2nd request to the store fails (503, a stall past the read timeout, 500, a dropped
     connection, in turn; 30 at most): the rows are still the local rows, each sample exactly once."""
-    import boto3
-
     from tests.flaky_s3 import FlakyS3
 
     s3 = FlakyS3(period=2, max_faults=30).start()
     try:
         options = s3.storage_options
-        client = boto3.client(
-            "s3",
-            endpoint_url=s3.endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
-        client.create_bucket(Bucket=BUCKET)
-        for url in synthetic_shards.urls:
-            client.upload_file(url, BUCKET, f"shards/{Path(url).name}")
+        upload_shards(s3.endpoint, BUCKET, synthetic_shards.urls)
         s3.faulty()
         urls = expand_shards(Location(f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar", options))
         config = DataConfig(image_size=32, patch_size=8, storage_options=options, read_backoff_s=0.2)

@@ -12,28 +12,15 @@ from pathlib import Path
 
 import pytest
 import ray
-import torch
 
-import vit
-from pipeline.data.config import DataConfig
 from pipeline.embed import devices, job
 from pipeline.embed.config import EmbedConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    torch.manual_seed(0)
-    model = vit.create_model("vit_tiny_test", num_classes=4)
-    path = tmp_path_factory.mktemp("export")
-    data = DataConfig(image_size=32, patch_size=8)
-    vit.save_pretrained(path, model.state_dict(), model.config, extra={"preprocessing": data.to_dict()})
-    return str(path)
-
-
-def test_cpu_and_gpu_embeddings_do_not_mix_in_one_output(synthetic_shards, weights, tmp_path):
-    cpu = EmbedConfig(data=str(synthetic_shards.dir), weights=weights, out=str(tmp_path / "emb"))
+def test_cpu_and_gpu_embeddings_do_not_mix_in_one_output(synthetic_shards, tiny_export_32px, tmp_path):
+    cpu = EmbedConfig(data=str(synthetic_shards.dir), weights=tiny_export_32px, out=str(tmp_path / "emb"))
     plan = job.prepare(cpu)
     assert plan.header["compute"] == {"device": "cpu", "precision": "fp32"}
     plan.output.start(plan.work)  # the manifest of a CPU run is there, as after an interrupted run

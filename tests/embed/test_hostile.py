@@ -18,11 +18,11 @@ import vit
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.data.synthetic import encode, render
-from pipeline.data.writing import tar_bytes
 from pipeline.embed.config import EmbedConfig
 from pipeline.embed.identity import CLAIM
 from pipeline.embed.job import NonFiniteEmbeddingError, ShardSink, prepare, run
 from pipeline.embed.output import MANIFEST, RECORDS, output_name
+from tests.data.test_hostile import hostile_shard
 from tests.embed.test_job import embed_job, trained_model
 
 
@@ -90,12 +90,7 @@ def test_climbing_and_absolute_keys_land_in_the_key_column_and_nowhere_else(
     for i, name in enumerate(names):
         pixels, label = render(i, image_size=48, num_classes=4)
         members += [(f"{name}.cls", str(label).encode()), (f"{name}.jpg", encode(pixels))]
-    shard = tmp_path / "shards" / "hostile-000000.tar"
-    shard.parent.mkdir()
-    shard.write_bytes(tar_bytes(members))
-    cwd = tmp_path / "work" / "one" / "two" / "three"
-    cwd.mkdir(parents=True)
-    monkeypatch.chdir(cwd)
+    shard = hostile_shard(tmp_path, members, monkeypatch)
     before = {p for p in tmp_path.rglob("*")}
     out = tmp_path / "out"
 

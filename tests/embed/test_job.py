@@ -6,7 +6,6 @@ whole runs on the shared local Ray over tiny shards with the tiny model (each ru
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -33,15 +32,13 @@ from pipeline.embed.config import EmbedConfig
 from pipeline.embed.identity import CLAIM
 from pipeline.embed.job import prepare, run
 from pipeline.embed.output import MANIFEST, METADATA_KEY, RECORDS, output_name
+from tests.job_scripts import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "vit_tiny_test"
 D = 64
-# The job script itself, run in this process where it needs no Ray (its output captured), under a
-# name no package has.
-_spec = importlib.util.spec_from_file_location("vitray_jobs_embed", ROOT / "jobs" / "embed.py")
-embed_job = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(embed_job)
+# The job script itself, run in this process where it needs no Ray (its output captured).
+embed_job = load_job("embed")
 
 
 def trained_model(seed: int = 0) -> vit.VisionTransformer:

@@ -4,33 +4,27 @@ was done), and the same command run again completes. In this process, on the tes
 from __future__ import annotations
 
 import errno
-import importlib.util
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
-import vit
 from pipeline import cli
 from pipeline.embed import job
 from pipeline.embed.output import EmbeddingOutput
+from tests.job_scripts import load_job
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("vitray_jobs_embed_exits", ROOT / "jobs" / "embed.py")
-embed_job = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(embed_job)
+embed_job = load_job("embed", "vitray_jobs_embed_exits")
 
 
 def test_a_full_disk_and_a_lost_shard_fail_the_run_in_one_line_and_a_rerun_completes(
-    ray_session, synthetic_shards, tmp_path, monkeypatch, capsys
+    ray_session, synthetic_shards, tiny_export, tmp_path, monkeypatch, capsys
 ):
-    model = vit.create_model("vit_tiny_test", num_classes=4)
-    vit.save_pretrained(tmp_path / "export", model.state_dict(), model.config)
     shards = tmp_path / "shards"
     shards.mkdir()
     for url in synthetic_shards.urls[:3]:
         (shards / Path(url).name).write_bytes(Path(url).read_bytes())
     out = tmp_path / "out"
-    args = ["--data", str(shards), "--weights", str(tmp_path / "export"), "--out", str(out)]
+    args = ["--data", str(shards), "--weights", tiny_export, "--out", str(out)]
     args += ["--cpu", "--batch-size", "8", "--concurrency", "1", "--cpus-per-actor", "1"]
     monkeypatch.setattr(cli, "connect_ray", lambda args, needed_cpus: True)  # the tests' Ray
 

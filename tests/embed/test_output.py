@@ -15,11 +15,9 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 import vit
 from pipeline import storage
-from pipeline.data.config import DataConfig
 from pipeline.embed.config import EmbedConfig
 from pipeline.embed.identity import CLAIM, OutputClaimedError
 from pipeline.embed.job import prepare, run
@@ -164,20 +162,15 @@ def test_the_claim_is_exclusive_on_local_disk_with_hard_links_and_without(tmp_pa
 @pytest.fixture(scope="module")
 def s3_options():
     """A loopback S3 (moto's server) with one bucket; yields the storage options that reach it."""
-    import boto3
     from moto import server as moto_server
+
+    from tests.flaky_s3 import s3_client
 
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket="claims")
+    s3_client(endpoint).create_bucket(Bucket="claims")
     yield {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
     server.stop()
 
@@ -302,22 +295,14 @@ def test_older_outputs_resume_under_their_names_unless_readers_skip_them(tmp_pat
 # --- real runs on Ray ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory):
-    torch.manual_seed(0)
-    model = vit.create_model("vit_tiny_test", num_classes=4).eval()
-    path = tmp_path_factory.mktemp("export")
-    data = DataConfig(image_size=32, patch_size=8)
-    vit.save_pretrained(path, model.state_dict(), model.config, extra={"preprocessing": data.to_dict()})
-    return str(path)
-
-
-def test_two_runs_at_once_into_one_out_give_one_row_per_key(ray_session, synthetic_shards, export, tmp_path):
+def test_two_runs_at_once_into_one_out_give_one_row_per_key(
+    ray_session, synthetic_shards, tiny_export_32px, tmp_path
+):
     out = tmp_path / "out"
     urls = synthetic_shards.urls
     # Overlapping halves: shard 1 and 2 are embedded by both runs, at the same time.
     configs = [
-        EmbedConfig(data=",".join(part), weights=export, out=str(out), batch_size=8)
+        EmbedConfig(data=",".join(part), weights=tiny_export_32px, out=str(out), batch_size=8)
         for part in (urls[:3], urls[1:])
     ]
     plans = [prepare(c) for c in configs]  # both plan before either commits
@@ -356,14 +341,14 @@ def test_an_output_written_before_the_regularization_fields_stays_this_models():
 
 
 def test_two_runs_of_other_weights_into_one_fresh_out_leave_one_model(
-    ray_session, synthetic_shards, export, tmp_path
+    ray_session, synthetic_shards, tiny_export_32px, tmp_path
 ):
     other = trained_model(seed=1)
     vit.save_pretrained(tmp_path / "other", other.state_dict(), other.config)
     out = tmp_path / "out"
     configs = [
         EmbedConfig(data=synthetic_shards.dir, weights=weights, out=str(out), batch_size=8)
-        for weights in (export, str(tmp_path / "other"))
+        for weights in (tiny_export_32px, str(tmp_path / "other"))
     ]
     plans = [prepare(c) for c in configs]  # both find a fresh --out, before either has claimed it
     run(plans[0])

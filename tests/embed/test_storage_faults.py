@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import boto3
 import pandas as pd
 import s3fs
 
@@ -17,7 +16,7 @@ from pipeline.embed.config import EmbedConfig
 from pipeline.embed.job import prepare, run
 from pipeline.embed.output import MANIFEST, RECORDS
 from tests.embed.test_job import trained_model
-from tests.flaky_s3 import FlakyS3
+from tests.flaky_s3 import FlakyS3, upload_shards
 
 BUCKET = "vitray-faults"
 
@@ -30,16 +29,7 @@ def test_shards_in_and_embeddings_out_through_failing_storage_lose_and_repeat_no
     vit.save_pretrained(tmp_path / "export", model.state_dict(), model.config, extra=extra)
     s3 = FlakyS3(period=4, max_faults=40).start()
     try:
-        client = boto3.client(
-            "s3",
-            endpoint_url=s3.endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
-        client.create_bucket(Bucket=BUCKET)
-        for url in synthetic_shards.urls:
-            client.upload_file(url, BUCKET, f"shards/{Path(url).name}")
+        upload_shards(s3.endpoint, BUCKET, synthetic_shards.urls)
         config = EmbedConfig(
             data=f"s3://{BUCKET}/shards/train-{{000000..000003}}.tar",
             weights=str(tmp_path / "export"),

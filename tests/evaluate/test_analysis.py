@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,12 +17,9 @@ from pipeline.data.decode import transform_image
 from pipeline.evaluate import analysis
 from pipeline.evaluate.attention import attention_distances, mean_attention_distance, patch_distances
 from pipeline.evaluate.samples import eval_patches
+from tests.job_scripts import load_job
 
-ROOT = Path(__file__).resolve().parents[2]
-# The job script itself, run in this process (its output captured), under a name no package has.
-_spec = importlib.util.spec_from_file_location("vitray_jobs_analyze", ROOT / "jobs" / "analyze.py")
-analyze_job = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(analyze_job)
+analyze_job = load_job("analyze")  # the job script itself, run in this process (its output captured)
 
 GRID = (3, 4)  # 3 rows x 4 columns of patches
 PITCH = 8.0  # pixels per patch
@@ -120,14 +115,9 @@ def test_eval_patches_are_the_first_images_with_the_eval_crop(synthetic_shards):
     np.testing.assert_array_equal(patches[12], expected)
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory):
-    torch.manual_seed(0)
-    model = vit.create_model("vit_tiny_test", num_classes=4)
-    path = tmp_path_factory.mktemp("export")
-    data = DataConfig(image_size=32, patch_size=8)
-    vit.save_pretrained(path, model.state_dict(), model.config, extra={"preprocessing": data.to_dict()})
-    return str(path)
+@pytest.fixture
+def export(tiny_export_32px):
+    return tiny_export_32px
 
 
 def test_analyze_writes_three_readable_figures_and_the_numbers(export, synthetic_shards, tmp_path, capsys):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,12 +11,9 @@ import pytest
 
 from pipeline.embed.output import FORMAT, MANIFEST, METADATA_KEY, embedding_table
 from pipeline.evaluate.embeddings import load_embeddings
+from tests.job_scripts import load_job
 
-ROOT = Path(__file__).resolve().parents[2]
-# The job script itself, run in this process (its output captured), under a name no package has.
-_spec = importlib.util.spec_from_file_location("vitray_jobs_evaluate", ROOT / "jobs" / "evaluate.py")
-evaluate_job = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(evaluate_job)
+evaluate_job = load_job("evaluate")  # the job script itself, run in this process (its output captured)
 
 
 HEADER = {

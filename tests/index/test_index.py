@@ -4,7 +4,6 @@ bad input is one line. One process, no Ray."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 from pathlib import Path
@@ -20,18 +19,9 @@ from pipeline.embed.identity import CLAIM
 from pipeline.embed.output import FORMAT, MANIFEST, embedding_table
 from pipeline.index import build, query, search
 from pipeline.index.config import IndexConfig
+from tests.job_scripts import load_job
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def job(name: str):
-    spec = importlib.util.spec_from_file_location(f"vitray_jobs_{name}", ROOT / "jobs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-index_job, search_job = job("index"), job("search")
+index_job, search_job = load_job("index"), load_job("search")
 
 
 def header(sha: str = "ab" * 32, normalize: bool = True, dtype: str = "float32", **more) -> dict:

@@ -7,7 +7,6 @@ ViT of the asked shape from vitray's own parts, takes its place: what is tested 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.job_scripts import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "vit_tiny_test", "--image-size", "32", "--num-classes", "4"]
@@ -201,10 +202,7 @@ def test_train_measures_an_mae_step_with_mae_flops(tmp_path):
 def load_benchmark_cli():
     """jobs/benchmark.py itself, for the benchmarks that need neither a stand-in package nor Ray of
     their own: run in this process, which has torch (and transformers) imported already."""
-    spec = importlib.util.spec_from_file_location("vitray_jobs_benchmark", ROOT / "jobs" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_job("benchmark")
 
 
 def test_model_compares_with_transformers_at_a_tiny_size(tmp_path, capsys):

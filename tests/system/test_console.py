@@ -129,6 +129,40 @@ def test_colour_codes_are_stripped_off_a_terminal():
     assert out.getvalue() == "(RayTrainWorker pid=1) step 1 [repeated 2x]\n"
 
 
+def test_rays_console_lines_go_to_the_stderr_of_the_moment_not_one_closed_since(monkeypatch, capsys):
+    import logging
+
+    from ray._private.log import PlainRayHandler
+
+    from pipeline import cli
+
+    # What ``import ray.data`` did in an earlier test: Ray Data's console handler, made on that test's
+    # captured stderr, which was closed when that test ended.
+    earlier = io.StringIO()
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stderr", earlier)
+        made_then = PlainRayHandler()
+    earlier.close()
+    logger = logging.getLogger("ray.data")
+    monkeypatch.setattr(logger, "handlers", [made_then])
+    monkeypatch.setattr(logger, "propagate", False)
+
+    def body() -> int:
+        logger.warning("a line of Ray Data's")
+        return 0
+
+    assert cli.run_job(body) == 0
+    err = capsys.readouterr().err
+    assert "Logging error" not in err and err.strip() == "a line of Ray Data's"
+    captured, replaced = sys.stderr, io.StringIO()
+    sys.stderr = replaced  # replaced again (a job's colour filter): the same handler follows
+    try:
+        logger.warning("and the next")
+    finally:
+        sys.stderr = captured
+    assert replaced.getvalue().strip() == "and the next"
+
+
 def job(script: str, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:
     """A job as a user runs it with its console going to a file: stdout and stderr in one stream."""
     return subprocess.run(

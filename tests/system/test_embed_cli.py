@@ -13,7 +13,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-import vit
 from pipeline import storage
 from pipeline.embed.output import RECORDS
 
@@ -34,14 +33,6 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(EMBED), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
-
-
-@pytest.fixture(scope="module")
-def export(tmp_path_factory):
-    model = vit.create_model("vit_tiny_test", num_classes=4)
-    path = tmp_path_factory.mktemp("export")
-    vit.save_pretrained(path, model.state_dict(), model.config)
-    return str(path)
 
 
 def test_help_documents_every_option():
@@ -66,8 +57,8 @@ def test_help_documents_every_option():
         (["--embedding", "pre_logits", "--image-size", "30"], "not divisible by patch_size 8"),
     ],
 )
-def test_bad_input_fails_before_ray_in_one_line(synthetic_shards, export, tmp_path, args, message):
-    base = {"--data": synthetic_shards.dir, "--weights": export, "--out": str(tmp_path / "out")}
+def test_bad_input_fails_before_ray_in_one_line(synthetic_shards, tiny_export, tmp_path, args, message):
+    base = {"--data": synthetic_shards.dir, "--weights": tiny_export, "--out": str(tmp_path / "out")}
     base.update(dict(zip(args[::2], args[1::2], strict=True)))
     result = run(*[x for kv in base.items() for x in kv])
     assert result.returncode == 2, result.stderr
@@ -78,15 +69,15 @@ def test_bad_input_fails_before_ray_in_one_line(synthetic_shards, export, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_killed_job_run_again_ends_with_one_row_per_key(export, tmp_path, ray_session):
+def test_a_killed_job_run_again_ends_with_one_row_per_key(tiny_export, tmp_path, ray_session):
     from pipeline.data.synthetic import write_synthetic_shards
 
     shards = write_synthetic_shards(
         tmp_path / "shards", 64, samples_per_shard=4, image_size=48, num_classes=4
     )
     out = tmp_path / "out"
-    args = [str(EMBED), "--data", shards.dir, "--weights", export, "--out", str(out), "--batch-size", "2"]
-    args += ["--num-cpus", "3"]
+    args = [str(EMBED), "--data", shards.dir, "--weights", tiny_export, "--out", str(out)]
+    args += ["--batch-size", "2", "--num-cpus", "3"]
     log = (tmp_path / "first.log").open("w")
     job = subprocess.Popen(
         [sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -112,7 +103,7 @@ def test_a_killed_job_run_again_ends_with_one_row_per_key(export, tmp_path, ray_
     from pipeline.embed import job as embed_job
     from pipeline.embed.config import EmbedConfig
 
-    plan = embed_job.prepare(EmbedConfig(data=shards.dir, weights=export, out=str(out), batch_size=2))
+    plan = embed_job.prepare(EmbedConfig(data=shards.dir, weights=tiny_export, out=str(out), batch_size=2))
     assert len(plan.work.done) == committed and len(plan.work.pending) == 16 - committed
     summary = embed_job.run(plan)
     assert (summary.committed, summary.already_done, summary.failed) == (16 - committed, committed, {})

@@ -4,7 +4,6 @@ and no job writes into a directory of the user's. In this process, no Ray."""
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import socket
 import tempfile
@@ -12,20 +11,15 @@ from pathlib import Path
 
 import pytest
 
-import vit
 from pipeline import cli, storage
 from pipeline.train import driver
 from pipeline.train.presets import PRESETS
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.job_scripts import load_job
 
 
 def job(name: str):
     """A job script, loaded in this process under a name no package has."""
-    spec = importlib.util.spec_from_file_location(f"vitray_jobs_{name}_exits", ROOT / "jobs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_job(name, f"vitray_jobs_{name}_exits")
 
 
 @pytest.fixture(autouse=True)
@@ -38,14 +32,6 @@ def one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err, err
     return err
-
-
-@pytest.fixture(scope="module")
-def export(tmp_path_factory) -> str:
-    model = vit.create_model("vit_tiny_test", num_classes=4)
-    path = tmp_path_factory.mktemp("export")
-    vit.save_pretrained(path, model.state_dict(), model.config)
-    return str(path)
 
 
 def unused_port() -> int:
@@ -145,14 +131,14 @@ def test_interrupts_exits_and_failed_returns_each_end_in_one_line(capsys):
 # --- storage that cannot be reached -----------------------------------------------------------------
 
 
-def test_an_unreachable_store_for_out_is_one_line_before_any_work(synthetic_shards, export, capsys):
+def test_an_unreachable_store_for_out_is_one_line_before_any_work(synthetic_shards, tiny_export, capsys):
     options = {
         "key": "testing",
         "secret": "testing",
         "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{unused_port()}", "region_name": "us-east-1"},
         "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
     }
-    args = ["--data", synthetic_shards.dir, "--weights", export, "--out", "s3://vitray-test/emb"]
+    args = ["--data", synthetic_shards.dir, "--weights", tiny_export, "--out", "s3://vitray-test/emb"]
     assert job("embed").main([*args, "--storage-options", json.dumps(options)]) == cli.EXIT_BAD_INPUT
     line = one_error_line(capsys)
     assert "Could not connect to the endpoint URL" in line and "endpoint and credentials" in line
@@ -226,11 +212,13 @@ def test_a_filesystem_root_is_no_output_directory(tmp_path):
         storage.check_output_dir(str(tmp_path / "a-file"), job="a job", owns=lambda entries: True)
 
 
-def test_the_other_jobs_refuse_a_directory_they_did_not_write(synthetic_shards, export, tmp_path, capsys):
+def test_the_other_jobs_refuse_a_directory_they_did_not_write(
+    synthetic_shards, tiny_export, tmp_path, capsys
+):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("the user's")
-    common = ["--data", synthetic_shards.dir, "--weights", export, "--out", str(mine)]
+    common = ["--data", synthetic_shards.dir, "--weights", tiny_export, "--out", str(mine)]
     for name in ("embed", "analyze"):
         assert job(name).main(common) == cli.EXIT_BAD_INPUT, name
         assert "did not write (notes.txt); pass --overwrite" in one_error_line(capsys)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.train.config import TrainConfig
+from tests.job_scripts import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN = ROOT / "jobs" / "pretrain.py"
@@ -127,9 +127,7 @@ def test_fewer_shards_than_workers_fail_at_once_with_one_line(
         raise AssertionError("the job reached for Ray")
 
     monkeypatch.setattr(cli, "connect_ray", no_ray)
-    spec = importlib.util.spec_from_file_location("vitray_jobs_pretrain", PRETRAIN)
-    pretrain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pretrain)
+    pretrain = load_job("pretrain")
     args = ["--data", synthetic_shards.dir, "--out", str(tmp_path / "run"), "--num-workers", "5"]
     assert pretrain.main([*args, "--batch-size", "160"]) == cli.EXIT_BAD_INPUT  # 5 x 32: a valid batch
     err = capsys.readouterr().err

@@ -9,13 +9,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-import boto3
 import pyarrow.fs
 import pytest
 import s3fs
 
 from pipeline import storage
-from tests.flaky_s3 import FlakyS3
+from tests.flaky_s3 import FlakyS3, s3_client
 
 BUCKET = "vitray-upload"
 FILES = {
@@ -29,10 +28,7 @@ FILES = {
 @pytest.fixture
 def s3():
     s3 = FlakyS3(period=2, max_faults=20).start()
-    boto3.client(
-        "s3", endpoint_url=s3.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=BUCKET)  # fmt: skip
+    s3_client(s3.endpoint).create_bucket(Bucket=BUCKET)
     yield s3
     s3.stop()
 
@@ -69,10 +65,7 @@ def test_an_upload_that_fails_past_the_clients_retries_is_sent_again(tmp_path):
     try:
         options = {**s3.storage_options, "config_kwargs": {**s3.storage_options["config_kwargs"],
                    "retries": {"mode": "standard", "max_attempts": 1}}}  # fmt: skip
-        boto3.client(
-            "s3", endpoint_url=s3.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-            region_name="us-east-1",
-        ).create_bucket(Bucket=BUCKET)  # fmt: skip
+        s3_client(s3.endpoint).create_bucket(Bucket=BUCKET)
         s3.faulty()
         storage.upload_dir(
             local_checkpoint(tmp_path), storage.Location(f"s3://{BUCKET}/run/f", options), backoff_s=0.05

@@ -124,6 +124,13 @@ def weights(cfg: TrainConfig, step: int) -> dict[str, torch.Tensor]:
     return dcp.load_model_state(str(Path(cfg.run.out) / dcp.checkpoint_name(step)), model_config(cfg))
 
 
+def assert_same_weights(a: TrainConfig, b: TrainConfig, step: int) -> None:
+    """Runs ``a`` and ``b`` saved the same model weights at ``step``, tensor by tensor."""
+    wa, wb = weights(a, step), weights(b, step)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
 @pytest.fixture(scope="module")
 def straight_and_resumed(world, tmp_path_factory):
     """A straight 8-step run, and the same run stopped at step 4 (an epoch edge) and resumed; in both,
@@ -152,9 +159,7 @@ def test_a_run_stopped_at_an_epoch_edge_and_resumed_ends_equal_to_a_straight_run
     assert first["metrics"]["step"] == 4
     resumed, session = runs["resumed"]
     assert [r["step"] for r in session.reports] == [6, 8]
-    a, b = weights(straight, 8), weights(stopped, 8)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_same_weights(straight, stopped, 8)
     assert resumed["metrics"]["loss"] == summary["metrics"]["loss"]
 
 
@@ -262,9 +267,7 @@ def test_a_run_stopped_mid_epoch_and_resumed_trains_on_the_samples_of_a_straight
     resumed, _ = run(stopped.replace(stop_at_step=None), world)
     assert taken == straight_keys  # every sample of both epochs exactly once, in the same order
     assert resumed["bad_samples"] == summary["bad_samples"]  # the re-read part not counted twice
-    a, b = weights(straight, 8), weights(stopped, 8)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_same_weights(straight, stopped, 8)
 
 
 def test_a_resume_at_another_micro_batch_size_starts_the_epoch_again_and_says_so(
@@ -291,9 +294,7 @@ def test_input_built_ahead_on_a_thread_trains_exactly_like_input_built_by_the_st
     (a, a_session), (b, b_session) = run(inline, world), run(ahead, world)
     assert untimed(a_session.reports) == untimed(b_session.reports)  # losses, accuracy, grad norms
     assert a["bad_samples"] == b["bad_samples"]
-    wa, wb = weights(inline, 6), weights(ahead, 6)
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
+    assert_same_weights(inline, ahead, 6)
 
 
 def test_an_mae_run_stopped_mid_epoch_and_resumed_ends_equal_to_a_straight_run(world, fake_data, tmp_path):

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
@@ -23,7 +22,7 @@ from pipeline.data.shards import ShardError
 from pipeline.train import driver, loop, sources
 from pipeline.train.metrics import format_line
 from pipeline.train.presets import PRESETS
-from tests.train.test_loop import LocalSession, config, record_keys, weights
+from tests.train.test_loop import LocalSession, assert_same_weights, config, record_keys
 
 SOURCES = [
     {"name": "big", "weight": 0.7, "shards": [f"mem://big/shard-{i}" for i in range(4)]},
@@ -88,9 +87,7 @@ def test_a_mixed_run_stopped_and_resumed_trains_on_the_samples_of_a_straight_run
     assert resumed["bad_samples"] == summary["bad_samples"]  # per source too: the re-read not counted twice
     assert summary["bad_samples"]["sources"]["small"]["bad"] > 0
     assert resumed_session.reports[-1]["sources"] == session.reports[-1]["sources"]
-    a, b = weights(straight, 10), weights(stopped, 10)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_same_weights(straight, stopped, 10)
 
 
 def test_metrics_rows_and_the_log_line_say_where_the_run_is_in_each_source(
@@ -184,9 +181,6 @@ def test_the_next_epochs_mixed_input_starts_ahead_and_trains_what_input_built_in
     ahead, _ = list(taken), taken.clear()
     run(config(tmp_path / "inline", max_steps=12, prefetch_steps=0), world)
     assert taken == ahead
-    a, b = (
-        weights(config(tmp_path / "ahead", max_steps=12), 12),
-        weights(config(tmp_path / "inline", max_steps=12), 12),
+    assert_same_weights(
+        config(tmp_path / "ahead", max_steps=12), config(tmp_path / "inline", max_steps=12), 12
     )
-    for name in a:
-        assert torch.equal(a[name], b[name]), name

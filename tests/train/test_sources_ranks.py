@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tests.configs import tiny_config
 from tests.distributed import spawn
-from tests.train.test_loop import LocalSession, weights
+from tests.train.test_loop import LocalSession, assert_same_weights
 from tests.train.test_sources import SOURCES, fake_micro_batches, source_of
 
 STEPS, STOP = 8, 5  # the stop falls mid-way through the second epoch
@@ -91,6 +91,4 @@ def test_a_mixed_run_over_two_ranks_stopped_and_resumed_trains_on_the_keys_of_a_
     a, b = record["summaries"]
     assert a["error"] == b["error"] == "" and a["bad_samples"] == b["bad_samples"]
     assert record["rows"][0] == record["rows"][1] and set(record["rows"][0]) == {"big", "small"}
-    wa, wb = weights(config(tmp_path / "straight"), STEPS), weights(config(tmp_path / "stopped"), STEPS)
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
+    assert_same_weights(config(tmp_path / "straight"), config(tmp_path / "stopped"), STEPS)
