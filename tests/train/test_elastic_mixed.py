@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import json
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,8 @@ from pipeline import dcp
 from pipeline.data.mixture import pass_epoch
 from pipeline.train.state import TrainState
 from tests.distributed import spawn
-from tests.train.test_elastic import _run, bad_at_epoch_ends, epochs
+from tests.train.test_elastic import _run, bad_at_epoch_ends, config, epochs
+from tests.train.test_loop import LocalSession
 
 BIG = {f"mem://big/shard-{i}": n for i, n in enumerate((18, 16, 20, 17, 19, 16, 20, 18))}
 SMALL = {f"mem://small/shard-{i}": n for i, n in enumerate((6, 5, 7, 6))}
@@ -106,3 +108,40 @@ def test_mixed_sources_resumed_with_other_workers_train_each_sample_of_each_pass
         assert {p for c in epoch.values() for _, p in c} == {0}
         assert set(first_pass(epoch["big"])) < set(GOOD["big"])
         assert bad["small"] == 1
+
+
+def test_the_real_pipeline_goes_on_by_sample_with_mixed_sources(
+    world, ray_session, synthetic_shards, monkeypatch, tmp_path, capfd
+):
+    """The same through Ray Data (read, decode, a shuffle buffer holding each source whole): ``big``, 3
+    shards of 12 (weight 0.7), ``small``, 1 shard of 12 (0.3), ``end``; batch 8, stopped at step 2 with
+    micro-batches of 4, resumed with micro-batches of 2. Epoch 0 trains no sample twice, and all of the
+    source that ended it."""
+    from pipeline.train import loop
+
+    urls = synthetic_shards.urls
+    mix = [
+        {"name": "big", "weight": 0.7, "shards": urls[:3]},
+        {"name": "small", "weight": 0.3, "shards": urls[3:]},
+    ]
+    steps: list = []
+    real = loop.Trainer.train_step
+
+    def train_step(self, data, step_input, agreement):
+        steps.append((self.state.epoch, list(step_input.keys)))
+        return real(self, data, step_input, agreement)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
+    stopped = config(tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=8, stop_at_step=2)
+    stopped = stopped.replace(source_exhausted="end")
+    for cfg in (stopped, stopped.replace(stop_at_step=None, micro_batch_size=2)):
+        session = LocalSession(world, Path(cfg.run.out))
+        loop_config = {"train": cfg.to_dict(), "shards": urls, "sources": mix, "data_cpus_per_worker": 1.0}
+        assert loop.Trainer(loop_config, session).train()["error"] == ""
+    saved = json.loads((tmp_path / dcp.checkpoint_name(2) / "train_state.json").read_text())
+    assert set(saved["epoch_consumed"]["sources"]) == {"big", "small"}
+    assert "the workers share the samples this epoch had not consumed, each once" in capfd.readouterr().out
+    epoch = collections.Counter(k for e, keys in steps if e == 0 for k in keys)
+    assert {e for e, _ in steps} == {0, 1} and max(epoch.values()) == 1
+    big = {k for k in epoch if k in set(synthetic_shards.keys[:36])}  # written in order, 12 a shard
+    assert len(big) == 36 or len(epoch) - len(big) == 12, (len(big), len(epoch))
