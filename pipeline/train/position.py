@@ -20,6 +20,7 @@ shards that are not done, in the epoch's shard order, to its ranks (``remaining[
 read stage passes over the consumed samples of each (`skip`) before decoding them, so the rest of the
 epoch trains each remaining sample once and none twice. What is not kept: the order in which those
 samples come (another layout has other streams and shuffle buffers), and so which samples share a step.
+A mixed run keeps one per source and pass of that source (`pipeline.train.source_position`).
 """
 
 from __future__ import annotations
