@@ -153,16 +153,16 @@ class EpochCursor:
         cursor.samples = by_sample or empty
         if schedule_done:
             return cursor, "the schedule is done, nothing is re-read"
-        position = state.epoch_position
-        taken = position.get("micro_batches", 0)
-        layout = (position.get("world"), position.get("micro_batch_size"))
+        saved = state.epoch_position  # the layout and stream its micro-batches were taken in
+        taken = saved.get("micro_batches", 0)
+        layout = (saved.get("world"), saved.get("micro_batch_size"))
         if not taken:
             return cursor, ""
-        if position.get("elastic"):
+        if saved.get("elastic"):
             why = "this epoch went on by sample after a resume at another layout"
         elif layout != (world, micro_batch_size):
             why = f"it was taken with {layout[0]} workers x micro-batch {layout[1]}"
-        elif position.get("stream") != stream:
+        elif saved.get("stream") != stream:
             why = "it was taken from other shards, or with another seed or shuffle buffer"
         else:
             cursor.taken = taken
