@@ -63,6 +63,7 @@ class BadSamples:
     # Mixed sources only (`pipeline.data.mixture`): name -> {"samples", "bad", "pass", "in_pass"}.
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
     # (url, index, shard_size) of the bad samples counted since `take_counted`, for a data position
+    # (a mixed run's `SourceReader` adds the source and pass to those its pass counted)
     # (rows with an ``index`` column only); never saved, never merged.
     counted: list[tuple[str, int, int]] = field(default_factory=list, repr=False, compare=False)
 

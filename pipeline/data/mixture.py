@@ -15,7 +15,8 @@ before the epoch's first step (its pipeline can start while the last epoch's ste
 single source's does). A run resumed mid-epoch draws what a straight run drew, and each source's own
 stream (its shards `order[rank::world]` of the source's shard order, read like a single source's) is
 re-read to where it stood; so a resumed mixed run trains on the samples of a straight one, in the same
-order.
+order. At another layout it goes on by sample (`pipeline.train.source_position`): a `SourceReader`
+tags what it hands out with its source and pass, and may start at a later pass.
 
 `mixed_micro_batches` takes, for each micro-batch, the drawn number of samples from each source's
 stream and puts them in the drawn places. A source's stream that runs out (its pass over its shards on
@@ -177,13 +178,28 @@ def pass_epoch(epoch: int, passes: int) -> int:
 
 class SourceReader:
     """One source's stream of good samples on this rank, taken a few at a time; ``open_pass(p)`` gives the
-    micro-batches of its pass p (0-based) in this epoch."""
+    micro-batches of its pass p (0-based) in this epoch.
 
-    def __init__(self, name: str, open_pass: Callable[[int], Iterator[Batch]], counts: BadSamples):
+    Each sample taken, and each bad sample its pass counts, is tagged with the source's ``index`` and the
+    pass (columns ``source`` and ``pass`` where the rows carry their ``index``), for the epoch's position
+    by sample. A rank resumed at another layout starts at pass ``first`` (those before it were complete)
+    and may find nothing left of its part of a pass up to ``begun`` (the last one any rank had begun)."""
+
+    def __init__(
+        self,
+        name: str,
+        open_pass: Callable[[int], Iterator[Batch]],
+        counts: BadSamples,
+        *,
+        index: int = 0,
+        first: int = 0,
+        begun: int = -1,
+    ):
         self.name, self.open_pass, self.counts = name, open_pass, counts
+        self.index, self.begun = index, begun
         self.entry = counts.sources.setdefault(name, {"samples": 0, "bad": 0})
-        self.entry.update({"pass": 1, "in_pass": 0})
-        self.passes, self.batches = 0, open_pass(0)
+        self.entry.update({"pass": first + 1, "in_pass": 0})
+        self.passes, self.batches = first, open_pass(first)
         self.pending: Batch = {}  # read; its last ``left`` samples not yet taken
         self.left = 0
 
@@ -196,7 +212,11 @@ class SourceReader:
             batch = self.pending
             start = len(batch["key"]) - self.left
             k = min(n, self.left)
-            pieces.append({c: v[start : start + k] for c, v in batch.items()})
+            piece = {c: v[start : start + k] for c, v in batch.items()}
+            if "index" in piece:
+                piece["source"] = np.full(k, self.index, dtype=np.int64)
+                piece["pass"] = np.full(k, self.passes, dtype=np.int64)
+            pieces.append(piece)
             self.left -= k
             n -= k
             self.entry["samples"] += k
@@ -206,17 +226,20 @@ class SourceReader:
     def at_end(self) -> bool:
         """Whether this pass has no sample left (reads its next micro-batch when none is pending)."""
         while not self.left:
-            bad = self.counts.bad
+            bad, counted = self.counts.bad, len(self.counts.counted)
             batch = next(self.batches, None)
             self.entry["bad"] += self.counts.bad - bad
+            tagged = [(*one, self.index, self.passes) for one in self.counts.counted[counted:]]
+            self.counts.counted[counted:] = tagged
             if batch is None:
                 return True
             self.pending, self.left = batch, len(batch["key"])
         return False
 
     def next_pass(self) -> None:
-        """Its next pass, with a new shard order; a pass that gave no sample cannot be cycled."""
-        if not self.entry["in_pass"]:
+        """Its next pass, with a new shard order; a pass that gave no sample cannot be cycled (unless it
+        was resumed: its part on this rank may have been consumed before)."""
+        if not self.entry["in_pass"] and self.passes > self.begun:
             raise BadSampleBudgetError(
                 f"source {self.name} gave no readable sample on a worker in a whole pass; check its shards, "
                 "or give it more shards than workers"
@@ -246,8 +269,11 @@ def mixed_micro_batches(
     """One rank's micro-batches of ``epoch``, each place filled from the source `draw_sources` drew for
     it; ``exhausted`` says what a source that runs out does (module doc). The last micro-batch may be
     short (the places of the source that ran out are left empty)."""
-    done = [False] * len(readers)
+    # A source whose first pass was complete before a resume at another layout has run out on every rank.
+    done = [reader.passes > 0 for reader in readers]
     try:
+        if all(done) or (exhausted == "end" and any(done)):
+            return
         for index in itertools.count():
             step, micro = divmod(index, accum)
             if micro == 0:

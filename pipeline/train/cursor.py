@@ -13,7 +13,8 @@ what the rank has taken from it:
   same epoch) the cursor is ``elastic``: the epoch goes on from its position by sample
   (`pipeline.train.position`), each remaining sample once; without one (another fingerprint, a
   checkpoint that predates it) the epoch starts again from its first sample. The resume's log line
-  says which and why (`resume`).
+  says which and why (`resume`). Mixed sources keep their position per source and per pass
+  (`pipeline.train.source_position`), and go on by sample alike.
 - ``counts``: this rank's bad-sample counts as of the last step's input (what reports, checkpoints and
   the summary hold), and ``at_epoch_start``: its counts when the epoch began. A resume re-reads the
   skipped micro-batches counting from ``at_epoch_start``, so it ends at exactly ``counts``: each bad
@@ -42,9 +43,18 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.data.shards import dataset_root, shard_name
 from pipeline.train.position import EpochPosition
+from pipeline.train.source_position import SourcesPosition
 from pipeline.train.state import gather_bad_samples
 
 T = TypeVar("T")
+Position = EpochPosition | SourcesPosition
+
+
+def _empty(shards: list[str] | None, position: Position | None) -> Position | None:
+    """The empty position by sample of one source's ``shards``, or a mixed run's ``position``."""
+    if position is not None:
+        return position.fresh()
+    return None if shards is None else EpochPosition(shards)
 
 
 def stream_fingerprint(shards: list[str], seed: int, shuffle_buffer: int) -> str:
@@ -90,7 +100,11 @@ class EpochCursor:
     elastic: bool = False
     # What the epoch has consumed, by sample (`pipeline.train.position`): this rank's part, and what
     # the run had consumed when it resumed; None where the cursor is given no shards (not tracked).
-    samples: EpochPosition | None = None
+    samples: Position | None = None
+    # An ``elastic`` epoch's position as resumed (the run's union): what its shards are dealt from.
+    # Kept apart from ``samples``, which the steps change while the data thread deals a mixed run's
+    # passes as it reaches them.
+    dealt: Position | None = None
 
     @classmethod
     def start(
@@ -102,10 +116,12 @@ class EpochCursor:
         data_config: DataConfig,
         *,
         shards: list[str] | None = None,
+        position: Position | None = None,
     ) -> EpochCursor:
-        """A cursor at the start of a fresh run (over ``shards``: also by sample)."""
+        """A cursor at the start of a fresh run (over ``shards``, or a mixed run's sources given their
+        ``position``: also by sample)."""
         counts = BadSamples.from_config(data_config)
-        samples = None if shards is None else EpochPosition(shards)
+        samples = _empty(shards, position)
         return cls(rank, world, micro_batch_size, stream, counts, _copy(counts), samples=samples)
 
     @classmethod
@@ -120,6 +136,7 @@ class EpochCursor:
         *,
         schedule_done: bool = False,
         shards: list[str] | None = None,
+        position: Position | None = None,
     ) -> tuple[EpochCursor, str]:
         """(The cursor a checkpoint's `TrainState` holds for this rank, a note for the resume's log line).
 
@@ -131,28 +148,33 @@ class EpochCursor:
         # A checkpoint older than `epoch_bad_samples` has only the counts as of its step.
         start = _counts_of(state.epoch_bad_samples or state.bad_samples, rank, world, data_config)
         cursor = cls(rank, world, micro_batch_size, stream, counts, start)
-        by_sample = None if shards is None else EpochPosition.resume(shards, state.epoch_consumed)
-        cursor.samples = by_sample or (None if shards is None else EpochPosition(shards))
+        empty = _empty(shards, position)
+        by_sample = None if empty is None else empty.resumed(state.epoch_consumed)
+        cursor.samples = by_sample or empty
         if schedule_done:
             return cursor, "the schedule is done, nothing is re-read"
-        position = state.epoch_position
-        taken = position.get("micro_batches", 0)
-        layout = (position.get("world"), position.get("micro_batch_size"))
+        saved = state.epoch_position  # the layout and stream its micro-batches were taken in
+        taken = saved.get("micro_batches", 0)
+        layout = (saved.get("world"), saved.get("micro_batch_size"))
         if not taken:
             return cursor, ""
-        if position.get("elastic"):
+        if saved.get("elastic"):
             why = "this epoch went on by sample after a resume at another layout"
         elif layout != (world, micro_batch_size):
             why = f"it was taken with {layout[0]} workers x micro-batch {layout[1]}"
-        elif position.get("stream") != stream:
+        elif saved.get("stream") != stream:
             why = "it was taken from other shards, or with another seed or shuffle buffer"
         else:
             cursor.taken = taken
             return cursor, f"each worker re-reads the samples it had taken (up to {taken * micro_batch_size})"
         if by_sample is not None:
-            cursor.elastic = True
+            cursor.elastic, cursor.dealt = True, empty.resumed(state.epoch_consumed)
             return cursor, f"{why}: the workers share the samples this epoch had not consumed, each once"
-        return cursor, f"{why}, so this epoch's data starts again from its first sample"
+        # No position by sample of this data: a checkpoint that predates it, or of other shards or sources.
+        return (
+            cursor,
+            f"{why}, so this epoch's data starts again from its first sample (no position by sample)",
+        )
 
     def replay_counts(self) -> BadSamples:
         """A copy of the counts at the epoch's start: the epoch's stream counts into it from its first
@@ -173,13 +195,17 @@ class EpochCursor:
         """No step of this epoch has run, nor was any consumed before a resume."""
         return self.taken == 0 and not self.elastic
 
-    def deal(self, order: list[str], ahead: bool = False) -> tuple[list[str], dict[str, Any]]:
+    def deal(
+        self, order: list[str], ahead: bool = False, part: tuple[int, int] | None = None
+    ) -> tuple[list[str], dict[str, Any]]:
         """(This rank's shards of the epoch's shard ``order``; keyword arguments for the stream's
         `micro_batches`). ``order[rank::world]``, none (the next epoch started ``ahead`` too); once
-        ``elastic``: every ``world``-th of the shards not done, and ``skip``, their consumed samples."""
-        if not self.elastic or ahead or self.samples is None:
+        ``elastic``: every ``world``-th of the shards not done, and ``skip``, their consumed samples.
+        A mixed run deals each ``part`` (source, pass) with that pass's ``order`` alike."""
+        if not self.elastic or ahead or self.dealt is None:
             return order[self.rank :: self.world], {}
-        shards, skip = self.samples.deal(order, self.rank, self.world)
+        dealt = self.dealt if part is None else self.dealt.of(*part)
+        shards, skip = dealt.deal(order, self.rank, self.world)
         return shards, {"skip": skip}
 
     def took(self, micro_batches: int, counts: BadSamples, consumed: Iterable[Any] = ()) -> None:
@@ -199,10 +225,10 @@ class EpochCursor:
             self.samples.add(counted)
 
     def next_epoch(self) -> None:
-        self.taken, self.elastic = 0, False
+        self.taken, self.elastic, self.dealt = 0, False, None
         self.at_epoch_start = _copy(self.counts)
         if self.samples is not None:
-            self.samples = EpochPosition(self.samples.shards)
+            self.samples = self.samples.fresh()
 
     def save_into(self, state: Any, group: dist.ProcessGroup | None) -> None:
         """Collective: the `TrainState` fields a checkpoint holds of every rank's cursor."""

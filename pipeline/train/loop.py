@@ -157,11 +157,11 @@ class Trainer:
         """This rank's place in the epoch: the start, or what the checkpoint resumed from holds."""
         stream = sources.stream_fingerprint(self)  # of the shards, or of the mixed sources
         layout = (self.rank, self.world, self.config.optim.micro_batch_size, stream, self.data_config)
-        shards = None if self.mixture else self.shards  # the position by sample: of one source's shards
+        by_sample = {"shards": self.shards} if self.mixture is None else {"position": sources.position(self)}
         if self.resumed_from is None:
-            return EpochCursor.start(*layout, shards=shards)
+            return EpochCursor.start(*layout, **by_sample)
         done = self.state.step >= self.config.last_step
-        cursor, note = EpochCursor.resume(self.state, *layout, schedule_done=done, shards=shards)
+        cursor, note = EpochCursor.resume(self.state, *layout, schedule_done=done, **by_sample)
         if self.rank == 0:
             where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step}"
             log_line(f"{where} (epoch {self.state.epoch})" + (f": {note}" if note else ""))

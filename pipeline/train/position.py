@@ -20,6 +20,7 @@ shards that are not done, in the epoch's shard order, to its ranks (``remaining[
 read stage passes over the consumed samples of each (`skip`) before decoding them, so the rest of the
 epoch trains each remaining sample once and none twice. What is not kept: the order in which those
 samples come (another layout has other streams and shuffle buffers), and so which samples share a step.
+A mixed run keeps one per source and pass of that source (`pipeline.train.source_position`).
 """
 
 from __future__ import annotations
@@ -133,14 +134,17 @@ class EpochPosition:
             return None
         return cls(shards).update(record)
 
+    def fresh(self) -> EpochPosition:
+        """An empty position of the same shards (an epoch's start)."""
+        return EpochPosition(self.shards)
+
+    def resumed(self, record: dict[str, Any]) -> EpochPosition | None:
+        """`resume` of these shards."""
+        return EpochPosition.resume(self.shards, record)
+
     def gathered(self, group: dist.ProcessGroup | None) -> dict[str, Any]:
         """Collective: the union of every rank's position, as `to_dict` (the same on every rank)."""
-        records: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(records, self.to_dict(), group=group)
-        merged = EpochPosition(self.shards)
-        for record in records:
-            merged.update(record)
-        return merged.to_dict()
+        return union_over_ranks(self, group)
 
     # --- a resume at another layout --------------------------------------------------------------
     def deal(self, order: list[str], rank: int, world: int) -> tuple[list[str], dict[str, Consumed]]:
@@ -156,3 +160,14 @@ class EpochPosition:
     def samples(self) -> int:
         """Samples consumed in the partial shards (the done ones hold their sizes)."""
         return sum(len(c) for c in self.partial.values())
+
+
+def union_over_ranks(position: Any, group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Collective: the union of every rank's ``position`` (anything with ``to_dict``, ``fresh`` and
+    ``update``: `EpochPosition`, `pipeline.train.source_position.SourcesPosition`), as its ``to_dict``."""
+    records: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(records, position.to_dict(), group=group)
+    merged = position.fresh()
+    for record in records:
+        merged.update(record)
+    return merged.to_dict()

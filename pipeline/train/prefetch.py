@@ -37,6 +37,8 @@ from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples, LabelsMi
 from pipeline.data.dataset import Batch
 
 _DONE = object()  # the producer has stopped
+# The columns that name a sample for the data position; a mixed run's add its source and pass.
+POSITION = ("url", "index", "shard_size", "source", "pass")
 
 
 @dataclass
@@ -51,9 +53,10 @@ class StepInput:
     bad_samples: BadSamples  # this rank's counts as of this step's last micro-batch (a copy)
     buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)  # pinned, back to the pool after use
     # For the data position (`pipeline.train.position`): the micro-batches' samples as (url, index,
-    # shard_size) columns, and the bad samples counted while building this input (url, index, shard_size).
-    consumed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
-    counted: list[tuple[str, int, int]] = field(default_factory=list)
+    # shard_size) columns, and the bad samples counted while building this input (url, index, shard_size);
+    # a mixed run's also hold each sample's source and pass (`POSITION`).
+    consumed: list[tuple[np.ndarray, ...]] = field(default_factory=list)
+    counted: list[tuple[Any, ...]] = field(default_factory=list)
 
     def to_device(self, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         """The micro-batches on `device`; on CUDA the copies are queued, not waited for."""
@@ -218,7 +221,7 @@ class Prefetcher:
             error=error,
             bad_samples=_copy(self.bad_samples),
             buffers=buffers,
-            consumed=[(b["url"], b["index"], b["shard_size"]) for b in batches if "shard_size" in b],
+            consumed=[tuple(b[c] for c in POSITION if c in b) for b in batches if "shard_size" in b],
             counted=self.bad_samples.take_counted(),
         )
 

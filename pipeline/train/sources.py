@@ -9,6 +9,14 @@ it. The mixed stream is a pure function of the run's seed, the epoch and the ran
 micro-batches taken; the per-source counts come back with the re-read. The next epoch's mixed input starts
 while this one's last steps train, as a single source's does (`pipeline.train.prefetch`).
 
+At another layout the cursor goes on by sample (`pipeline.train.source_position`): each source starts at
+its first pass not complete on the union of the old ranks, and each pass it reads is dealt by the cursor
+(`EpochCursor.deal`) as a single source's epoch is: its shards not done, every ``world``-th, their
+consumed samples passed over. A source whose first pass was complete has run out on every new rank: with
+``cycle`` it is only cycled on (from its next pass not complete), with ``end`` the epoch is over. Not
+kept: the order of the remaining samples, which share a step, and each place's draw (keyed by the new
+ranks), so a source's share of the rest of the epoch holds only on average.
+
 A plain ``--data`` never comes here: it runs as before, sample for sample.
 """
 
@@ -30,6 +38,9 @@ from pipeline.data.shards import dataset_root, shard_name
 from pipeline.train import cursor
 from pipeline.train.prefetch import Prefetcher
 from pipeline.train.resources import data_cpus_per_worker
+from pipeline.train.source_position import SourcesPosition
+
+Deal = Any  # `EpochCursor.deal`: (order, ahead, part=(source, pass)) -> (shards, micro_batches kwargs)
 
 
 @dataclass(frozen=True)
@@ -74,30 +85,36 @@ class Mixture:
         *,
         counts: BadSamples,
         data_cpus: float,
+        deal: Deal | None = None,
+        dealt: SourcesPosition | None = None,
     ) -> Iterator[Batch]:
         """This rank's mixed micro-batches of ``epoch``; every source counts into ``counts`` (its
         ``sources`` entry per source). The rank's decode CPUs are shared by the sources' pipelines in
-        proportion to their weights."""
+        proportion to their weights. ``deal`` gives the rank's shards of each pass (else
+        ``order[rank::world]``); ``dealt``: the position an elastic epoch goes on from (module doc)."""
         seed = data_config.seed
         cpus = [max(data_cpus * share, min(data_cpus, 1.0)) for share in shares(self.weights).tolist()]
 
-        def opener(shards: list[str], cpus: float):
+        def opener(source: int, cpus: float):
+            shards = self.shards[source]
             root = dataset_root(shards)
 
             def open_pass(passes: int) -> Iterator[Batch]:
                 key = pass_epoch(epoch, passes)
                 order = shard_order(shards, seed, key)
+                mine, skip = deal(order, part=(source, passes)) if deal else (order[rank::world], {})
                 return micro_batches(
-                    order[rank::world], data_config, epoch=key, rank=rank, size=size,
-                    bad_samples=counts, data_cpus=cpus, root=root,
+                    mine, data_config, epoch=key, rank=rank, size=size,
+                    bad_samples=counts, data_cpus=cpus, root=root, **skip,
                 )  # fmt: skip
 
             return open_pass
 
-        readers = [
-            SourceReader(name, opener(shards, c), counts)
-            for name, shards, c in zip(self.names, self.shards, cpus, strict=True)
-        ]
+        def reader(s: int, name: str, cpus: float) -> SourceReader:
+            resumed = {} if dealt is None else {"first": dealt.first_pass(s), "begun": dealt.last_begun(s)}
+            return SourceReader(name, opener(s, cpus), counts, index=s, **resumed)
+
+        readers = [reader(s, name, c) for s, (name, c) in enumerate(zip(self.names, cpus, strict=True))]
         return mixed_micro_batches(
             readers, self.weights, seed=seed, rank=rank, epoch=epoch, accum=accum,
             size=size, exhausted=self.exhausted,
@@ -136,10 +153,19 @@ def epoch_input(trainer: Any, ahead: BadSamples | None = None) -> Prefetcher:
     counts = t.cursor.replay_counts() if ahead is None else ahead
     cpus = t.data_cpus or data_cpus_per_worker(t.config, t.world, t.rank, epoch)
     size = t.config.optim.micro_batch_size
+    elastic = ahead is None and t.cursor.elastic  # the epoch goes on by sample (`EpochCursor.deal`)
     stream = t.mixture.stream(
-        t.data_config, epoch, t.rank, t.world, t.accum, size, counts=counts, data_cpus=cpus
-    )
+        t.data_config, epoch, t.rank, t.world, t.accum, size, counts=counts, data_cpus=cpus,
+        deal=t.cursor.deal if elastic else None, dealt=t.cursor.dealt if elastic else None,
+    )  # fmt: skip
     return t.prefetcher(stream, epoch, counts, ahead=ahead is not None)
+
+
+def position(trainer: Any) -> SourcesPosition | None:
+    """The empty position by sample of a mixed run's sources, per pass; None for one source (the
+    cursor keeps its shards' `pipeline.train.position.EpochPosition`)."""
+    m = trainer.mixture
+    return None if m is None else SourcesPosition(m.names, m.shards)
 
 
 def stream_fingerprint(trainer: Any) -> str:

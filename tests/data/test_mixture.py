@@ -182,3 +182,52 @@ def test_a_source_that_gives_nothing_in_a_pass_stops_with_one_line():
                 [full, empty], [1, 1], seed=0, rank=0, epoch=0, accum=1, size=4, exhausted="cycle"
             )
         )
+
+
+def indexed_pass(name: str, per_shard: int, counts: BadSamples, passes: list[int]):
+    """An ``open_pass`` of one shard whose rows carry their ``index`` and ``shard_size``; sample 1 is bad."""
+
+    def open_pass(p: int):
+        passes.append(p)
+        index = np.arange(per_shard)
+        batch = counts.filter(
+            {
+                "key": np.array([f"{name}/{i}" for i in index]),
+                "url": np.array([name] * per_shard),
+                "error": np.array(["" if i != 1 else "truncated image: t" for i in index], dtype=object),
+                "index": index,
+                "shard_size": np.where(index == per_shard - 1, per_shard, -1),
+            }
+        )
+        yield batch
+
+    return open_pass
+
+
+def test_a_reader_tags_its_samples_and_bad_ones_with_source_and_pass_and_may_start_later():
+    counts, passes = BadSamples(), []
+    reader = SourceReader("b", indexed_pass("b", 4, counts, passes), counts, index=1, first=2, begun=3)
+    pieces, ran_out = reader.take(2)
+    assert passes == [2] and not ran_out and counts.sources["b"]["pass"] == 3
+    assert pieces[0]["source"].tolist() == [1, 1] and pieces[0]["pass"].tolist() == [2, 2]
+    assert counts.counted == [("b", 1, -1, 1, 2)]  # the bad sample, of source 1, pass 2
+
+
+def test_a_resumed_pass_may_give_nothing_and_a_finished_first_pass_has_run_out():
+    counts = BadSamples()
+    # Its part of pass 0 was consumed before the resume: no sample, and no error; pass 1 is read.
+    empty = SourceReader("e", lambda p: iter([]), counts, begun=0)
+    empty.take(1)
+    empty.next_pass()
+    assert empty.passes == 1
+    with pytest.raises(BadSampleBudgetError):
+        empty.next_pass()  # pass 1 was never begun: a fresh pass with nothing is an error
+    for exhausted in ("cycle", "end"):
+        # Both sources' first passes were complete on the run's union: the epoch is over on this rank.
+        done = [
+            SourceReader(n, lambda p, n=n: stream_of(n, 1, 6, [])(p, counts), counts, first=1) for n in "ab"
+        ]
+        stream = mixed_micro_batches(
+            done, [1, 1], seed=0, rank=0, epoch=0, accum=1, size=4, exhausted=exhausted
+        )
+        assert list(stream) == []

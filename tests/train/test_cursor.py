@@ -82,7 +82,8 @@ def test_a_position_is_re_read_only_in_the_stream_and_layout_it_was_taken_from()
     assert again.taken == 0
     assert (
         note
-        == "it was taken with 2 workers x micro-batch 4, so this epoch's data starts again from its first sample"
+        == "it was taken with 2 workers x micro-batch 4, so this epoch's data starts again from its first sample "
+        "(no position by sample)"
     )
     _, note = EpochCursor.resume(state, 0, 2, 4, SAME, DATA, schedule_done=True)
     assert note == "the schedule is done, nothing is re-read"
@@ -136,4 +137,6 @@ def test_at_another_layout_a_position_by_sample_makes_the_cursor_elastic_and_dea
     # Without a position by sample (a checkpoint from before it), the epoch starts again.
     state.epoch_consumed = {}
     again, note = EpochCursor.resume(state, 0, 1, 4, SAME, DATA, shards=shards)
-    assert not again.elastic and note.endswith("so this epoch's data starts again from its first sample")
+    assert not again.elastic and note.endswith(
+        "so this epoch's data starts again from its first sample (no position by sample)"
+    )

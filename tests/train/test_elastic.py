@@ -16,6 +16,7 @@ import collections
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,9 +36,17 @@ GOOD = sorted(f"{url}/{i}" for url, n in SIZES.items() for i in range(n) if f"{u
 BUFFER = 5  # samples in the stand-in shuffle buffer
 
 
-def indexed_micro_batches(
-    shards, data_config, *, epoch, rank, size, bad_samples, data_cpus, root=None, skip=None
-):
+def stand_in(sizes: dict[str, int], corrupt: set[str], tag=lambda epoch: ""):
+    """A `pipeline.data.dataset.micro_batches` over shards of ``sizes`` whose ``corrupt`` samples are bad;
+    a key is ``url/index`` and ``tag(epoch)``."""
+
+    def indexed(shards, data_config, *, epoch, rank, size, bad_samples, data_cpus, root=None, skip=None):
+        return _indexed(sizes, corrupt, tag(epoch), shards, data_config, epoch, rank, size, bad_samples, skip)
+
+    return indexed
+
+
+def _indexed(sizes, corrupt, tag, shards, data_config, epoch, rank, size, bad_samples, skip):
     """`pipeline.data.dataset.micro_batches` without Ray: rows in shard order and tar order, those in
     ``skip`` read past (the last row read of a shard carries its size, as `read_shard` does), through a
     seeded shuffle buffer, bad rows counted and removed, cut by `rebatch`."""
@@ -47,7 +56,7 @@ def indexed_micro_batches(
 
     def rows():
         for url in shards:
-            n, consumed = SIZES[url], skip.get(url)
+            n, consumed = sizes[url], skip.get(url)
             kept = [i for i in range(n) if consumed is None or i not in consumed]
             for i in kept:
                 yield url, i, n if i == kept[-1] else -1
@@ -73,15 +82,15 @@ def indexed_micro_batches(
 
     def batch(rows):
         keys = [f"{url}/{i}" for url, i, _ in rows]
-        g = np.random.default_rng([epoch, *(i + 100 * int(url[-1]) for url, i, _ in rows)])
+        g = np.random.default_rng([epoch % 2**32, *(i + 100 * int(url[-1]) for url, i, _ in rows)])
         return bad_samples.filter(
             {
-                "key": np.array(keys),
+                "key": np.array([k + tag for k in keys]),
                 "url": np.array([url for url, _, _ in rows]),
                 "patches": g.integers(0, 256, (len(rows), patches, patch_dim), dtype=np.uint8),
                 "label": g.integers(0, 4, len(rows)),
                 "error": np.array(
-                    ["truncated image: test" if k in CORRUPT else "" for k in keys], dtype=object
+                    ["truncated image: test" if k in corrupt else "" for k in keys], dtype=object
                 ),
                 "index": np.array([i for _, i, _ in rows]),
                 "shard_size": np.array([s for _, _, s in rows]),
@@ -91,6 +100,9 @@ def indexed_micro_batches(
     yield from rebatch(batches(), size)
 
 
+indexed_micro_batches = stand_in(SIZES, CORRUPT)
+
+
 def config(out: Path, world: int, **changes):
     return tiny_config(
         out=str(out), num_workers=world, batch_size=24, micro_batch_size=2, max_steps=9, log_every=1,
@@ -98,24 +110,34 @@ def config(out: Path, world: int, **changes):
     ).replace(**changes)  # fmt: skip
 
 
-def _run(rank: int, world: int, root: str, runs: list[tuple[str, dict]]) -> None:
+def _run(rank: int, world: int, root: str, runs: list[tuple[str, dict]], mixed=None) -> None:
     """Each of ``runs`` (name, config changes) in turn on ``world`` ranks; rank 0 writes every step's
-    (epoch, keys of every rank, bad samples counted on every rank) to ``root``/<name>.json."""
-    from pipeline.train import loop
+    (epoch, keys of every rank, bad samples counted on every rank, and per source) to
+    ``root``/<name>.json. ``mixed``: (sources, sizes, corrupt) of a mixed run over a `stand_in`
+    whose keys end with ``@`` and the epoch number their pass reads with, else the shards of `SIZES`."""
+    from pipeline.train import loop, sources
 
-    loop.micro_batches = indexed_micro_batches  # this process is the test's own
+    # This process is the test's own.
+    if mixed is None:
+        loop.micro_batches, data = indexed_micro_batches, {"shards": list(SIZES)}
+    else:
+        mix, sizes, corrupt = mixed
+        sources.micro_batches = stand_in(sizes, corrupt, tag=lambda epoch: f"@{epoch}")
+        data = {"shards": [url for s in mix for url in s["shards"]], "sources": mix}
     steps: list = []
     real = loop.Trainer.train_step
 
     def train_step(self, data, step_input, agreement):
-        steps.append((self.state.epoch, list(step_input.keys), step_input.bad_samples.bad))
+        counts = step_input.bad_samples
+        bad = {name: c["bad"] for name, c in counts.sources.items()}
+        steps.append((self.state.epoch, list(step_input.keys), counts.bad, bad))
         return real(self, data, step_input, agreement)
 
     loop.Trainer.train_step = train_step
     for name, changes in runs:
         cfg = config(Path(root) / changes.pop("dir", name), world, **changes)
         session = LocalSession(torch.device("cpu"), Path(cfg.run.out), rank, world)
-        loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}
+        loop_config = {"train": cfg.to_dict(), **data, "data_cpus_per_worker": 1.0}
         summary = loop.Trainer(loop_config, session).train()
         dist.barrier()  # every rank's checkpoint files are in place before a resume reads them
         ranks: list = [None] * world
@@ -123,25 +145,36 @@ def _run(rank: int, world: int, root: str, runs: list[tuple[str, dict]]) -> None
         steps.clear()
         if rank == 0:
             rows = [
-                (r[0][0], [one[1] for one in r], sum(one[2] for one in r)) for r in zip(*ranks, strict=True)
+                (
+                    r[0][0],
+                    [one[1] for one in r],
+                    sum(one[2] for one in r),
+                    dict(sum_counts(one[3] for one in r)),
+                )
+                for r in zip(*ranks, strict=True)
             ]
             record = {"steps": rows, "error": summary["error"], "bad": summary["bad_samples"]["bad"]}
             (Path(root) / f"{name}.json").write_text(json.dumps(record))
+
+
+def sum_counts(counts):
+    return sum((collections.Counter(c) for c in counts), collections.Counter())
 
 
 def epochs(*records: dict) -> dict[int, list[str]]:
     """Every key trained, by epoch, over the steps of ``records`` in turn."""
     out = collections.defaultdict(list)
     for record in records:
-        for epoch, keys, _ in record["steps"]:
+        for epoch, keys, *_ in record["steps"]:
             out[epoch] += [k for rank in keys for k in rank]
     return out
 
 
-def bad_at_epoch_ends(*records: dict) -> dict[int, int]:
-    """The run's bad samples counted (all ranks) at each epoch's last step."""
+def bad_at_epoch_ends(*records: dict, per_source: bool = False) -> dict[int, Any]:
+    """The run's bad samples counted (all ranks; or per source, a dict) at each epoch's last step."""
     steps = [s for r in records for s in r["steps"]]
-    return {e: bad for (e, _, bad), nxt in zip(steps, [*steps[1:], (None,)], strict=True) if nxt[0] != e}
+    ends = [step for step, nxt in zip(steps, [*steps[1:], (None,)], strict=True) if nxt[0] != step[0]]
+    return {step[0]: step[3] if per_source else step[2] for step in ends}
 
 
 @pytest.mark.slow  # 4 ranks then 2, then 2 ranks then 3: about a minute of CPU
@@ -158,7 +191,7 @@ def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(t
     }
     assert [r["error"] for r in read.values()] == ["", "", ""]
     stopped, resumed = read["stopped"], read["resumed"]
-    assert len(stopped["steps"]) == 2 and {e for e, _, _ in stopped["steps"]} == {0}
+    assert len(stopped["steps"]) == 2 and {e for e, *_ in stopped["steps"]} == {0}
     assert len(read["straight"]["steps"]) == 2 + len(resumed["steps"]) == 9
     # The checkpoint at the stop named samples still in shuffle buffers: consumption is no prefix.
     saved = TrainState.from_dict(
@@ -189,7 +222,7 @@ def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(world, monkeypat
     real = loop.Trainer.train_step
 
     def train_step(self, data, step_input, agreement):
-        steps.append((self.state.epoch, [list(step_input.keys)], step_input.bad_samples.bad))
+        steps.append((self.state.epoch, [list(step_input.keys)], step_input.bad_samples.bad, {}))
         return real(self, data, step_input, agreement)
 
     monkeypatch.setattr(loop.Trainer, "train_step", train_step)
@@ -199,7 +232,7 @@ def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(world, monkeypat
         loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}
         assert loop.Trainer(loop_config, session).train()["error"] == ""
     record = {"steps": steps}
-    assert [e for e, _, _ in steps] == [0] * 7 + [1] * 2
+    assert [e for e, *_ in steps] == [0] * 7 + [1] * 2
     assert collections.Counter(epochs(record)[0]) == collections.Counter(GOOD)
     assert bad_at_epoch_ends(record)[0] == len(CORRUPT)
     assert "the workers share the samples this epoch had not consumed, each once" in capsys.readouterr().out
