@@ -20,6 +20,7 @@ Ray for one CPU (`TASK_CPUS`) and FAISS in a task uses as many threads (Ray sets
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -94,6 +95,7 @@ def build(plan: local.IndexPlan) -> local.BuildSummary:
     ]
     keys: list[pa.Array] = []
     urls: list[pa.Array] = []
+    rows = None
     try:
         while pending:  # file order: the merged lists hold their rows as one process adds them
             # Popped before it is read: a merged shard's last reference goes, and the store frees it.
@@ -106,7 +108,19 @@ def build(plan: local.IndexPlan) -> local.BuildSummary:
     except ray.exceptions.RayTaskError as e:
         for shard, _ in pending:
             ray.cancel(shard)
+        # Every error left unread is read here: Ray prints a traceback for each one dropped unread
+        # ("Unhandled error"), the failed task's keys among them, after the job's one line.
+        _drain([rows, *(ref for pair in pending for ref in pair)])
         if isinstance(e.cause, ValueError):  # a file that does not read: the line the file gave
             raise ValueError(str(e.cause)) from e
         raise
     return local.commit(plan, index, keys, urls, start=start, train_s=train_s)
+
+
+def _drain(refs: list[ray.ObjectRef | None], timeout_s: float = 60.0) -> None:
+    """Read each of ``refs`` and drop what it holds, errors included (a cancelled task's, a failed one's)."""
+    for ref in refs:
+        if ref is None:
+            continue
+        with contextlib.suppress(Exception):  # dropped: the build already fails with the first error
+            ray.get(ref, timeout=timeout_s)
