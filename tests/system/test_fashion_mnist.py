@@ -57,45 +57,55 @@ def test_pack_reads_back_every_image_with_its_label(tmp_path):
         assert np.array_equal(patches.reshape(49, 16, 3)[:, :, 0], image.reshape(49, 16)), key
 
 
-def test_learning_passes_pretrain_args_to_every_run_and_reports_its_test_accuracy_by_step(
-    tmp_path, monkeypatch
-):
-    from jobs.benchmarks import learning
+# The learning benchmark with its jobs stood in: each pretraining run "evaluates" at steps 4 and 8.
+LEARN = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from jobs.benchmarks import learning
 
+calls = []
+
+
+def job(script, *args):
+    calls.append([script, *args])
+    if script == "pretrain.py":
+        run = Path(args[args.index("--out") + 1])
+        run.mkdir(parents=True)
+        rows = [{{"step": 4, "eval_accuracy": 0.5}}, {{"step": 6, "loss": 1.0}}, {{"step": 8, "eval_accuracy": 0.75}}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
+    return 1.0
+
+
+learning.job = job
+learning.evaluate = lambda *a: {{"linear_probe": {{"accuracy": 0.1}}, "knn": {{"accuracy": 0.2}}}}
+learning.raw_pixel_probe = lambda *a: 0.3
+result = learning.main({argv!r})
+print(json.dumps({{"calls": calls, "rows": result["rows"]}}))
+"""
+
+
+def test_learning_passes_pretrain_args_to_every_run_and_reports_its_test_accuracy_by_step(tmp_path):
     clothes = tmp_path / "package" / "src" / "clothes"
     clothes.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for c in range(10):
         (clothes / f"{c}.json").write_text(json.dumps({"data": rng.integers(0, 256, size=(3, 784)).tolist()}))
-    calls = []
-
-    def job(script, *args):  # each pretraining run "evaluates" at steps 4 and 8
-        calls.append((script, args))
-        if script == "pretrain.py":
-            run = Path(args[args.index("--out") + 1])
-            run.mkdir(parents=True)
-            rows = [
-                {"step": 4, "eval_accuracy": 0.5},
-                {"step": 6, "loss": 1.0},
-                {"step": 8, "eval_accuracy": 0.75},
-            ]
-            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return 1.0
-
-    monkeypatch.setattr(learning, "job", job)
-    monkeypatch.setattr(
-        learning, "evaluate", lambda *a: {"linear_probe": {"accuracy": 0.1}, "knn": {"accuracy": 0.2}}
-    )
-    monkeypatch.setattr(learning, "raw_pixel_probe", lambda *a: 0.3)
-    result = learning.main([
+    argv = [
         "--fashion-mnist", str(tmp_path / "package"), "--out", str(tmp_path / "out"), "--train-images", "20",
         "--probe-train", "10", "--presets", "small,small_recipe", "--finetune-steps", "0",
         "--pretrain-args", "--use-gpu --num-workers 1 --eval-every 4",
-    ])  # fmt: skip
-    pretrains = [args for script, args in calls if script == "pretrain.py"]
+    ]  # fmt: skip
+    code = LEARN.format(root=str(ROOT), argv=argv)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    pretrains = [args for script, *args in out["calls"] if script == "pretrain.py"]
     assert len(pretrains) == 2
     for args in pretrains:
-        assert args[args.index("--use-gpu") :][:5] == ("--use-gpu", "--num-workers", "1", "--eval-every", "4")
-    classifiers = [r for r in result["rows"] if r["what"].endswith("its classifier")]
-    assert [r["curve"] for r in classifiers] == [[(4, 0.5), (8, 0.75)]] * 2
+        assert args[args.index("--use-gpu") :][:5] == ["--use-gpu", "--num-workers", "1", "--eval-every", "4"]
+    classifiers = [r for r in out["rows"] if r["what"].endswith("its classifier")]
+    assert [r["curve"] for r in classifiers] == [[[4, 0.5], [8, 0.75]]] * 2
     assert [r["accuracy"] for r in classifiers] == [0.75, 0.75]
