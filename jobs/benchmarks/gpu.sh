@@ -106,7 +106,7 @@ for item in "$@"; do
         run "$item" "${bench[@]}" embed --model vit_h14 --device cuda "${naive[@]}" --batch-size 256 \
             --images 4096 --per-shard 256 --repeats 1 --json "$out/embed-job.json" ;;
     learn-5k) learn "$item" 5000 "${STEPS_5K:-8000}" ;;          # 200 epochs of 5,000 images
-    learn-full) learn "$item" 60000 "${STEPS_FULL:-20000}" ;;    # 43 epochs of the 60,000
+    learn-full) learn "$item" 60000 "${STEPS_FULL:-10000}" ;;    # 21 epochs of the 60,000
     *) echo "unknown item $item" >&2 ;;
     esac
 done
