@@ -328,6 +328,9 @@ class Trainer:
             metrics["eval_accuracy"] = eval_accuracy
         metrics.update(sources.metrics(self))  # collective: where a mixed run is in each source
         if save:
+            # The history is stored before the checkpoint can register: a run killed after it keeps the row.
+            if self.log is not None:
+                self.log.flush(pending=metrics)
             self.save_checkpoint(metrics)
         else:
             self.session.report(metrics)

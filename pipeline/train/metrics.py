@@ -172,8 +172,10 @@ class MetricsLog:
         if flush or self.uri.is_local:
             self.flush()
 
-    def flush(self) -> None:
-        storage.write_text(self.uri, "".join(json.dumps(r) + "\n" for r in self.rows))
+    def flush(self, pending: dict[str, Any] | None = None) -> None:
+        """Write the rows, and ``pending`` after them (a row not yet appended: its checkpoint's)."""
+        rows = [*self.rows, pending] if pending is not None else self.rows
+        storage.write_text(self.uri, "".join(json.dumps(r) + "\n" for r in rows))
 
     def row(self, step: int) -> dict[str, Any]:
         """The row logged at `step`, or {}."""

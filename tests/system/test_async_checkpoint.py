@@ -101,7 +101,9 @@ def test_a_job_killed_with_a_save_in_flight_resumes_from_the_checkpoint_before_e
     # What the kill left: training went past step 8 without waiting for its write (row 8's stall is the
     # copy alone, the write was held for 600 s), checkpoint 8 neither written nor registered.
     rows = read_metrics(str(killed))
-    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10], output[-3000:]
+    # Row 12, the last step's, may be there too: a checkpoint's row is stored before its save, which
+    # here waits behind the held write of checkpoint 8.
+    assert [r["step"] for r in rows] in ([2, 4, 6, 8, 10], [2, 4, 6, 8, 10, 12]), output[-3000:]
     assert rows[3]["checkpoint_stall_s"] < 30 and "checkpoint stall" in output
     assert registered(killed) == [4]
     assert not dcp.is_complete(killed / dcp.checkpoint_name(8))
