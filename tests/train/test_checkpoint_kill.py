@@ -117,8 +117,8 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_
     assert (cut / SHARD_FILE).stat().st_size == whole // 2
     assert not dcp.is_complete(cut)
     assert dcp.latest_complete(killed).url == str(killed / dcp.checkpoint_name(4))
-    # Row 8 follows its save (it holds the save's stall): the kill inside the save left rows 2 to 6.
-    assert [r["step"] for r in read_metrics(str(killed))] == [2, 4, 6]
+    # Row 8 is stored before its save (without the save's stall): the kill inside the save left rows 2 to 8.
+    assert [r["step"] for r in read_metrics(str(killed))] == [2, 4, 6, 8]
 
     monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
     session = UploadingSession(world, killed)
