@@ -329,6 +329,7 @@ class Trainer:
         metrics.update(sources.metrics(self))  # collective: where a mixed run is in each source
         if save:
             # The history is stored before the checkpoint can register: a run killed after it keeps the row.
+            # That is the checkpoint's one write to an object store: its stall reaches it at the next flush.
             if self.log is not None:
                 self.log.flush(pending=metrics)
             self.save_checkpoint(metrics)
@@ -365,6 +366,8 @@ class Trainer:
         """Collective: the last checkpoint in storage; merge every rank's bad samples; export the model
         unless the run failed."""
         self.saver.close()
+        if self.log is not None:  # the last checkpoint's stall, which followed its row's write
+            self.log.flush()
         merged = BadSamples.from_config(self.data_config)
         for counts in gather_bad_samples(self.cursor.counts, self.group):
             merged.merge(counts)

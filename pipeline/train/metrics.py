@@ -157,7 +157,9 @@ class MetricsLog:
 
     On resume, lines past the resumed step (written by a run that died before its next
     checkpoint) are dropped, so the file always describes one history. Local files are rewritten
-    atomically each time; object stores get the whole file at each flush (a few hundred KB at most).
+    atomically each time; object stores get the whole file at each flush (a few hundred KB at most),
+    once per checkpoint: the loop stores a checkpoint's row before the save (`flush(pending=row)`), and
+    its append after the save writes nothing more there.
     """
 
     def __init__(self, run_dir: storage.Location | str, resume_step: int = 0):
@@ -166,16 +168,24 @@ class MetricsLog:
         if resume_step and storage.exists(self.uri):
             lines = storage.read_text(self.uri).splitlines()
             self.rows = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= resume_step]
+        # The row `flush(pending=...)` wrote, not yet appended.
+        self.stored_ahead: dict[str, Any] | None = None
 
     def append(self, row: dict[str, Any], flush: bool) -> None:
+        """Add ``row``; written at once to a local file, else when ``flush`` (a checkpoint's row), unless
+        it is in storage already: written ahead of its save, where what the save added to it since (its
+        ``checkpoint_stall_s``) waits for the next flush."""
         self.rows.append(row)
-        if flush or self.uri.is_local:
+        stored, self.stored_ahead = row is self.stored_ahead, None
+        if self.uri.is_local or (flush and not stored):
             self.flush()
 
     def flush(self, pending: dict[str, Any] | None = None) -> None:
-        """Write the rows, and ``pending`` after them (a row not yet appended: its checkpoint's)."""
+        """Write the rows, and ``pending`` after them (a row not yet appended: its checkpoint's, whose
+        `append` then writes nothing to an object store)."""
         rows = [*self.rows, pending] if pending is not None else self.rows
         storage.write_text(self.uri, "".join(json.dumps(r) + "\n" for r in rows))
+        self.stored_ahead = pending
 
     def row(self, step: int) -> dict[str, Any]:
         """The row logged at `step`, or {}."""

@@ -61,3 +61,25 @@ def test_training_curve_is_a_png(tmp_path):
         assert im.format == "PNG" and im.width > 400 and im.height > 200
         # Not a blank canvas: the two curves put more than a handful of colours on it.
         assert len(im.convert("RGB").getcolors(maxcolors=100_000)) > 20
+
+
+def test_a_row_stored_ahead_of_its_save_is_not_written_again_when_appended(monkeypatch):
+    """On an object store a checkpoint's row is written once, before its save: its append after the save
+    writes nothing, and what the save added to it reaches the file at the next flush."""
+    from pipeline import storage
+
+    writes: list[str] = []
+    real_write = storage.write_text
+    monkeypatch.setattr(
+        storage, "write_text", lambda where, text: (writes.append(text), real_write(where, text))
+    )
+    log = MetricsLog("memory://metrics-ahead-test")
+    log.append(row(2), flush=False)
+    checkpoint_row = row(4)
+    log.flush(pending=checkpoint_row)
+    checkpoint_row["checkpoint_stall_s"] = 0.5  # the save, after the write
+    log.append(checkpoint_row, flush=True)
+    assert len(writes) == 1 and "checkpoint_stall_s" not in writes[0]
+    log.append(row(6), flush=True)  # another checkpoint's row, not stored ahead: written
+    stalls = [json.loads(line).get("checkpoint_stall_s") for line in writes[-1].splitlines()]
+    assert len(writes) == 2 and stalls == [None, 0.5, None]
