@@ -23,7 +23,9 @@ Labeled jobs over unlabeled shards: when every sample seen so far lacks its labe
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,10 +64,12 @@ class BadSamples:
     lost: dict[str, str] = field(default_factory=dict)  # url -> why it gave no readable sample
     # Mixed sources only (`pipeline.data.mixture`): name -> {"samples", "bad", "pass", "in_pass"}.
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
-    # (url, index, shard_size) of the bad samples counted since `take_counted`, for a data position
-    # (a mixed run's `SourceReader` adds the source and pass to those its pass counted)
+    # (url, index, shard_size, *tag) of the bad samples counted since `take_counted`, for a data position
     # (rows with an ``index`` column only); never saved, never merged.
-    counted: list[tuple[str, int, int]] = field(default_factory=list, repr=False, compare=False)
+    counted: list[tuple[Any, ...]] = field(default_factory=list, repr=False, compare=False)
+    # What the samples counted now are tagged with in ``counted``: a mixed run's (source, pass), set by
+    # its `SourceReader` while it reads (`tagged`); () otherwise.
+    tag: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     @classmethod
     def from_config(cls, config: Any) -> BadSamples:
@@ -94,16 +98,25 @@ class BadSamples:
                 self.record(str(batch["url"][i]), str(batch["key"][i]), reason, counted=True)
                 if indexed and batch["index"][i] >= 0:
                     self.counted.append(
-                        (str(batch["url"][i]), int(batch["index"][i]), int(batch["shard_size"][i]))
+                        (str(batch["url"][i]), int(batch["index"][i]), int(batch["shard_size"][i]), *self.tag)
                     )
         self.total += int((~bad).sum())
         keep = ~bad
         return {name: column[keep] for name, column in batch.items()}
 
-    def take_counted(self) -> list[tuple[str, int, int]]:
-        """The (url, index, shard_size) of the bad samples counted since the last call."""
+    def take_counted(self) -> list[tuple[Any, ...]]:
+        """The (url, index, shard_size, *tag) of the bad samples counted since the last call."""
         taken, self.counted = self.counted, []
         return taken
+
+    @contextlib.contextmanager
+    def tagged(self, *tag: int) -> Iterator[None]:
+        """Within it, the bad samples counted carry ``tag`` in ``counted`` (a mixed run's source, pass)."""
+        outer, self.tag = self.tag, tag
+        try:
+            yield
+        finally:
+            self.tag = outer
 
     def record(self, url: str, key: str, reason: str, *, counted: bool = False) -> None:
         """Count one bad sample (``counted``: it is already in ``total``)."""

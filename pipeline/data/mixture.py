@@ -226,11 +226,10 @@ class SourceReader:
     def at_end(self) -> bool:
         """Whether this pass has no sample left (reads its next micro-batch when none is pending)."""
         while not self.left:
-            bad, counted = self.counts.bad, len(self.counts.counted)
-            batch = next(self.batches, None)
+            bad = self.counts.bad
+            with self.counts.tagged(self.index, self.passes):  # the pass's filter counts in `next`
+                batch = next(self.batches, None)
             self.entry["bad"] += self.counts.bad - bad
-            tagged = [(*one, self.index, self.passes) for one in self.counts.counted[counted:]]
-            self.counts.counted[counted:] = tagged
             if batch is None:
                 return True
             self.pending, self.left = batch, len(batch["key"])

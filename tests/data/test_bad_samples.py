@@ -140,3 +140,25 @@ def test_lost_shards_past_their_budget_fail_in_one_line_naming_them():
         message.endswith("and 2 more; replace or remove them, or raise max_lost_shards")
         and "\n" not in message
     )
+
+
+def test_bad_samples_counted_while_tagged_carry_the_tag_in_counted():
+    """A mixed run's reader tags what its pass counts with (source, pass); counts outside carry no tag."""
+    indexed = {
+        **batch(["", "truncated image: cut"]),
+        "index": np.array([0, 1]),
+        "shard_size": np.array([-1, 2]),
+    }
+    url = "s3://b/train-000000.tar"
+    counts = BadSamples()
+    counts.filter(indexed)
+    with counts.tagged(1, 2):
+        counts.filter(indexed)
+        with counts.tagged(0, 5):
+            counts.filter(indexed)
+        counts.filter(indexed)
+    counts.filter(indexed)
+    assert counts.take_counted() == [
+        (url, 1, 2), (url, 1, 2, 1, 2), (url, 1, 2, 0, 5), (url, 1, 2, 1, 2), (url, 1, 2),
+    ]  # fmt: skip
+    assert counts.tag == () and counts.counted == []

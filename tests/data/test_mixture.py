@@ -231,3 +231,25 @@ def test_a_resumed_pass_may_give_nothing_and_a_finished_first_pass_has_run_out()
             done, [1, 1], seed=0, rank=0, epoch=0, accum=1, size=4, exhausted=exhausted
         )
         assert list(stream) == []
+
+
+def test_readers_sharing_counts_tag_the_bad_samples_of_each_pass_with_their_own_source_and_pass():
+    """Two sources' passes read in turn into one rank's counts: each bad sample carries the (source, pass)
+    of the pass that counted it, through a pass change, and nothing counted before is retagged."""
+    counts = BadSamples()
+    counts.counted.append(("earlier", 0, -1))  # counted before, not taken yet: left as it is
+    a = SourceReader("a", indexed_pass("a", 4, counts, []), counts, index=0)
+    b = SourceReader("b", indexed_pass("b", 4, counts, []), counts, index=1)
+    a.take(3)
+    b.take(1)
+    a.take(1)
+    assert a.take(1) == ([], True)  # pass 0 of a ran out
+    a.next_pass()
+    a.take(1)
+    assert counts.take_counted() == [
+        ("earlier", 0, -1),
+        ("a", 1, -1, 0, 0),
+        ("b", 1, -1, 1, 0),
+        ("a", 1, -1, 0, 1),
+    ]
+    assert counts.sources["a"]["bad"] == 2 and counts.sources["b"]["bad"] == 1
