@@ -26,7 +26,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -40,7 +40,14 @@ from pipeline.train.prefetch import Prefetcher
 from pipeline.train.resources import data_cpus_per_worker
 from pipeline.train.source_position import SourcesPosition
 
-Deal = Any  # `EpochCursor.deal`: (order, ahead, part=(source, pass)) -> (shards, micro_batches kwargs)
+
+class Deal(Protocol):
+    """`pipeline.train.cursor.EpochCursor.deal`: this rank's shards of a shard ``order`` (here: of source
+    ``part[0]``'s pass ``part[1]``), and the keyword arguments of their `micro_batches` (``skip``)."""
+
+    def __call__(
+        self, order: list[str], ahead: bool = False, part: tuple[int, int] | None = None
+    ) -> tuple[list[str], dict[str, Any]]: ...
 
 
 @dataclass(frozen=True)

@@ -184,3 +184,15 @@ def test_the_next_epochs_mixed_input_starts_ahead_and_trains_what_input_built_in
     assert_same_weights(
         config(tmp_path / "ahead", max_steps=12), config(tmp_path / "inline", max_steps=12), 12
     )
+
+
+def test_the_deal_type_says_what_the_cursor_deals():
+    """`sources.Deal` stands for `EpochCursor.deal`: the same parameters, defaults and return type."""
+    import inspect
+
+    from pipeline.train.cursor import EpochCursor
+
+    deal = inspect.signature(EpochCursor.deal)
+    typed = inspect.signature(sources.Deal.__call__)
+    assert list(deal.parameters.values())[1:] == list(typed.parameters.values())[1:]
+    assert deal.return_annotation == typed.return_annotation
