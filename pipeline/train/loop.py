@@ -366,12 +366,12 @@ class Trainer:
         """Collective: the last checkpoint in storage; merge every rank's bad samples; export the model
         unless the run failed."""
         self.saver.close()
-        if self.log is not None:  # the last checkpoint's stall, which followed its row's write
-            self.log.flush()
         merged = BadSamples.from_config(self.data_config)
         for counts in gather_bad_samples(self.cursor.counts, self.group):
             merged.merge(counts)
         if not error:
+            if self.log is not None:  # the last checkpoint's stall, which followed its row's write
+                self.log.flush()
             self.export()
         summary = {"metrics": self.last_metrics, "bad_samples": merged.to_dict(), "error": error}
         return {**summary, "resumed_from": self.resumed_from}
