@@ -6,10 +6,11 @@
     python jobs/benchmark.py embed [--json PATH] ...   the embedding job vs a naive single-process loop
     python jobs/benchmark.py index [--json PATH] ...   HNSW / IVF-PQ vs exact search: build, memory, recall
     python jobs/benchmark.py checkpoint [--json PATH] ...   training stall per checkpoint: sync vs async saves
+    python jobs/benchmark.py position [--json PATH] ...   host time a step of the data position: one source vs mixed
 
 `python jobs/benchmark.py NAME --help` lists a benchmark's options. Each prints a table and, with
 `--json PATH`, writes the same figures as JSON. Results and the machines they came from: BENCHMARKS.md.
-The model and train benchmarks import no Ray, so they run on a bare GPU machine with torch alone.
+The model, train and position benchmarks import no Ray, so they run on a bare GPU machine with torch alone.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ COMMANDS = {
     "embed": "the embedding job vs a naive single-process loop",
     "index": "approximate indexes (HNSW, IVF-PQ) vs exact search: build time, memory, recall@10, latency",
     "checkpoint": "the training stall per checkpoint: synchronous vs asynchronous saves (pretraining runs)",
+    "position": "the host time a step of the data position: one source vs sources mixed by weight",
 }
 
 

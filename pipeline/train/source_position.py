@@ -57,8 +57,16 @@ class SourcesPosition:
             groups.setdefault((int(source), int(passes)), []).append((url, index, size))
         for (source, passes), rows in groups.items():
             if passes >= self.done[source]:
-                self.passes[source].setdefault(passes, EpochPosition(self.shards[source])).add(rows)
+                self._pass(source, passes).add(rows)
                 self._settle(source)
+
+    def _pass(self, source: int, passes: int) -> EpochPosition:
+        """The position of that pass, built at its first sample only (a build hashes the source's
+        whole shard list: per step it would cost milliseconds at 20k shards)."""
+        position = self.passes[source].get(passes)
+        if position is None:
+            position = self.passes[source][passes] = EpochPosition(self.shards[source])
+        return position
 
     def _settle(self, source: int) -> None:
         """Complete passes at the front become ``done`` (their positions are dropped)."""
@@ -93,7 +101,7 @@ class SourcesPosition:
             self.done[s] = max(self.done[s], int(entry.get("passes_done", 0)))
             for p, one in entry.get("passes", {}).items():
                 if int(p) >= self.done[s]:
-                    self.passes[s].setdefault(int(p), EpochPosition(self.shards[s])).update(one)
+                    self._pass(s, int(p)).update(one)
             self._settle(s)
         return self
 

@@ -269,3 +269,13 @@ def test_index_measures_recall_against_a_brute_force_scan(tmp_path):
     figures = {row["kind"]: row for row in json.loads(out.read_text())["results"]}
     assert figures["flat"]["recall@10"] == 1.0  # exact search agrees with the scan: the scan is right
     assert figures["hnsw"]["recall@10"] > 0.9 and figures["hnsw"]["peak_gib"] > 0
+
+
+def test_position_times_one_source_against_mixed_sources(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    args = ["--steps", "3", "--shards", "40", "--repeats", "1", "--json", str(out)]
+    assert load_benchmark_cli().main(["position", *args]) == 0
+    figures = json.loads(out.read_text())
+    assert [(r["micro_batch"], r["accum"]) for r in figures["rows"]] == [(16, 4), (64, 4), (256, 1), (256, 4)]
+    assert all(r["single_us"] > 0 and r["mixed_us"] > 0 for r in figures["rows"])
+    assert figures["shards"] == 40 and "data position, host time a step" in capsys.readouterr().out

@@ -94,3 +94,22 @@ def test_the_position_of_two_sources_at_scale_stays_small():
     size = len(json.dumps(position.to_dict()))
     print(f"{world} ranks, 2 sources (3 passes begun): {size / 1024:.0f} KiB")
     assert sorted(position.passes[1]) == [4, 5] and size < 2 * 139 * 1024, size
+
+
+def test_a_pass_position_is_built_once_not_at_every_step(monkeypatch):
+    """Building a pass's position hashes its source's whole shard list: once per pass, never per add."""
+    from pipeline.train import source_position
+
+    built = []
+
+    class Counted(EpochPosition):
+        def __init__(self, shards):
+            built.append(len(shards))
+            super().__init__(shards)
+
+    monkeypatch.setattr(source_position, "EpochPosition", Counted)
+    position = SourcesPosition(["a", "b"], [A, B])
+    for step in range(3):
+        position.add([(A[step], 0, -1, 0, 0), (B[0], step, -1, 1, 0)])
+    position.update(position.to_dict())
+    assert built == [len(A), len(B)]
