@@ -37,6 +37,8 @@ from safetensors.torch import load_file
 import vit
 from pipeline import dcp
 from pipeline.storage import Location
+from pipeline.train import presets
+from pipeline.train.driver import fit
 from pipeline.train.saver import WRITE_DELAY_ENV
 from tests.flaky_s3 import FAULTS, FlakyS3
 
@@ -60,7 +62,7 @@ def process_group_gone(pgid: int, timeout: float = 30) -> bool:
     return False
 
 
-def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(tmp_path):
+def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(ray_session, tmp_path):
     from pipeline.data.synthetic import write_synthetic_shards
 
     shards = write_synthetic_shards(
@@ -193,12 +195,11 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
     finally:
         s3.stop()
 
-    # The same command, run straight on a local disk, ends with the same weights, bit for bit.
+    # The same command, run straight on a local disk, ends with the same weights, bit for bit: the job's
+    # own config, run on the tests' shared Ray (a job of its own would only add a Ray start).
     straight = tmp_path / "straight"
-    local = subprocess.run(
-        pretrain(str(shards.dir), str(straight)), cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert local.returncode == 0, (local.stdout + local.stderr)[-5000:]
+    fit(presets.resolve(presets.pretrain_parser().parse_args(pretrain(str(shards.dir), str(straight))[2:])),
+        shards.urls)  # fmt: skip
     healthy = load_file(straight / "final" / "weights.safetensors")
     assert healthy.keys() == weights.keys()
     for key in healthy:
