@@ -117,6 +117,14 @@ def _checked(sources: list[Source]) -> list[Source]:
     return sources
 
 
+def _yaml_problem(error: Exception) -> str:
+    """Where PyYAML stopped and why, on one line: ``line 2, column 1: expected ',' or ']' ...``."""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    mark = getattr(error, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
+
+
 def _from_yaml(path: str) -> list[Source]:
     """``sources: [{name: laion, data: s3://a/{000..999}.tar, weight: 0.7}, ...]``, read with
     ``yaml.safe_load`` (plain data, nothing constructed); PyYAML comes with Ray, a dependency of its own."""
@@ -126,8 +134,12 @@ def _from_yaml(path: str) -> list[Source]:
 
     try:
         values = yaml.safe_load(storage.read_text(storage.as_location(path)))
-    except (OSError, yaml.YAMLError) as e:
+    except OSError as e:
         raise MixtureError(f"cannot read the sources file {path}: {str(e).splitlines()[0]}") from e
+    except yaml.YAMLError as e:
+        raise MixtureError(
+            f"the sources file {path} is not plain YAML: {_yaml_problem(e)}; fix it there"
+        ) from e
     entries = values.get("sources") if isinstance(values, dict) else None
     if not isinstance(entries, list) or not entries:
         raise MixtureError(

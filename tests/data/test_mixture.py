@@ -85,6 +85,27 @@ def test_a_yaml_file_lists_the_sources(tmp_path):
         parse_sources(str(tmp_path / "missing.yaml"))
 
 
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("sources:\n  - {name: a, data: /x\n", "line 3, column 1: expected ',' or '}'"),
+        (
+            "sources: !!python/object/apply:os.system [echo]\n",
+            "line 1, column 10: could not determine a constructor",
+        ),
+        ("sources:\n\t- a\n", "line 2, column 1: found character '\\t'"),
+    ],
+)
+def test_a_sources_file_that_is_not_plain_yaml_says_where_in_one_line(tmp_path, text, says):
+    path = tmp_path / "mix.yaml"
+    path.write_text(text)
+    with pytest.raises(MixtureError) as error:
+        parse_sources(str(path))
+    message = str(error.value)
+    assert message.startswith(f"the sources file {path} is not plain YAML: {says}")
+    assert message.endswith("; fix it there") and "\n" not in message
+
+
 def test_the_draw_is_a_pure_function_of_seed_epoch_step_rank_and_place():
     a = draw_sources([0.7, 0.3], seed=0, epoch=2, step=5, rank=1, places=64)
     assert np.array_equal(a, draw_sources([0.7, 0.3], seed=0, epoch=2, step=5, rank=1, places=64))
