@@ -28,6 +28,10 @@ INTERPOLATIONS = ("nearest", "box", "bilinear", "bicubic", "lanczos")
 MAX_MAGNITUDE = 10.0
 
 
+def _pair(values: tuple[float, ...]) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Everything that decides which pixels a sample becomes; saved with every checkpoint."""
@@ -111,6 +115,10 @@ class DataConfig:
         for name in ("scale", "ratio", "image_keys"):  # from_dict / JSON give lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "image_keys", tuple(k.lower().lstrip(".") for k in self.image_keys))
+
+        def flag(name: str) -> str:
+            return settings.flag(DataConfig, name)
+
         problems = [
             (
                 self.image_size <= 0 or (self.patch_size or 1) <= 0,
@@ -123,19 +131,25 @@ class DataConfig:
             ),
             (
                 not 0 < self.scale[0] <= self.scale[1] <= 1,
-                f"scale {self.scale} must satisfy 0 < lo <= hi <= 1",
+                f"{flag('scale')} {_pair(self.scale)} must be MIN,MAX with 0 < MIN <= MAX <= 1, e.g. 0.08,1",
             ),
-            (not 0 < self.ratio[0] <= self.ratio[1], f"ratio {self.ratio} must satisfy 0 < lo <= hi"),
+            (
+                not 0 < self.ratio[0] <= self.ratio[1],
+                f"{flag('ratio')} {_pair(self.ratio)} must be MIN,MAX with 0 < MIN <= MAX, e.g. 0.75,1.33",
+            ),
             (
                 self.randaug_ops < 0,
-                f"{settings.flag(DataConfig, 'randaug_ops')} must be 0 (none) or more, got {self.randaug_ops}",
+                f"{flag('randaug_ops')} must be 0 (none) or more, got {self.randaug_ops}",
             ),
             (
                 not 0 <= self.randaug_magnitude <= MAX_MAGNITUDE,
-                f"{settings.flag(DataConfig, 'randaug_magnitude')} must be in [0, {MAX_MAGNITUDE:g}], "
+                f"{flag('randaug_magnitude')} must be in [0, {MAX_MAGNITUDE:g}], "
                 f"got {self.randaug_magnitude}",
             ),
-            (not 0 < self.crop_fraction <= 1, f"crop_fraction {self.crop_fraction} must be in (0, 1]"),
+            (
+                not 0 < self.crop_fraction <= 1,
+                f"{flag('crop_fraction')} {self.crop_fraction} must be in (0, 1], e.g. 0.875",
+            ),
             (
                 self.mask_ratio is not None and not 0 < self.mask_ratio < 1,
                 f"mask_ratio {self.mask_ratio} must be strictly between 0 and 1 (MAE's is 0.75), or None",
@@ -145,11 +159,17 @@ class DataConfig:
                 or self.eval_interpolation not in INTERPOLATIONS,
                 f"interpolation must be one of {', '.join(INTERPOLATIONS)}",
             ),
-            (not 0 <= self.max_bad_fraction <= 1, "max_bad_fraction must be in [0, 1]"),
-            (self.max_lost_shards < 0, f"max_lost_shards must be 0 or more, got {self.max_lost_shards}"),
+            (
+                not 0 <= self.max_bad_fraction <= 1,
+                f"{flag('max_bad_fraction')} must be in [0, 1], got {self.max_bad_fraction}",
+            ),
+            (
+                self.max_lost_shards < 0,
+                f"{flag('max_lost_shards')} must be 0 or more, got {self.max_lost_shards}",
+            ),
             (
                 self.shuffle_buffer < 0 or self.block_rows <= 0,
-                "shuffle_buffer >= 0 and block_rows > 0 please",
+                f"{flag('shuffle_buffer')} must be 0 (no shuffle) or more and {flag('block_rows')} more than 0",
             ),
             (not self.image_keys, "image_keys must name at least one member extension, e.g. ('jpg',)"),
             (
@@ -158,7 +178,7 @@ class DataConfig:
             ),
             (
                 self.read_attempts < 1 or self.read_backoff_s < 0,
-                "read_attempts >= 1 and read_backoff_s >= 0 please",
+                f"{flag('read_attempts')} must be 1 or more and {flag('read_backoff_s')} 0 or more",
             ),
         ]
         for bad, message in problems:
