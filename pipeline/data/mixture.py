@@ -119,7 +119,7 @@ def _checked(sources: list[Source]) -> list[Source]:
 
 def _yaml_problem(error: Exception) -> str:
     """Where PyYAML stopped and why, on one line: ``line 2, column 1: expected ',' or ']' ...``."""
-    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    problem = getattr(error, "problem", None) or (str(error).splitlines() or [type(error).__name__])[0]
     mark = getattr(error, "problem_mark", None)
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
     return where + " ".join(str(problem).split())

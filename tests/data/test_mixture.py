@@ -106,6 +106,15 @@ def test_a_sources_file_that_is_not_plain_yaml_says_where_in_one_line(tmp_path, 
     assert message.endswith("; fix it there") and "\n" not in message
 
 
+def test_a_yaml_error_without_a_message_or_a_place_is_named_by_its_type():
+    import yaml
+
+    from pipeline.data.mixture import _yaml_problem
+
+    assert _yaml_problem(yaml.YAMLError()) == "YAMLError"
+    assert _yaml_problem(yaml.YAMLError("one\ntwo")) == "one"
+
+
 def test_the_draw_is_a_pure_function_of_seed_epoch_step_rank_and_place():
     a = draw_sources([0.7, 0.3], seed=0, epoch=2, step=5, rank=1, places=64)
     assert np.array_equal(a, draw_sources([0.7, 0.3], seed=0, epoch=2, step=5, rank=1, places=64))
