@@ -118,12 +118,6 @@ def _parser_for(annotation: Any) -> tuple[Callable[[str], Any] | None, bool]:
     raise TypeError(f"no command-line form for a field of type {annotation!r}; give the setting parse=")
 
 
-def _shown(value: Any) -> str:
-    if isinstance(value, tuple):
-        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
-    return "none" if value is None else str(value)
-
-
 def add_settings(
     parser: argparse.ArgumentParser,
     config_type: type,
@@ -150,7 +144,7 @@ def add_settings(
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         )
         if defaults is not None and not must and "default:" not in text:
-            text += f" (default: {_shown(settings.get(defaults, path))})"
+            text += f" (default: {settings.shown(settings.get(defaults, path))})"
         dest = f.name
         if parse is None and f.metadata.get("parse") is None:
             parser.add_argument(

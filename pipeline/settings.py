@@ -127,6 +127,13 @@ def flag(cls: type, name: str) -> str:
     return f"--{option}" if option else name
 
 
+def shown(value: Any) -> str:
+    """A value as its flag is written (``0.08,1`` for a pair, ``none`` for None): for help and messages."""
+    if isinstance(value, tuple):
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    return "none" if value is None else str(value)
+
+
 def help_of(field: dataclasses.Field) -> str:
     return field.metadata.get(_HELP, "")
 

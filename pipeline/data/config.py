@@ -28,10 +28,6 @@ INTERPOLATIONS = ("nearest", "box", "bilinear", "bicubic", "lanczos")
 MAX_MAGNITUDE = 10.0
 
 
-def _pair(values: tuple[float, ...]) -> str:
-    return ",".join(f"{v:g}" for v in values)
-
-
 @dataclass(frozen=True)
 class DataConfig:
     """Everything that decides which pixels a sample becomes; saved with every checkpoint."""
@@ -131,11 +127,11 @@ class DataConfig:
             ),
             (
                 not 0 < self.scale[0] <= self.scale[1] <= 1,
-                f"{flag('scale')} {_pair(self.scale)} must be MIN,MAX with 0 < MIN <= MAX <= 1, e.g. 0.08,1",
+                f"{flag('scale')} {settings.shown(self.scale)} must be MIN,MAX with 0 < MIN <= MAX <= 1, e.g. 0.08,1",
             ),
             (
                 not 0 < self.ratio[0] <= self.ratio[1],
-                f"{flag('ratio')} {_pair(self.ratio)} must be MIN,MAX with 0 < MIN <= MAX, e.g. 0.75,1.33",
+                f"{flag('ratio')} {settings.shown(self.ratio)} must be MIN,MAX with 0 < MIN <= MAX, e.g. 0.75,1.33",
             ),
             (
                 self.randaug_ops < 0,
