@@ -164,6 +164,18 @@ def prepare_eval(config: TrainConfig) -> list[str]:
     return shards
 
 
+def eval_note(config: TrainConfig) -> str | None:
+    """A note for a run whose --eval-every (given, or its preset's) has no --eval-data to evaluate."""
+    if not config.run.eval_every or config.run.eval_shards:
+        return None
+    why = (
+        "held-out labeled shards"
+        if config.task.objective == "supervised"
+        else "supervised runs only; MAE pretraining has no classifier"
+    )
+    return f"note: no --eval-data, so --eval-every {config.run.eval_every} evaluates nothing (--eval-data: {why})"
+
+
 def local_cpus_needed(config: TrainConfig) -> float:
     """Logical CPUs a local Ray needs: the training workers' plus two decode slots per worker."""
     return (
@@ -298,6 +310,9 @@ def train(config: TrainConfig, args: argparse.Namespace) -> int:
         config = resolve_pretrained(config)  # one line if the weights do not load
     shards, sources = prepare_data(config)
     eval_shards = prepare_eval(config)
+    note = eval_note(config)
+    if note:
+        print(note, flush=True)
     local = cli.connect_ray(args, needed_cpus=local_cpus_needed(config))
     check_cluster(config, local_ray=local)
     cli.start_work()

@@ -157,3 +157,40 @@ def test_unlabeled_shards_fail_at_once_with_one_line(tmp_path):
     assert "carries no label member .cls" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Ray" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "note"),
+    [
+        (
+            ["--eval-every", "4"],
+            "note: no --eval-data, so --eval-every 4 evaluates nothing (--eval-data: held-out",
+        ),
+        (
+            ["--objective", "mae", "--label-key", "none", "--eval-every", "4"],
+            "note: no --eval-data, so --eval-every 4 evaluates nothing (--eval-data: supervised runs only;",
+        ),
+        (["--eval-every", "4", "--eval-data", "EVAL"], None),
+        ([], None),  # the preset's 0: only at the end, and no --eval-data: nothing to say
+    ],
+    ids=["supervised", "mae", "with-eval-data", "preset-default"],
+)
+def test_eval_every_without_eval_data_says_before_ray_that_nothing_is_evaluated(
+    synthetic_shards, tmp_path, monkeypatch, capsys, args, note
+):
+    from pipeline import cli
+
+    def no_ray(*args, **kwargs):
+        raise ValueError("the job reached for Ray")  # where this test stops it
+
+    monkeypatch.setattr(cli, "connect_ray", no_ray)
+    args = [synthetic_shards.dir if a == "EVAL" else a for a in args]
+    argv = ["--preset", "tiny", "--data", synthetic_shards.dir, "--out", str(tmp_path / "run"), *args]
+    assert load_job("pretrain").main(argv) == cli.EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    assert captured.err == "error: the job reached for Ray\n"  # so every check before Ray passed
+    notes = [line for line in captured.out.splitlines() if line.startswith("note: ")]
+    if note is None:
+        assert notes == [], captured.out
+    else:
+        assert len(notes) == 1 and notes[0].startswith(note), captured.out
