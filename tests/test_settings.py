@@ -86,6 +86,36 @@ def test_validation_messages_name_the_flag_the_field_makes():
         tiny_config(data="").validate()
 
 
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"min_lr": 0.5, "lr": 0.002},
+            "--min-lr 0.5 must be in [0, --lr 0.002]: the schedule decays from --lr",
+        ),
+        ({"min_lr": -1e-5}, "--min-lr -1e-05 must be in [0, --lr "),
+        ({"weight_decay": -0.1}, "--weight-decay must be 0 (none) or more, got -0.1"),
+        ({"weight_decay": float("nan")}, "--weight-decay must be 0 (none) or more, got nan"),
+        ({"betas": (1.5, 0.9)}, "--betas 1.5,0.9 must be B1,B2 with each in [0, 1), e.g. 0.9,0.999"),
+        ({"betas": (0.9, 1.0)}, "--betas 0.9,1 must be B1,B2 with each in [0, 1)"),
+        ({"keep_checkpoints": 0}, "--keep-checkpoints must be at least 1, got 0"),
+        ({"stop_at_step": 0}, "--stop-at-step must be at least 1, got 0"),
+        ({"image_size": 0}, "--image-size must be at least 1, got 0"),
+        ({"num_classes": 0}, "--num-classes must be at least 1, got 0"),
+    ],
+)
+def test_settings_no_run_can_use_are_refused_in_one_line_that_names_the_flag(changes, message):
+    with pytest.raises(ValueError) as info:
+        tiny_config(**changes).validate()
+    assert str(info.value).startswith(message) and "\n" not in str(info.value), str(info.value)
+
+
+def test_the_edges_of_those_settings_are_taken():
+    config = tiny_config(min_lr=0.002, lr=0.002, weight_decay=0.0, betas=(0.0, 0.999), keep_checkpoints=1)
+    config.replace(stop_at_step=1).validate()
+    assert (config.optim.min_lr, config.optim.betas, config.run.keep_checkpoints) == (0.002, (0.0, 0.999), 1)
+
+
 def test_replace_takes_field_or_flag_names_across_sections():
     config = tiny_config(lr=0.5, crop_scale=(0.5, 1.0), data="x", eval_data="y", seed=3, objective="mae")
     assert (config.optim.lr, config.data.scale, config.run.shards, config.run.eval_shards) == (

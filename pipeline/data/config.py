@@ -116,10 +116,8 @@ class DataConfig:
             return settings.flag(DataConfig, name)
 
         problems = [
-            (
-                self.image_size <= 0 or (self.patch_size or 1) <= 0,
-                "image_size and patch_size must be positive",
-            ),
+            (self.image_size <= 0, f"{flag('image_size')} must be at least 1, got {self.image_size}"),
+            ((self.patch_size or 1) <= 0, f"patch_size must be positive, got {self.patch_size}"),
             (
                 self.image_size % (self.patch_size or 1) != 0,
                 f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}; "
@@ -170,7 +168,7 @@ class DataConfig:
             (not self.image_keys, "image_keys must name at least one member extension, e.g. ('jpg',)"),
             (
                 self.num_classes is not None and self.num_classes <= 0,
-                f"num_classes {self.num_classes} must be positive (or None for no label check)",
+                f"--num-classes must be at least 1, got {self.num_classes}",
             ),
             (
                 self.read_attempts < 1 or self.read_backoff_s < 0,
@@ -179,7 +177,8 @@ class DataConfig:
         ]
         for bad, message in problems:
             if bad:
-                raise ValueError(f"DataConfig: {message}")
+                # A message that names its flag is the user's; one that names a field, the caller's.
+                raise ValueError(message if message.startswith("--") else f"DataConfig: {message}")
 
     @property
     def num_patches(self) -> int:

@@ -192,6 +192,17 @@ class OptimConfig:
             )
         if not math.isfinite(self.lr) or self.lr <= 0:
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(
+                f"--min-lr {self.min_lr:g} must be in [0, --lr {self.lr:g}]: the schedule decays from --lr "
+                "to it; pass a smaller --min-lr"
+            )
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"--weight-decay must be 0 (none) or more, got {self.weight_decay}")
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(
+                f"--betas {settings.shown(self.betas)} must be B1,B2 with each in [0, 1), e.g. 0.9,0.999"
+            )
         if not self.grad_clip >= 0:
             raise ValueError(f"--grad-clip must be a norm >= 0 (0: no clipping), got {self.grad_clip}")
         _at_least(self, ("ema_every",))
@@ -326,7 +337,9 @@ class RunConfig:
             raise ValueError(
                 "no output location: pass --out with a run directory (local path, s3:// or gs://)"
             )
-        _at_least(self, ("log_every", "checkpoint_every"))
+        _at_least(self, ("log_every", "checkpoint_every", "keep_checkpoints"))
+        if self.stop_at_step is not None:
+            _at_least(self, ("stop_at_step",))
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be 0 (only at the end) or more, got {self.eval_every}")
         if self.wandb and importlib.util.find_spec("wandb") is None:
