@@ -163,16 +163,25 @@ def check_shards(shards: list[str], config: DataConfig, *, probe: int = 16) -> N
                     break
     except OSError as e:
         raise ShardError(f"cannot open shard {url}: {e}; check the path and credentials") from e
+    if not samples:
+        raise ShardError(f"shard {url} is empty (no tar member); point at WebDataset .tar shards")
+    if all(s.error and not s.members for s in samples):  # not one member read: not a tar at all
+        raise ShardError(
+            f"shard {url} is not a readable tar archive ({samples[0].error}); point at WebDataset .tar "
+            "shards (plain or gzipped)"
+        )
     seen = sorted({ext for s in samples for ext in s.members})
     if not any(spec.image(s) is not None for s in samples):
         raise ShardError(
             f"shard {url} holds no image member among its first {len(samples)} samples (members: "
-            f"{', '.join(seen) or 'none'}); set image_keys or point at image shards"
+            f"{', '.join(seen) or 'none'}); name its image extension with --image-keys, or point at "
+            "image shards"
         )
     if spec.require_labels and not any(spec.label_member in s.members for s in samples):
         raise ShardError(
             f"shard {url} carries no label member .{spec.label_member} in its first {len(samples)} samples "
-            f"(members: {', '.join(seen)}); set label_key, or run without labels (require_labels=False)"
+            f"(members: {', '.join(seen)}); name it with --label-key, or pretrain without labels "
+            "(--objective mae)"
         )
     labeled = [(s.key, spec.label(s)) for s in samples if spec.label_member in s.members]
     outside = [(key, error) for key, (_, error) in labeled if error.startswith("label out of range")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gzip
 import io
 import json
 import subprocess
@@ -144,8 +145,30 @@ def test_check_shards_fails_fast_on_unlabeled_or_imageless_shards(tmp_path, synt
     check_shards([str(unlabeled)], DataConfig(label_key=None, require_labels=False))
     texts = tmp_path / "texts.tar"
     texts.write_bytes(tar_bytes([(f"{i:04d}.txt", b"T") for i in range(3)]))
-    with pytest.raises(ShardError, match="holds no image member"):
+    with pytest.raises(
+        ShardError, match=r"holds no image member .* name its image extension with --image-keys"
+    ):
         check_shards([str(texts)], CONFIG)
+
+
+def test_check_shards_says_a_file_that_is_not_a_tar_is_not_one(tmp_path, synthetic_shards):
+    empty, text, noise = tmp_path / "empty.tar", tmp_path / "text.tar", tmp_path / "noise.tar"
+    empty.write_bytes(b"")
+    text.write_bytes(b"not a tar\n")
+    noise.write_bytes(bytes(range(256)) * 20)
+    with pytest.raises(
+        ShardError, match=r"^shard \S+empty.tar is empty \(no tar member\); point at WebDataset"
+    ):
+        check_shards([str(empty)], CONFIG)
+    for url in (text, noise):
+        with pytest.raises(
+            ShardError, match=r"is not a readable tar archive \((truncated|corrupt) tar: "
+        ) as info:
+            check_shards([str(url)], CONFIG)
+        assert str(url) in str(info.value) and "\n" not in str(info.value)
+    gzipped = tmp_path / "gzipped.tar"  # a gzipped shard is one
+    gzipped.write_bytes(gzip.compress(Path(synthetic_shards.urls[0]).read_bytes()))
+    check_shards([str(gzipped)], CONFIG)
 
 
 def test_check_shards_fails_fast_when_the_first_labels_pass_the_class_count(tmp_path, synthetic_shards):
