@@ -148,8 +148,9 @@ def check_shards(shards: list[str], config: DataConfig, *, probe: int = 16) -> N
     """Fail fast, before any Ray work, when the first shard cannot be what the job expects.
 
     Reads up to ``probe`` samples of the first shard: a `ShardError` if it cannot be opened, holds no
-    image member, (with ``require_labels``) carries no label member at all, or (with ``num_classes``)
-    holds more labels outside ``[0, num_classes)`` than the bad-sample share allows: a wrong class count.
+    image member, (with ``require_labels``) carries no label member at all, or holds more labels outside
+    ``[0, num_classes)`` (a wrong class count) or unreadable (a wrong label key) than the bad-sample
+    share allows.
     """
     if not shards:
         raise ShardError("no shards to read; pass at least one shard URL")
@@ -184,13 +185,21 @@ def check_shards(shards: list[str], config: DataConfig, *, probe: int = 16) -> N
             "(--objective mae)"
         )
     labeled = [(s.key, spec.label(s)) for s in samples if spec.label_member in s.members]
-    outside = [(key, error) for key, (_, error) in labeled if error.startswith("label out of range")]
-    if outside and len(outside) > config.max_bad_fraction * len(labeled):
-        key, error = outside[0]
-        raise ShardError(
-            f"shard {url}: {len(outside)} of the first {len(labeled)} labels are out of range (key {key!r}: "
-            f"{error.split(': ', 1)[1]}); set --num-classes to the dataset's class count, or fix the labels"
-        )
+    for kind, advice in (
+        ("label out of range", "set --num-classes to the dataset's class count, or fix the labels"),
+        (
+            "bad label",
+            "check --label-key (cls, or json:FIELD for a field of the .json member), or fix the labels",
+        ),
+    ):
+        bad = [(key, error) for key, (_, error) in labeled if error.startswith(kind)]
+        if bad and len(bad) > config.max_bad_fraction * len(labeled):
+            key, error = bad[0]
+            what = "out of range" if kind == "label out of range" else "unreadable"
+            raise ShardError(
+                f"shard {url}: {len(bad)} of the first {len(labeled)} labels are {what} (key {key!r}: "
+                f"{error.split(': ', 1)[1]}); {advice}"
+            )
 
 
 def rebatch(batches: Iterator[Batch], size: int) -> Iterator[Batch]:

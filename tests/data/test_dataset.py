@@ -151,6 +151,17 @@ def test_check_shards_fails_fast_on_unlabeled_or_imageless_shards(tmp_path, synt
         check_shards([str(texts)], CONFIG)
 
 
+def test_check_shards_refuses_a_label_key_that_reads_no_label(synthetic_shards):
+    check_shards(synthetic_shards.urls, CONFIG.replace(label_key="json:label"))  # the shards' .json field
+    with pytest.raises(ShardError) as info:
+        check_shards(synthetic_shards.urls, CONFIG.replace(label_key="json:missing"))
+    assert str(info.value) == (
+        f"shard {synthetic_shards.urls[0]}: 12 of the first 12 labels are unreadable (key '00000000': .json "
+        "member has no field 'missing'); check --label-key (cls, or json:FIELD for a field of the .json "
+        "member), or fix the labels"
+    )
+
+
 def test_check_shards_says_a_file_that_is_not_a_tar_is_not_one(tmp_path, synthetic_shards):
     empty, text, noise = tmp_path / "empty.tar", tmp_path / "text.tar", tmp_path / "noise.tar"
     empty.write_bytes(b"")
