@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             cli.print_config(config)
             return 0
         config.validate()
+        if config.near_duplicates is not None:
+            search.check_pairs_target(config.location(config.out))
         index = search.load_index(config.location(config.index))
         search.tune(index, nprobe=config.nprobe, ef_search=config.ef_search)
         print(index.describe(), flush=True)

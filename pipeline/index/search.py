@@ -190,6 +190,29 @@ def near_duplicates(index: LoadedIndex, threshold: float, k: int) -> pa.Table:
     )
 
 
+PAIR_COLUMNS = ["key_a", "url_a", "key_b", "url_b", "score"]
+
+
+def check_pairs_target(out: storage.Location | str) -> None:
+    """A one-line ValueError for an ``--out`` that is a directory, or an existing file that is no pairs
+    file (an embedding file, an index's ids.parquet): only the pairs of an earlier run are replaced."""
+    if storage.is_root(out) or storage.list_entries(out):
+        raise ValueError(f"--out {out} is a directory; name a .parquet file for the pairs")
+    if not storage.exists(out):
+        return
+    fs, path = storage.filesystem(out)
+    try:
+        with fs.open(path, "rb") as f:
+            ours = pq.read_schema(f).names == PAIR_COLUMNS
+    except (pa.ArrowException, OSError):
+        ours = False
+    if not ours:
+        raise ValueError(
+            f"--out {out} exists and is no near-duplicates file ({', '.join(PAIR_COLUMNS)}); pick another "
+            "--out, or remove that file first"
+        )
+
+
 def write_pairs(table: pa.Table, out: storage.Location | str) -> None:
     """The pairs as one Parquet file at ``out``, written whole (`pipeline.storage.staged_file`)."""
     with storage.staged_file(out) as local:

@@ -147,6 +147,28 @@ def test_near_duplicates_are_found_once_each(tmp_path, vectors):
     assert code == 0 and pq.read_table(out).num_rows == 1
 
 
+def test_near_duplicates_replace_their_own_file_and_no_other(tmp_path, vectors, capsys):
+    # --out naming a file that is there already: an earlier run's pairs are replaced; an embedding file
+    # or the index's own ids.parquet is left as it was, with one line (it was overwritten, exit 0).
+    emb, index = tmp_path / "emb", tmp_path / "index"
+    write_output(emb, vectors, header())
+    assert index_job.main(["--embeddings", str(emb), "--out", str(index)]) == 0
+    args = ["--index", str(index), "--near-duplicates", "0.99"]
+    pairs = tmp_path / "dups.parquet"
+    assert search_job.main([*args, "--out", str(pairs)]) == 0
+    assert search_job.main([*args, "--out", str(pairs)]) == 0  # its own file: replaced
+    capsys.readouterr()
+    for taken in (emb / "shard-0.parquet", index / "ids.parquet"):
+        before = taken.read_bytes()
+        one_line_error(
+            capsys, search_job.main([*args, "--out", str(taken)]), "exists and is no near-duplicates file"
+        )
+        assert taken.read_bytes() == before
+    (tmp_path / "d.parquet").mkdir()
+    (tmp_path / "d.parquet" / "a").write_text("x")
+    one_line_error(capsys, search_job.main([*args, "--out", str(tmp_path / "d.parquet")]), "is a directory")
+
+
 def test_the_jobs_print_neighbours_as_a_table(tmp_path, vectors, capsys):
     emb, out = tmp_path / "emb", tmp_path / "index"
     write_output(emb, vectors, header())
