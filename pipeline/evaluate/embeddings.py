@@ -12,7 +12,6 @@ name one identity (model, weights sha256, preprocessing, device and precision:
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -153,6 +152,17 @@ def features(column: pa.Array | pa.ChunkedArray, dim: int) -> np.ndarray:
     return column.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim)
 
 
+def read_table(data: bytes, columns: list[str]) -> pa.Table:
+    """``columns`` of a whole Parquet file's bytes, copied into memory of pyarrow's own first: its
+    reader threads drop their last reference to the file after `pq.read_table` returns, and a
+    reference to Python's bytes takes the GIL to let go, which a process that is exiting by then
+    answers with an abort (exit code 134, "terminate called without an active exception") after
+    the job's work was done and printed."""
+    owned = pa.allocate_buffer(len(data))
+    pa.FixedSizeBufferWriter(owned).write(data)
+    return pq.read_table(pa.BufferReader(owned), columns=columns)
+
+
 def load_embeddings(where: storage.Location | str, *, name: str = "--train") -> Embeddings:
     """Read every row of an output; a one-line ValueError when it has no labels, mixes widths or is
     not an embedding output (``name`` is the flag that named it, for the message)."""
@@ -163,7 +173,7 @@ def load_embeddings(where: storage.Location | str, *, name: str = "--train") -> 
         file = location.url
         fs, path = location.fs()
         try:
-            table = pq.read_table(io.BytesIO(fs.cat_file(path)), columns=["key", "embedding", "label"])
+            table = read_table(fs.cat_file(path), ["key", "embedding", "label"])
         except (pa.ArrowException, KeyError, OSError) as e:
             raise ValueError(
                 f"{name} {file} is not an embedding file (key, embedding, label columns): {e}"

@@ -10,7 +10,6 @@ output's own model and eval transform (`pipeline.index.query`).
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
+from pipeline.evaluate.embeddings import read_table
 from pipeline.index.build import FORMAT, IDS_FILE, INDEX_FILE, INDEX_MANIFEST
 
 PAIR_BATCH = 4096  # rows queried at a time when looking for near duplicates
@@ -119,7 +119,7 @@ def load_index(where: storage.Location | str) -> LoadedIndex:
         else:
             index = faiss.deserialize_index(np.frombuffer(fs.cat_file(path), np.uint8))
         fs, path = where.join(IDS_FILE).fs()
-        ids = pq.read_table(io.BytesIO(fs.cat_file(path)), columns=["key", "url"])
+        ids = read_table(fs.cat_file(path), ["key", "url"])
     except (RuntimeError, OSError, pa.ArrowException) as e:
         raise ValueError(
             f"--index {uri} is incomplete or damaged ({e}); build it again with jobs/index.py"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ from pipeline.embed.output import FORMAT, MANIFEST, METADATA_KEY, embedding_tabl
 from pipeline.evaluate.embeddings import load_embeddings
 from tests.job_scripts import load_job
 
+ROOT = Path(__file__).resolve().parents[2]
 evaluate_job = load_job("evaluate")  # the job script itself, run in this process (its output captured)
 
 
@@ -170,3 +173,19 @@ def test_print_config_shows_the_resolved_configuration(capsys):
     assert evaluate_job.main(["--train", "a", "--test", "b", "--shots", "2,4", "--print-config"]) == 0
     config = json.loads(capsys.readouterr().out)
     assert config["shots"] == [2, 4] and config["k"] == 20 and config["train"] == "a"
+
+
+@pytest.mark.slow  # 20 fresh interpreters: the abort came in about one exit of six
+def test_a_process_that_read_an_output_exits_cleanly(tmp_path):
+    # pyarrow's reader threads used to drop their last hold on the file after the read returned, and
+    # letting go of Python's bytes takes the GIL: a process exiting right then aborted (exit code 134,
+    # "terminate called without an active exception") in about one run of six, its work done.
+    labels = np.repeat([0, 1], 4)
+    out = write_output(tmp_path / "o", clustered(labels), labels, files=1)
+    code = f"from pipeline.evaluate.embeddings import load_embeddings; load_embeddings({str(out)!r})"
+    runs = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        for _ in range(20)
+    ]
+    ends = [(run.wait(timeout=120), run.stderr.read()) for run in runs]
+    assert [c for c, _ in ends] == [0] * len(ends), [e for c, e in ends if c]
