@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         cli.start_work()
         for title, rows in zip(titles, search.neighbours(index, queries, config.k), strict=True):
             print(search.format_neighbours(title, rows, index.metric))
+            if note := search.shortfall(index, len(rows), config.k):
+                print(note)
         return 0
 
     return cli.run_job(body)

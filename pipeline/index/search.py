@@ -158,6 +158,18 @@ def format_neighbours(title: str, rows: list[tuple[str, str, float]], metric: st
     return "\n".join(line.rstrip() for line in lines)
 
 
+def shortfall(index: LoadedIndex, found: int, k: int) -> str | None:
+    """A note for a query answered with fewer than ``k`` rows (None when it got ``k``): the index holds
+    fewer, or the approximate search found no more."""
+    if found >= k:
+        return None
+    if index.index.ntotal < k:
+        why = f"the index holds {index.index.ntotal:,} rows"
+    else:
+        why = "the approximate search found no more (raise --nprobe or --ef-search)"
+    return f"  note: {found:,} neighbours, fewer than --k {k}: {why}"
+
+
 def near_duplicates(index: LoadedIndex, threshold: float, k: int) -> pa.Table:
     """Every pair of rows within ``threshold`` (cosine at least, or distance at most) among each row's
     ``k`` nearest: columns key_a, url_a, key_b, url_b, score; each pair once (a < b by id), most similar first."""

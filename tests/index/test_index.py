@@ -181,6 +181,19 @@ def test_the_jobs_print_neighbours_as_a_table(tmp_path, vectors, capsys):
     assert first[:3] == ["1", "1-00003", "s3://b/shard-1.tar"] and float(first[3]) == pytest.approx(1)
 
 
+def test_a_search_for_more_neighbours_than_rows_says_it_gave_fewer(tmp_path, capsys):
+    emb, out = tmp_path / "emb", tmp_path / "index"
+    write_output(emb, clustered(12), header())
+    assert index_job.main(["--embeddings", str(emb), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert search_job.main(["--index", str(out), "--key", "0-00000", "--k", "20"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-2].split()[0] == "12", printed  # every row of the index, and no more
+    assert printed[-1] == "  note: 12 neighbours, fewer than --k 20: the index holds 12 rows"
+    assert search_job.main(["--index", str(out), "--key", "0-00000", "--k", "12"]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def one_line_error(capsys, code: int, *expected: str) -> None:
     err = capsys.readouterr().err
     assert code == 2, err
