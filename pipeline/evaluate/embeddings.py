@@ -214,7 +214,8 @@ def _same(name: str, uri: str, a: dict, a_name: str, b: dict, b_name: str) -> No
 
 
 def check_pair(train: Embeddings, test: Embeddings) -> None:
-    """One line when the two outputs cannot be compared: other widths, or other weights."""
+    """One line when the two outputs cannot be compared: other widths, other weights, shards in common
+    (the manifests' shard lists), or test classes the training rows never show."""
     if train.dim != test.dim:
         raise ValueError(
             f"--train has D = {train.dim} but --test D = {test.dim}; embed both with the same model"
@@ -223,6 +224,12 @@ def check_pair(train: Embeddings, test: Embeddings) -> None:
         raise ValueError(
             f"--train and --test were embedded with other weights (sha256 {train.weights_sha256[:12]} vs "
             f"{test.weights_sha256[:12]}); embed both with the same --weights"
+        )
+    shared = sorted(set(train.about.get("shards") or {}) & set(test.about.get("shards") or {}))
+    if shared:
+        raise ValueError(
+            f"--train and --test were embedded from {len(shared)} of the same shards (first: {shared[0]}): "
+            "the test would score images the classifier trained on; embed a held-out split for --test"
         )
     unseen = sorted(set(np.unique(test.labels)) - set(np.unique(train.labels)))
     if unseen:

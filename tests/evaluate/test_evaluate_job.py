@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,11 +41,10 @@ def write_output(
     ):
         name = f"{prefix}part-{i:06d}.parquet"
         keys = [f"{i}-{j}" for j in range(len(y))]
-        table = embedding_table(
-            keys, [f"shard-{i}.tar"] * len(y), x, y, {**header, "shard": {"url": f"shard-{i}.tar"}}
-        )
+        shard = f"{directory.name}/shard-{i}.tar"  # each output its own shards, as a held-out split
+        table = embedding_table(keys, [shard] * len(y), x, y, {**header, "shard": {"url": shard}})
         pq.write_table(table, directory / name)
-        shards[f"shard-{i}.tar"] = {"file": name, "rows": len(y)}
+        shards[shard] = {"file": name, "rows": len(y)}
     (directory / MANIFEST).write_text(json.dumps({**header, "shards": shards}))
     return directory
 
@@ -115,6 +115,20 @@ def test_an_output_whose_files_disagree_is_refused_not_scored(tmp_path, capsys, 
     err = capsys.readouterr().err.strip()
     assert "mixes embeddings of two configurations" in err and message in err and "\n" not in err
     assert "part-000001.parquet" in err and "--overwrite" in err
+
+
+def test_a_test_split_embedded_from_training_shards_is_refused(tmp_path, capsys):
+    labels = np.repeat([0, 1, 2], 10)
+    train = write_output(tmp_path / "train", clustered(labels), labels, files=3)
+    for test in (train, tmp_path / "train-copy"):  # the same output, or another of the same shards
+        if test != train:
+            shutil.copytree(train, test)
+        assert evaluate_job.main(["--train", str(train), "--test", str(test)]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            "error: --train and --test were embedded from 3 of the same shards (first: train/shard-0.tar): "
+            "the test would score images the classifier trained on; embed a held-out split for --test\n"
+        )
 
 
 def test_an_output_that_an_older_version_named_for_readers_to_skip_still_loads(tmp_path):
