@@ -123,9 +123,20 @@ def choose(
 
 def open_outputs(config: IndexConfig) -> list[OutputReader]:
     """Each output of ``--embeddings``, checked to be one model's; one-line ValueErrors."""
-    readers = []
-    for uri in [u.strip() for u in config.embeddings.split(",") if u.strip()]:
+    readers: list[OutputReader] = []
+    uris = [u.strip() for u in config.embeddings.split(",") if u.strip()]
+    if not uris:
+        raise ValueError(
+            f"--embeddings {config.embeddings!r} names no output; pass embedding directories, comma-separated"
+        )
+    for uri in uris:
         reader = OutputReader.open(config.location(uri), name="--embeddings")
+        twice = {_file(f.url) for f in reader.files} & {_file(f.url) for r in readers for f in r.files}
+        if twice:
+            raise ValueError(
+                f"--embeddings names {uri}'s files twice (first: {sorted(twice)[0]}): each row would be "
+                "indexed twice, its own nearest neighbour; name each output once"
+            )
         readers.append(reader)
         why = identity.difference(readers[0].about, reader.about, f"in {readers[0].uri}", f"in {uri}")
         if why is not None:
@@ -134,6 +145,11 @@ def open_outputs(config: IndexConfig) -> list[OutputReader]:
                 "embeddings: build one index per output"
             )
     return readers
+
+
+def _file(url: str) -> str:
+    """A file's URL with a local path made absolute (``out`` and ``./out/`` are one output)."""
+    return url if "://" in url else os.path.abspath(url)
 
 
 def count_rows(readers: list[OutputReader]) -> tuple[list[int], int]:

@@ -5,6 +5,7 @@ does not read ends the run in one line."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -51,17 +52,18 @@ def test_ray_tasks_build_the_index_one_process_builds(tmp_path, tests_ray, capsy
 
 
 def test_files_are_grouped_in_order_with_their_first_ids(tmp_path):
-    emb = tmp_path / "emb"
+    emb, copy = tmp_path / "emb", tmp_path / "copy"  # two outputs of one model
     write_output(emb, clustered(3000), header(), files=FILES)
-    plan = build.prepare(IndexConfig(embeddings=f"{emb},{emb}", out=str(tmp_path / "i"), ray_tasks=3))
+    shutil.copytree(emb, copy)
+    plan = build.prepare(IndexConfig(embeddings=f"{emb},{copy}", out=str(tmp_path / "i"), ray_tasks=3))
     groups = distributed.file_groups(plan, 3)
     files = [
         [f"{Path(r.uri).name}/{Path(f.url).name}" for r in readers for f in r.files] for readers, _ in groups
     ]
     assert files == [
         ["emb/shard-0.parquet", "emb/shard-1.parquet", "emb/shard-2.parquet"],
-        ["emb/shard-3.parquet", "emb/shard-4.parquet", "emb/shard-0.parquet", "emb/shard-1.parquet"],
-        ["emb/shard-2.parquet", "emb/shard-3.parquet", "emb/shard-4.parquet"],
+        ["emb/shard-3.parquet", "emb/shard-4.parquet", "copy/shard-0.parquet", "copy/shard-1.parquet"],
+        ["copy/shard-2.parquet", "copy/shard-3.parquet", "copy/shard-4.parquet"],
     ]  # fmt: skip
     assert [first for _, first in groups] == [0, 1800, 4200]
     assert [len(readers) for readers, _ in groups] == [1, 2, 1]  # a group spans the two outputs

@@ -216,6 +216,14 @@ def test_refusals_are_one_line(tmp_path, vectors, capsys):
     one_line_error(
         capsys, run(["--embeddings", f"{emb},{other}", "--out", str(out)]), "mixes outputs", "weights sha256"
     )
+    # One output named twice, however spelled: each row would be its own nearest neighbour.
+    one_line_error(
+        capsys,
+        run(["--embeddings", f"{emb},{tmp_path}/./emb/", "--out", str(out)]),
+        f"--embeddings names {tmp_path}/./emb/'s files twice (first: {emb}/",
+        "name each output once",
+    )
+    one_line_error(capsys, run(["--embeddings", " , ", "--out", str(out)]), "names no output")
     one_line_error(
         capsys,
         run(["--embeddings", str(emb), "--out", str(tmp_path / "notes")]),
