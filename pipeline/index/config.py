@@ -98,6 +98,14 @@ class SearchConfig:
             raise ValueError("--image needs --weights: the weights the indexed output was embedded with")
         if self.near_duplicates is not None and not (self.out or "").endswith(".parquet"):
             raise ValueError("--near-duplicates needs --out FILE.parquet for the pairs")
+        if self.out and self.near_duplicates is None:
+            raise ValueError(
+                "--out is where --near-duplicates writes its pairs; a query prints, so drop --out"
+            )
+        if self.weights and self.image is None:
+            raise ValueError(
+                "--weights embeds an --image query; a --key or --near-duplicates search needs none"
+            )
         if self.k <= 0 or (self.nprobe is not None and self.nprobe <= 0):
             raise ValueError("--k and --nprobe must be positive")
         if self.ef_search is not None and self.ef_search <= 0:

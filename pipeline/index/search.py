@@ -87,10 +87,18 @@ class LoadedIndex:
 
 
 def tune(index: LoadedIndex, *, nprobe: int | None = None, ef_search: int | None = None) -> None:
-    """Search-time knobs: inverted lists visited (ivfpq), candidates kept (hnsw)."""
-    if nprobe is not None and hasattr(index.index, "nprobe"):
+    """Search-time knobs: inverted lists visited (ivfpq), candidates kept (hnsw); a one-line ValueError
+    for a knob the index does not have (it would change nothing)."""
+    kind = index.manifest.get("kind", "this kind")
+    for flag, value, owner, knob in (
+        ("--nprobe", nprobe, "ivfpq", "nprobe"),
+        ("--ef-search", ef_search, "hnsw", "hnsw"),
+    ):
+        if value is not None and not hasattr(index.index, knob):
+            raise ValueError(f"{flag} tunes an {owner} index; {index.uri} is {kind}: drop {flag}")
+    if nprobe is not None:
         index.index.nprobe = nprobe
-    if ef_search is not None and hasattr(index.index, "hnsw"):
+    if ef_search is not None:
         index.index.hnsw.efSearch = ef_search
 
 
@@ -166,7 +174,10 @@ def shortfall(index: LoadedIndex, found: int, k: int) -> str | None:
     if index.index.ntotal < k:
         why = f"the index holds {index.index.ntotal:,} rows"
     else:
-        why = "the approximate search found no more (raise --nprobe or --ef-search)"
+        knob = {"ivfpq": "--nprobe", "hnsw": "--ef-search"}.get(
+            index.manifest.get("kind"), "--nprobe or --ef-search"
+        )
+        why = f"the approximate search found no more (raise {knob})"
     return f"  note: {found:,} neighbours, fewer than --k {k}: {why}"
 
 

@@ -244,6 +244,23 @@ def test_refusals_are_one_line(tmp_path, vectors, capsys):
     one_line_error(capsys, find(["--index", str(out), "--key", "9-99999"]), "--key '9-99999' is not in")
     one_line_error(capsys, find(["--index", str(emb), "--key", "0-00000"]), "not an index")
     one_line_error(capsys, find(["--index", str(out)]), "pass one of --key")
+    # Flags the search would ignore: each refused, as it would change nothing.
+    one_line_error(
+        capsys, find(["--index", str(out), "--key", "0-00000", "--out", str(tmp_path / "p.parquet")]),
+        "--out is where --near-duplicates writes its pairs; a query prints, so drop --out",
+    )  # fmt: skip
+    one_line_error(
+        capsys, find(["--index", str(out), "--key", "0-00000", "--weights", str(emb)]),
+        "--weights embeds an --image query",
+    )  # fmt: skip
+    one_line_error(
+        capsys, find(["--index", str(out), "--key", "0-00000", "--ef-search", "64"]),
+        f"--ef-search tunes an hnsw index; {out} is flat: drop --ef-search",
+    )  # fmt: skip
+    one_line_error(
+        capsys, find(["--index", str(out), "--key", "0-00000", "--nprobe", "8"]),
+        f"--nprobe tunes an ivfpq index; {out} is flat: drop --nprobe",
+    )  # fmt: skip
     with pytest.raises(ValueError, match=r"the query has D = 8 but .* has D = 32"):
         search.load_index(str(out)).search(np.zeros((1, 8), np.float32), 3)
 
