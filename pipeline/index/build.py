@@ -103,6 +103,11 @@ def choose(
             if dim % d == 0
         ],
     }  # fmt: skip
+    if kind == "ivfpq" and rows < 2 * TRAIN_POINTS_PER_LIST:
+        raise ValueError(
+            f"--kind ivfpq trains its codes on at least {2 * TRAIN_POINTS_PER_LIST} rows; these outputs hold "
+            f"{rows:,}: pass --kind flat (exact, and small at this size)"
+        )
     if kind == "auto":
         order = ["flat", "hnsw", "ivfpq"] if rows <= EXACT_MAX_ROWS else ["hnsw", "ivfpq"]
         order = [name for name in order if not (mergeable and name == "hnsw")]

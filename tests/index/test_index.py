@@ -129,6 +129,13 @@ def test_auto_chooses_by_rows_and_memory():
     assert build.choose("auto", 100_000_000, 768, "ip", 4 * gib).params["m"] == 24
     with pytest.raises(ValueError, match=r"need about .* GiB as hnsw.*--kind ivfpq"):
         build.choose("hnsw", 10_000_000, 768, "ip", 4 * gib)
+    # Too few rows to train product-quantized codes (FAISS warned, line after line, and built it anyway).
+    with pytest.raises(
+        ValueError,
+        match=r"^--kind ivfpq trains its codes on at least 80 rows; these outputs hold 79: pass --kind flat",
+    ):
+        build.choose("ivfpq", 79, 32, "ip", gib)
+    assert build.choose("ivfpq", 80, 32, "ip", gib).params["nlist"] == 2
 
 
 def test_near_duplicates_are_found_once_each(tmp_path, vectors):
