@@ -27,6 +27,7 @@ import hashlib
 import io
 import json
 import pickle
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -339,9 +340,11 @@ def _read_tensors(where: storage.Location) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        # torch's message goes on to suggest weights_only=False: only the object the file names is told.
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"it names {named[1]}" if named else "objects torch does not load as weights"
         raise ValueError(
-            f"--weights {file} holds more than tensors ({first}); it is not loaded, since unpickling runs "
+            f"--weights {file} holds more than tensors ({what}); it is not loaded, since unpickling runs "
             "code: save a plain state dict (torch.save(model.state_dict())) or .safetensors"
         ) from e
     except Exception as e:
