@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> ShardSet:
         sys.exit(code)
     shard_set = written[0]
     print(
-        f"wrote {len(shard_set.urls)} shards ({len(shard_set.keys)} samples, {shard_set.num_classes} classes) "
-        f"to {Path(args.out).resolve()} in {time.perf_counter() - start:.1f}s; use:"
+        f"wrote {len(shard_set.urls)} shards ({len(shard_set.keys)} samples, {shard_set.num_classes} classes"
+        + (f", {len(shard_set.skipped)} unreadable file(s) skipped" if shard_set.skipped else "")
+        + f") to {Path(args.out).resolve()} in {time.perf_counter() - start:.1f}s; use:"
     )
     print(f"  --data '{brace_url(shard_set.urls)}'")
     return shard_set

@@ -100,6 +100,10 @@ def parse_args(argv: list[str], description: str | None = None) -> argparse.Name
         p.error(f"--num-classes must be between 1 and {len(CLASSES)}")
     if not 1 <= args.quality <= 95:
         p.error("--quality must be between 1 and 95")
+    if args.image_size < 1 or (args.max_size is not None and args.max_size < 1):
+        p.error("--image-size and --max-size must be at least 1 pixel")
+    if not args.prefix or args.prefix.startswith(".") or set(args.prefix) & set("/\\*?[]{}"):
+        p.error(f"--prefix {args.prefix!r} must be a plain file name part (e.g. train): shards go in --out")
     return args
 
 
@@ -143,7 +147,12 @@ def make_shards(args: argparse.Namespace, start_work: Callable[[], None] = lambd
         )
     shard_set = ShardSet(dir=str(out), num_classes=len(classes), class_names=classes)
     samples = folder_samples(
-        args.from_folder, seed=args.seed, max_size=args.max_size, fmt=args.format, quality=args.quality
+        args.from_folder,
+        seed=args.seed,
+        max_size=args.max_size,
+        fmt=args.format,
+        quality=args.quality,
+        skipped=shard_set.skipped,
     )
     shard_set.urls = write_shards(
         _tracked(samples, shard_set),
@@ -152,6 +161,11 @@ def make_shards(args: argparse.Namespace, start_work: Callable[[], None] = lambd
         samples_per_shard=args.samples_per_shard,
         gzip=args.gzip,
     )
+    if not shard_set.keys:
+        raise ValueError(
+            f"no image in {args.from_folder} could be read ({len(shard_set.skipped)} file(s) skipped, first: "
+            f"{shard_set.skipped[0]}); nothing was written"
+        )
     return shard_set
 
 

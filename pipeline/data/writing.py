@@ -42,6 +42,7 @@ class ShardSet:
     num_classes: int = 0
     image_size: int | None = None
     class_names: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # files of a folder no image could be read from
 
     @property
     def brace_url(self) -> str:
@@ -170,12 +171,19 @@ def class_folders(root: str | Path) -> list[Path]:
 
 
 def folder_samples(
-    root: str | Path, *, seed: int = 0, max_size: int | None = None, fmt: str = "jpeg", quality: int = 90
+    root: str | Path,
+    *,
+    seed: int = 0,
+    max_size: int | None = None,
+    fmt: str = "jpeg",
+    quality: int = 90,
+    skipped: list[str] | None = None,
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Samples ``(key, {image, cls, json})`` from ``root/<class>/<image>``, in a seeded shuffled order.
 
     JPEG, PNG and WebP bytes are kept as they are; other formats (and, with ``max_size``, images
-    whose short side is larger) are re-encoded as ``fmt``. Files PIL cannot open are skipped.
+    whose short side is larger) are re-encoded as ``fmt``. Files PIL cannot open are skipped, each
+    said and appended to ``skipped``.
     """
     classes = class_folders(root)
     files = [
@@ -196,6 +204,8 @@ def folder_samples(
                     data, kept = _reencode(im, max_size, fmt, quality), "png" if fmt == "png" else "jpg"
         except (OSError, ValueError):
             print(f"skipping {path}: not an image PIL can open")
+            if skipped is not None:
+                skipped.append(str(path))
             continue
         meta = {"label": label, "class": classes[label].name, "path": str(path.relative_to(root))}
         yield f"{index:08d}", {kept: data, "cls": str(label).encode(), "json": json.dumps(meta).encode()}

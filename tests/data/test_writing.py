@@ -141,6 +141,41 @@ def test_folder_source_keeps_original_bytes_and_labels_by_sorted_class(tmp_path)
     assert reencoded and not set(reencoded) & set(originals.values())
 
 
+def test_unreadable_files_are_counted_and_a_folder_of_none_readable_writes_nothing(tmp_path, capsys):
+    root = tmp_path / "folder"
+    (root / "cat").mkdir(parents=True)
+    Image.new("RGB", (20, 10)).save(root / "cat" / "good.jpg")
+    (root / "cat" / "broken.jpg").write_bytes(b"not a jpeg")
+    shard_set = make_shards(parse_args(["--from-folder", str(root), "--out", str(tmp_path / "a")]))
+    assert len(shard_set.keys) == 1 and shard_set.skipped == [str(root / "cat" / "broken.jpg")]
+    assert f"skipping {root / 'cat' / 'broken.jpg'}: not an image PIL can open" in capsys.readouterr().out
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--from-folder", str(root), "--out", str(tmp_path / "b")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0 and "(1 samples, 1 classes, 1 unreadable file(s) skipped)" in result.stdout
+    (root / "cat" / "good.jpg").write_bytes(b"")  # now none reads
+    with pytest.raises(ValueError, match=r"^no image in \S+ could be read \(2 file\(s\) skipped, first: "):
+        make_shards(parse_args(["--from-folder", str(root), "--out", str(tmp_path / "c")]))
+    assert not list((tmp_path / "c").glob("*.tar"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--synthetic", "4", "--image-size", "0"], "--image-size and --max-size must be at least 1 pixel"),
+        (["--synthetic", "4", "--max-size", "0"], "--image-size and --max-size must be at least 1 pixel"),
+        (["--synthetic", "4", "--prefix", "../x"], "--prefix '../x' must be a plain file name part"),
+        (["--synthetic", "4", "--prefix", ""], "--prefix '' must be a plain file name part"),
+        (["--synthetic", "4", "--prefix", "*"], "--prefix '*' must be a plain file name part"),
+    ],
+)
+def test_values_that_cannot_work_are_refused_before_anything_is_written(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit:
+        parse_args([*args, "--out", str(tmp_path / "out")])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_writer_refuses_dotted_keys_and_leaves_no_partial_shard(tmp_path):
     with pytest.raises(ValueError, match="contains a dot"), ShardWriter(tmp_path) as writer:
         writer.write("ok", {"cls": b"1"})
