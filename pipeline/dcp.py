@@ -40,7 +40,8 @@ METADATA = ".metadata"  # written by DCP, last
 
 
 class CheckpointRefusedError(ValueError):
-    """A checkpoint holds something that reading would execute; the message is one line."""
+    """A checkpoint this run must not read: it holds something that reading would execute, or the
+    state of another model, objective or optimizer; the message is one line."""
 
 
 def checkpoint_name(step: int) -> str:

@@ -58,6 +58,7 @@ from pipeline.dcp import CONFIG, TRAIN_STATE, CheckpointRefusedError, plain_data
 from pipeline.train.ema import PREFIX as EMA_PREFIX
 from pipeline.train.ema import WeightEMA
 from pipeline.train.metrics import log_line
+from pipeline.train.sections import OptimConfig
 from vit.weights import WEIGHTS_FILE
 
 
@@ -121,13 +122,20 @@ def prepare(
 
 
 def check_compatible(
-    directory: str | Path, model_config: vit.ViTConfig, objective: dict[str, Any] | None = None
+    directory: str | Path,
+    model_config: vit.ViTConfig,
+    objective: dict[str, Any] | None = None,
+    optim: OptimConfig | None = None,
 ) -> None:
     """Raise a one-line error when a checkpoint was made for another model, or (with ``objective``,
-    `pipeline.train.objective.Objective.checkpoint_meta`) another objective or MAE decoder."""
+    `pipeline.train.objective.Objective.checkpoint_meta`) another objective or MAE decoder, or holds
+    (with ``optim``, the run's section) the state of another optimizer or of other parameter groups
+    (layer decay 1 or not: two groups, or one per layer). Other optimizer settings may change: the
+    run's own apply (`load`). The error is a `CheckpointRefusedError`: workers refuse alike, and a
+    restart would only refuse again."""
     path = Path(directory) / CONFIG
     if not path.is_file():
-        raise ValueError(
+        raise CheckpointRefusedError(
             f"{directory} is not a vitray checkpoint (no {CONFIG}); pass a checkpoint_* directory"
         )
     saved = json.loads(path.read_text()).get("model_config", {})
@@ -136,7 +144,7 @@ def check_compatible(
     diff = {k: (saved.get(k), mine.get(k)) for k in keys if saved.get(k) != mine.get(k)}
     if diff:
         described = ", ".join(f"{k} {a} (checkpoint) vs {b} (this run)" for k, (a, b) in diff.items())
-        raise ValueError(
+        raise CheckpointRefusedError(
             f"checkpoint {directory} is for another model: {described}; use its --model or a fresh --out"
         )
     saved_all = json.loads(path.read_text())
@@ -144,10 +152,27 @@ def check_compatible(
         # Checkpoints from before objectives were recorded are supervised.
         have = saved_all.get(key, "supervised" if key == "objective" else None)
         if have != value:
-            raise ValueError(
+            raise CheckpointRefusedError(
                 f"checkpoint {directory} was written with {key} {have}, this run has {value}; resume with "
                 "the checkpoint's settings (--objective, --mask-ratio, --decoder-*) or use a fresh --out"
             )
+    if optim is None:
+        return
+    optimizer, layer_decay = optim.optimizer, optim.layer_decay
+    train = saved_all.get("train") or {}
+    have = (train.get("optim") or train).get("optimizer")  # sections, or a version 1 flat config
+    if have is not None and have != optimizer:
+        raise CheckpointRefusedError(
+            f"checkpoint {directory} holds the state of optimizer {have}, this run has --optimizer "
+            f"{optimizer}; resume with --optimizer {have}, or use a fresh --out"
+        )
+    saved_decay = (train.get("optim") or train).get("layer_decay", 1.0)
+    if (saved_decay == 1) != (layer_decay == 1):
+        raise CheckpointRefusedError(
+            f"checkpoint {directory} holds optimizer state of --layer-decay {saved_decay:g}, this run has "
+            f"{layer_decay:g} ({'one parameter group per layer' if layer_decay != 1 else 'no per-layer groups'}"
+            f"); resume with --layer-decay {saved_decay:g}, or use a fresh --out"
+        )
 
 
 def load(
@@ -184,7 +209,12 @@ def load(
             if isinstance(refused, CheckpointRefusedError):
                 raise CheckpointRefusedError(f"checkpoint {directory}: {refused}") from e
         raise
+    # The groups' settings (weight decay, betas, lr scales, kernels) are this run's, as its command line
+    # gives them; only the moments and step counts are the checkpoint's. (The lr is set every step.)
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)
     if ema is not None and EMA_PREFIX in state:
         ema.load_state_dict(state[EMA_PREFIX])
     elif ema is not None:

@@ -149,7 +149,10 @@ def check_resumable(config: TrainConfig) -> None:
     latest = dcp.latest_complete(config.run_dir)
     if latest is not None:
         checkpoint.check_compatible(
-            latest.local_path, model_config(config), objective_for(config).checkpoint_meta()
+            latest.local_path,
+            model_config(config),
+            objective_for(config).checkpoint_meta(),
+            config.optim,
         )
 
 

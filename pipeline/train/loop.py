@@ -143,7 +143,9 @@ class Trainer:
                         self.ema.reset()  # the EMA starts from the pretrained weights
                 return TrainState(seed=self.config.run.seed)
             directory, source = resumed
-            checkpoint.check_compatible(directory, self.model_config, self.objective.checkpoint_meta())
+            checkpoint.check_compatible(
+                directory, self.model_config, self.objective.checkpoint_meta(), self.config.optim
+            )
             loaded = checkpoint.load(directory, self.model, self.step_fn.optimizer, self.ema)
             state = TrainState.from_dict(loaded)
         self.resumed_from = {"checkpoint": source, "step": state.step, "epoch": state.epoch}

@@ -256,6 +256,45 @@ def test_checkpoint_round_trip(world, tmp_path):
         checkpoint.check_compatible(path, model_config(other))
 
 
+def test_a_resume_takes_its_moments_from_the_checkpoint_and_its_settings_from_the_run(world, tmp_path):
+    before = CONFIG.replace(optimizer="adamw", weight_decay=0.05, layer_decay=0.75)
+    model = build_model(before, world)
+    step = TrainStep(model, before, world)
+    patches, labels = batch(8, seed=3)
+    step(0, [(patches, labels)], 8)
+    path = tmp_path / dcp.checkpoint_name(1)
+    saved = {"model_config": model_config(before).to_dict(), "train": before.to_dict()}
+    checkpoint.save(path, model, step.optimizer, {"step": 1, "epoch": 0, "seed": 0}, saved)
+
+    # Another weight decay and layer decay on resume: the command line's apply, the moments are kept.
+    now = before.replace(weight_decay=0.3, layer_decay=0.65)
+    checkpoint.check_compatible(path, model_config(now), None, now.optim)
+    fresh = build_model(now, world)
+    fresh_step = TrainStep(fresh, now, world)
+    checkpoint.load(path, fresh, fresh_step.optimizer)
+    wanted = TrainStep(build_model(now, world), now, world).optimizer.param_groups
+    for group, own in zip(fresh_step.optimizer.param_groups, wanted, strict=True):
+        assert (group["weight_decay"], group["lr_scale"]) == (own["weight_decay"], own["lr_scale"])
+    assert {g["weight_decay"] for g in fresh_step.optimizer.param_groups} == {0.0, 0.3}
+    originals = dict(model.named_parameters())
+    for name, p in fresh.named_parameters():
+        moment, saved_moment = (
+            fresh_step.optimizer.state[p]["exp_avg"],
+            step.optimizer.state[originals[name]]["exp_avg"],
+        )
+        torch.testing.assert_close(moment, saved_moment, rtol=0, atol=0)
+
+    # Another optimizer, or layer decay turned off (other parameter groups): refused in one line.
+    with pytest.raises(
+        ValueError, match=r"holds the state of optimizer adamw, this run has --optimizer sgd;"
+    ):
+        checkpoint.check_compatible(path, model_config(now), None, now.replace(optimizer="sgd").optim)
+    with pytest.raises(
+        ValueError, match=r"state of --layer-decay 0.75, this run has 1 \(no per-layer groups\)"
+    ):
+        checkpoint.check_compatible(path, model_config(now), None, now.replace(layer_decay=1.0).optim)
+
+
 def test_rebatch_cuts_exact_sizes_and_keeps_the_short_tail():
     def b(start: int, n: int) -> dict[str, np.ndarray]:
         return {
