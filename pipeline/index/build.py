@@ -153,8 +153,8 @@ def open_outputs(config: IndexConfig) -> list[OutputReader]:
 
 
 def _file(url: str) -> str:
-    """A file's URL with a local path made absolute (``out`` and ``./out/`` are one output)."""
-    return url if "://" in url else os.path.abspath(url)
+    """A file's URL with a local one made an absolute path (``out``, ``./out/`` and ``file://`` alike)."""
+    return os.path.abspath(storage.local_path(url)) if storage.is_local(url) else url
 
 
 def count_rows(readers: list[OutputReader]) -> tuple[list[int], int]:

@@ -138,7 +138,8 @@ def check_compatible(
         raise CheckpointRefusedError(
             f"{directory} is not a vitray checkpoint (no {CONFIG}); pass a checkpoint_* directory"
         )
-    saved = json.loads(path.read_text()).get("model_config", {})
+    saved_all = json.loads(path.read_text())
+    saved = saved_all.get("model_config", {})
     mine = model_config.to_dict()
     keys = (*vit.ARCHITECTURE_FIELDS, "num_heads", "num_classes")
     diff = {k: (saved.get(k), mine.get(k)) for k in keys if saved.get(k) != mine.get(k)}
@@ -147,7 +148,6 @@ def check_compatible(
         raise CheckpointRefusedError(
             f"checkpoint {directory} is for another model: {described}; use its --model or a fresh --out"
         )
-    saved_all = json.loads(path.read_text())
     for key, value in (objective or {}).items():
         # Checkpoints from before objectives were recorded are supervised.
         have = saved_all.get(key, "supervised" if key == "objective" else None)
@@ -160,13 +160,14 @@ def check_compatible(
         return
     optimizer, layer_decay = optim.optimizer, optim.layer_decay
     train = saved_all.get("train") or {}
-    have = (train.get("optim") or train).get("optimizer")  # sections, or a version 1 flat config
+    saved_optim = train.get("optim") or train  # sections, or a version 1 flat config
+    have = saved_optim.get("optimizer")
     if have is not None and have != optimizer:
         raise CheckpointRefusedError(
             f"checkpoint {directory} holds the state of optimizer {have}, this run has --optimizer "
             f"{optimizer}; resume with --optimizer {have}, or use a fresh --out"
         )
-    saved_decay = (train.get("optim") or train).get("layer_decay", 1.0)
+    saved_decay = saved_optim.get("layer_decay", 1.0)
     if (saved_decay == 1) != (layer_decay == 1):
         raise CheckpointRefusedError(
             f"checkpoint {directory} holds optimizer state of --layer-decay {saved_decay:g}, this run has "
