@@ -67,6 +67,18 @@ def test_config_rejects_bad_values_in_one_line_that_names_the_flag_and_what_to_g
         assert "\n" not in str(info.value)
 
 
+def test_decode_nodes_is_one_node_label_as_rays_label_selector():
+    assert DataConfig().label_selector is None  # the default: decode on any node
+    assert DataConfig(decode_nodes="vitray/role=decode").label_selector == {"vitray/role": "decode"}
+    assert DataConfig(decode_nodes="pool=cpu-1").label_selector == {"pool": "cpu-1"}
+    for bad in ("vitray/role", "role=", "=decode", "a=b,c=d", "role=de code", "Role/x=y", "role=-x"):
+        with pytest.raises(
+            ValueError, match=f"--decode-nodes '{bad}' must be one node label KEY=VALUE"
+        ) as info:
+            DataConfig(decode_nodes=bad)
+        assert "\n" not in str(info.value)
+
+
 def test_labels_required_without_a_label_key_make_every_sample_bad_never_silently_unlabeled():
     spec = DataConfig(label_key=None, require_labels=True).row_spec
     assert spec.label(Sample("k", {"jpg": b""})) == (-1, "missing label: no label key given")
