@@ -244,10 +244,11 @@ class DataConfig:
         as exports and checkpoints carry it), a `DataConfig`, or None for the defaults. The model's
         ``image_size`` and ``patch_size`` replace the base's; ``crop_fraction`` and ``interpolation``
         (the eval filter) do where given; ``fields`` set anything else (labels, bad-sample budget,
-        storage options).
+        storage options). Stored preprocessing never says where to decode: its ``decode_nodes`` (the
+        labelled nodes of the cluster the model trained on) is dropped.
         """
         if not isinstance(base, DataConfig):
-            base = cls.from_dict(base) if base else cls()
+            base = cls.from_dict(base, decode_nodes=None) if base else cls()
         return dataclasses.replace(
             base,
             image_size=image_size,

@@ -79,6 +79,16 @@ def test_decode_nodes_is_one_node_label_as_rays_label_selector():
         assert "\n" not in str(info.value)
 
 
+def test_a_models_stored_preprocessing_never_says_where_to_decode():
+    trained = DataConfig(decode_nodes="vitray/role=decode").to_dict()  # as an export or checkpoint stores it
+    assert DataConfig.for_eval(trained, image_size=32, patch_size=8).label_selector is None
+    given = DataConfig.for_eval(trained, image_size=32, patch_size=8, decode_nodes="pool=cpu")
+    assert given.label_selector == {"pool": "cpu"}
+    # A run's own settings (fine-tuning's evaluation) keep theirs.
+    own = DataConfig(decode_nodes="pool=cpu")
+    assert DataConfig.for_eval(own, image_size=32, patch_size=8).label_selector == {"pool": "cpu"}
+
+
 def test_labels_required_without_a_label_key_make_every_sample_bad_never_silently_unlabeled():
     spec = DataConfig(label_key=None, require_labels=True).row_spec
     assert spec.label(Sample("k", {"jpg": b""})) == (-1, "missing label: no label key given")
