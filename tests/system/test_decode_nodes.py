@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import free_port
+from tests.system.test_cluster_e2e import HEAD_PORTS
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -61,13 +62,6 @@ CLUSTER = textwrap.dedent(
         ray.shutdown()
         cluster.shutdown()
     """
-)
-
-HEAD_PORTS = (
-    "dashboard_agent_listen_port",
-    "metrics_agent_port",
-    "metrics_export_port",
-    "runtime_env_agent_port",
 )
 
 
