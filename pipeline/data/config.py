@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,10 @@ from pipeline.storage import Location
 
 # Resampling filters by name (`pipeline.data.decode.RESAMPLE` maps them to PIL's).
 INTERPOLATIONS = ("nearest", "box", "bilinear", "bicubic", "lanczos")
+# A node label as Ray (and Kubernetes) spell one: an optional DNS-style prefix and '/', a name, '=', a
+# value; names and values 63 characters at most, alphanumeric at both ends.
+_LABEL_PART = r"[A-Za-z0-9]([-_.A-Za-z0-9]{0,61}[A-Za-z0-9])?"
+DECODE_LABEL = re.compile(rf"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?{_LABEL_PART}={_LABEL_PART}")
 # The top of RandAugment's magnitude scale (timm's and big_vision's level scale; `pipeline.data.augment`).
 MAX_MAGNITUDE = 10.0
 
@@ -106,6 +111,13 @@ class DataConfig:
     # twice that, ... between tries (at most 3.5 s with the defaults), before it counts as lost.
     read_attempts: int = setting(4, "tries of a shard whose storage fails")
     read_backoff_s: float = setting(0.5, "seconds before the second try of a shard, doubled each try after")
+    # A Ray label selector on the read + decode tasks (`build_dataset`): the shipped cluster configs
+    # label their CPU-only decode nodes vitray/role=decode (docs/scaling.md, "Where decode runs").
+    decode_nodes: str | None = setting(
+        None,
+        "decode only on Ray nodes with this label, KEY=VALUE, e.g. vitray/role=decode (none: any node)",
+        metavar="KEY=VALUE",
+    )
 
     def __post_init__(self) -> None:
         for name in ("scale", "ratio", "image_keys"):  # from_dict / JSON give lists
@@ -171,6 +183,11 @@ class DataConfig:
                 f"--num-classes must be at least 1, got {self.num_classes}",
             ),
             (
+                self.decode_nodes is not None and DECODE_LABEL.fullmatch(self.decode_nodes) is None,
+                f"{flag('decode_nodes')} {self.decode_nodes!r} must be one node label KEY=VALUE, "
+                "e.g. vitray/role=decode (as the cluster config labels its decode nodes)",
+            ),
+            (
                 self.read_attempts < 1 or self.read_backoff_s < 0,
                 f"{flag('read_attempts')} must be 1 or more and {flag('read_backoff_s')} 0 or more",
             ),
@@ -187,6 +204,14 @@ class DataConfig:
     @property
     def row_spec(self) -> RowSpec:
         return RowSpec(self.image_keys, self.label_key, self.require_labels, self.num_classes)
+
+    @property
+    def label_selector(self) -> dict[str, str] | None:
+        """``decode_nodes`` as Ray's ``label_selector`` (None: decode may run on any node)."""
+        if self.decode_nodes is None:
+            return None
+        key, value = self.decode_nodes.split("=", 1)
+        return {key: value}
 
     @property
     def retry(self) -> Retry:
@@ -219,10 +244,11 @@ class DataConfig:
         as exports and checkpoints carry it), a `DataConfig`, or None for the defaults. The model's
         ``image_size`` and ``patch_size`` replace the base's; ``crop_fraction`` and ``interpolation``
         (the eval filter) do where given; ``fields`` set anything else (labels, bad-sample budget,
-        storage options).
+        storage options). Stored preprocessing never says where to decode: its ``decode_nodes`` (the
+        labelled nodes of the cluster the model trained on) is dropped.
         """
         if not isinstance(base, DataConfig):
-            base = cls.from_dict(base) if base else cls()
+            base = cls.from_dict(base, decode_nodes=None) if base else cls()
         return dataclasses.replace(
             base,
             image_size=image_size,

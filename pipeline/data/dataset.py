@@ -1,6 +1,7 @@
 """The one place that chains the data stages, and the batches a consumer takes from them.
 
     shards (in the order given) -> read: one task per shard, rows {key, url, image, label, error}
+                                   (with ``decode_nodes``: only on the Ray nodes that carry that label)
                                 -> map_batches(preprocess_batch), fused into the read task
                                 -> rows {key, url, patches uint8 (N, P*P*C), label int64, error}
                                 -> (training with mask_ratio) map_batches(mask_batch), fused too:
@@ -78,9 +79,12 @@ def build_dataset(
         retry=config.retry,
         skip=skip,
     )
+    # With --decode-nodes, every stage of the read task carries the same label selector: Ray fuses
+    # stages only when their remote arguments agree, and the fused task then runs on those nodes alone.
+    where = config.label_selector
     # override_num_blocks = one per shard: Ray would otherwise split read outputs, which blocks fusion.
     ds = ray.data.read_datasource(
-        source, override_num_blocks=len(shards), concurrency=config.read_concurrency
+        source, override_num_blocks=len(shards), concurrency=config.read_concurrency, label_selector=where
     )
     ds = ds.map_batches(
         preprocess_batch,
@@ -88,6 +92,7 @@ def build_dataset(
         batch_format="numpy",
         zero_copy_batch=True,
         fn_kwargs={"config": config, "train": train, "epoch": epoch, "root": root},
+        label_selector=where,
     )
     if train and config.mask_ratio is not None:
         # Masked autoencoding: the mask is drawn here too, fused into the same read task.
@@ -97,6 +102,7 @@ def build_dataset(
             batch_format="numpy",
             zero_copy_batch=True,
             fn_kwargs={"config": config, "epoch": epoch, "root": root},
+            label_selector=where,
         )
     # This dataset's own context (a copy made at read time), not the process-global one.
     ds.context.execution_options.preserve_order = True

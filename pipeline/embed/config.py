@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import cli
-from pipeline.data.config import INTERPOLATIONS
+from pipeline import cli, settings
+from pipeline.data.config import INTERPOLATIONS, DataConfig
 from pipeline.model_source import FORMATS
 from pipeline.settings import setting
 from pipeline.storage import Location
@@ -78,6 +78,11 @@ class EmbedConfig:
         "(credentials: prefer the environment)",
         secret=True,
     )
+    # The data stage's own setting, passed to it (`pipeline.embed.job.eval_data_config`): the model's
+    # actors run wherever their GPUs are, only the read + decode tasks follow the label.
+    decode_nodes: str | None = setting(
+        None, settings.help_of(DataConfig.__dataclass_fields__["decode_nodes"]), metavar="KEY=VALUE"
+    )
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""
@@ -94,6 +99,7 @@ class EmbedConfig:
             or self.cpus_per_actor <= 0
         ):
             raise ValueError("--batch-size, --concurrency and --cpus-per-actor must be positive")
+        DataConfig(decode_nodes=self.decode_nodes)  # its one-line refusal, before the weights load
 
     def forward_batch_size(self) -> int:
         """Images per forward: ``batch_size``, else 64 on CPU (a few hundred MB of activations at 224 px)

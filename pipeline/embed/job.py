@@ -140,6 +140,7 @@ def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
         max_bad_fraction=config.max_bad_fraction,
         max_lost_shards=config.max_lost_shards,
         storage_options=config.storage_options,
+        decode_nodes=config.decode_nodes,
     )
 
 

@@ -67,6 +67,28 @@ def test_config_rejects_bad_values_in_one_line_that_names_the_flag_and_what_to_g
         assert "\n" not in str(info.value)
 
 
+def test_decode_nodes_is_one_node_label_as_rays_label_selector():
+    assert DataConfig().label_selector is None  # the default: decode on any node
+    assert DataConfig(decode_nodes="vitray/role=decode").label_selector == {"vitray/role": "decode"}
+    assert DataConfig(decode_nodes="pool=cpu-1").label_selector == {"pool": "cpu-1"}
+    for bad in ("vitray/role", "role=", "=decode", "a=b,c=d", "role=de code", "Role/x=y", "role=-x"):
+        with pytest.raises(
+            ValueError, match=f"--decode-nodes '{bad}' must be one node label KEY=VALUE"
+        ) as info:
+            DataConfig(decode_nodes=bad)
+        assert "\n" not in str(info.value)
+
+
+def test_a_models_stored_preprocessing_never_says_where_to_decode():
+    trained = DataConfig(decode_nodes="vitray/role=decode").to_dict()  # as an export or checkpoint stores it
+    assert DataConfig.for_eval(trained, image_size=32, patch_size=8).label_selector is None
+    given = DataConfig.for_eval(trained, image_size=32, patch_size=8, decode_nodes="pool=cpu")
+    assert given.label_selector == {"pool": "cpu"}
+    # A run's own settings (fine-tuning's evaluation) keep theirs.
+    own = DataConfig(decode_nodes="pool=cpu")
+    assert DataConfig.for_eval(own, image_size=32, patch_size=8).label_selector == {"pool": "cpu"}
+
+
 def test_labels_required_without_a_label_key_make_every_sample_bad_never_silently_unlabeled():
     spec = DataConfig(label_key=None, require_labels=True).row_spec
     assert spec.label(Sample("k", {"jpg": b""})) == (-1, "missing label: no label key given")

@@ -86,3 +86,22 @@ def test_the_forward_batch_follows_the_device_unless_given():
     assert config.replace(use_gpu=True, batch_size=32).forward_batch_size() == 32
     with pytest.raises(ValueError, match="must be positive"):
         config.replace(batch_size=0).validate()
+
+
+def test_decode_nodes_reaches_the_data_stage_and_a_bad_one_is_refused_before_the_weights_load():
+    from types import SimpleNamespace
+
+    from pipeline.data.config import DataConfig
+    from pipeline.embed.job import eval_data_config
+
+    config = EmbedConfig(data="x", weights="w", out="o", decode_nodes="vitray/role=decode")
+    config.validate()
+    # The weights' stored preprocessing names the training cluster's decode nodes: the flag wins.
+    source = SimpleNamespace(
+        preprocessing=DataConfig(decode_nodes="pool=train").to_dict(),
+        config=SimpleNamespace(image_size=32, patch_size=8),
+    )
+    assert eval_data_config(source, config).label_selector == {"vitray/role": "decode"}
+    assert eval_data_config(source, config.replace(decode_nodes=None)).label_selector is None
+    with pytest.raises(ValueError, match="--decode-nodes 'role' must be one node label KEY=VALUE"):
+        config.replace(decode_nodes="role").validate()

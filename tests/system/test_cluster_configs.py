@@ -3,6 +3,7 @@ and nothing in them opens the cluster up or holds a credential."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -90,7 +91,51 @@ def test_rayjob_carries_what_kuberay_requires():
     for worker in cluster["workerGroupSpecs"]:
         assert worker["groupName"]
         assert worker["minReplicas"] <= worker["replicas"] <= worker["maxReplicas"]
-        assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    gpu, decode = (group_named(cluster, name) for name in ("gpu-8x", "cpu-decode"))
+    assert gpu["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert "nvidia.com/gpu" not in decode["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+def group_named(cluster: dict, name: str) -> dict:
+    return next(g for g in cluster["workerGroupSpecs"] if g["groupName"] == name)
+
+
+def decode_label() -> dict[str, str]:
+    """The label `--decode-nodes` takes in its doc line's example, as Ray's label selector."""
+    from pipeline import settings
+    from pipeline.data.config import DataConfig
+
+    example = settings.help_of(next(f for f in dataclasses.fields(DataConfig) if f.name == "decode_nodes"))
+    label = re.search(r"e\.g\. (\S+=\S+)", example)[1]
+    return DataConfig(decode_nodes=label).label_selector
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_decode_nodes_carry_the_label_that_decode_nodes_steers_to(name):
+    """The CPU-only decode nodes carry the label of --decode-nodes' example, which Ray accepts as node
+    labels (the launcher passes them to `ray start`); the GPU nodes do not carry it, so a job that passes
+    --decode-nodes decodes on the decode nodes alone (tests/system/test_decode_nodes.py)."""
+    from ray._private.label_utils import validate_label_key, validate_label_value, validate_node_labels
+
+    types = load(name)["available_node_types"]
+    labels = types["cpu_decode"]["labels"]
+    assert labels == decode_label()
+    validate_node_labels(labels)
+    for key, value in labels.items():
+        assert validate_label_key(key) is None
+        validate_label_value(value)
+    for other in ("head", "gpu_8x_h100"):
+        assert not set(types[other].get("labels", {}).items()) & set(labels.items()), other
+
+
+def test_the_rayjobs_decode_pods_carry_the_label_and_the_job_asks_for_them_only_when_they_exist():
+    spec = load("kuberay-rayjob.yaml")["spec"]
+    cluster = spec["rayClusterSpec"]
+    decode = group_named(cluster, "cpu-decode")
+    assert decode["labels"] == decode_label()
+    assert "labels" not in group_named(cluster, "gpu-8x") and "labels" not in cluster["headGroupSpec"]
+    # With no decode pods, a job that steered decoding to them would wait for ever.
+    assert decode["replicas"] > 0 or "--decode-nodes" not in spec["entrypoint"]
 
 
 def test_images_and_versions_agree():
