@@ -222,22 +222,19 @@ def test_the_other_jobs_refuse_a_directory_they_did_not_write(
     for name in ("embed", "analyze"):
         assert job(name).main(common) == cli.EXIT_BAD_INPUT, name
         assert "did not write (notes.txt); pass --overwrite" in one_error_line(capsys)
-    with pytest.raises(SystemExit) as exit:
-        job("make_shards").main(["--synthetic", "8", "--out", str(mine)])
-    assert exit.value.code == cli.EXIT_BAD_INPUT
+    assert job("make_shards").main(["--synthetic", "8", "--out", str(mine)]) == cli.EXIT_BAD_INPUT
     assert "did not write (notes.txt); pass --overwrite" in one_error_line(capsys)
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
     # The shard writer shares a directory with other shards, and writes beside anything on request.
     shards = job("make_shards")
-    shards.main(["--synthetic", "8", "--out", str(tmp_path / "s"), "--prefix", "val"])
-    shards.main(["--synthetic", "8", "--out", str(tmp_path / "s")])
-    shards.main(["--synthetic", "8", "--out", str(mine), "--overwrite"])
+    assert shards.main(["--synthetic", "8", "--out", str(tmp_path / "s"), "--prefix", "val"]) == 0
+    assert shards.main(["--synthetic", "8", "--out", str(tmp_path / "s")]) == 0
+    assert shards.main(["--synthetic", "8", "--out", str(mine), "--overwrite"]) == 0
     assert (mine / "notes.txt").read_text() == "the user's"
 
 
 def test_make_shards_from_a_missing_folder_is_bad_input_in_one_line(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit:
-        job("make_shards").main(["--from-folder", str(tmp_path / "nowhere"), "--out", str(tmp_path / "s")])
-    assert exit.value.code == cli.EXIT_BAD_INPUT
+    code = job("make_shards").main(["--from-folder", str(tmp_path / "nowhere"), "--out", str(tmp_path / "s")])
+    assert code == cli.EXIT_BAD_INPUT
     assert "is not a directory" in one_error_line(capsys)
     assert not (tmp_path / "s").exists()
