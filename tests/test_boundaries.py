@@ -81,18 +81,6 @@ ALLOWED = {
         "pipeline.model_source",
         "vit",
     },
-    # The options reference (docs/options.md), written from every job's parser.
-    "pipeline.reference": {
-        "pipeline.export",
-        "pipeline.train",
-        "pipeline.embed",
-        "pipeline.evaluate",
-        "pipeline.index",
-        "pipeline.data",
-        "pipeline.cli",
-        "pipeline.settings",
-        "pipeline.compat",
-    },
     # Reads what embed writes and loads weights as embed does; never pipeline.train.
     "pipeline.evaluate": {
         "pipeline.evaluate",
