@@ -4,7 +4,7 @@ A job's command line is a config dataclass (a preset, or the dataclass's default
 its settings (`pipeline.settings`: one flag per field, its help the field's doc line); a flag left out
 keeps the base value. Every job joins Ray the
 same way (`connect_ray`: ``--address``, else ``RAY_ADDRESS``, else a local Ray with enough logical
-CPUs) and ends the same way (`run_job`): bad input found before any cluster work is one
+CPUs) and ends the same way (`run_job`; a job script's whole ``main`` is `main(parser, command, argv)`): bad input found before any cluster work is one
 ``error: ...`` line and exit code 2; a run that started and then stopped on an error is one line and
 exit code 1. Which of the two an error is depends on when it came: a job calls `start_work` where
 its checks end and its work begins (the first write to ``--out``, the first task on the cluster), so
