@@ -3,6 +3,7 @@ and no job writes into a directory of the user's. In this process, no Ray."""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import socket
@@ -197,6 +198,27 @@ def test_training_refuses_a_root_and_a_directory_it_did_not_write(synthetic_shar
     (older / "checkpoint_00000004").mkdir()
     driver.check_out(config.replace(out=str(older)))
     driver.check_out(config.replace(out=str(mine), overwrite=True))
+
+
+def test_a_jobs_own_errors_may_be_named_by_a_function_called_only_when_one_comes(capsys):
+    # A job script passes its command's error classes as a function, so that --help imports none of them.
+    class Diverged(RuntimeError):
+        pass
+
+    asked = []
+
+    def failures():
+        asked.append(True)
+        return (Diverged,)
+
+    assert cli.run_job(lambda: 0, failures=failures) == 0 and not asked
+    assert (
+        cli.run_job(raises(Diverged("the loss diverged at step 9")), failures=failures) == cli.EXIT_RUN_FAILED
+    )
+    assert one_error_line(capsys) == "error: the loss diverged at step 9"  # its message, as written
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int)
+    assert cli.main(parser, lambda args: args.steps - 3, ["--steps", "3"]) == 0
 
 
 def test_a_filesystem_root_is_no_output_directory(tmp_path):
