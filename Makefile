@@ -40,7 +40,8 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# docs/options.md, written from the jobs' parsers (a test fails when it is stale).
+# docs/options.md from the jobs' parsers, the layout in docs/design.md from the module docstrings
+# (a test fails when either is stale).
 docs: $(STAMP)
 	$(BIN)/python jobs/docs.py
 

@@ -18,34 +18,17 @@ adjacent and distant patches, the filters' variance shares).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from pipeline import cli
-from pipeline.evaluate.config import AnalyzeConfig, analyze_parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return analyze_parser(__doc__)
+from pipeline.evaluate import command, config
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def body() -> int:
-        from pipeline.evaluate.inspection import analyze
-
-        config = AnalyzeConfig(**cli.overrides(args, AnalyzeConfig))
-        if args.print_config:
-            cli.print_config(config)
-            return 0
-        print(analyze(config, begin=cli.start_work).format())
-        return 0
-
-    return cli.run_job(body)
+    return cli.main(config.analyze_parser(__doc__), command.analyze_command, argv)
 
 
 if __name__ == "__main__":

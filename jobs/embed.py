@@ -21,61 +21,17 @@ first commit: a run of another configuration into the same --out fails in one li
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from pipeline import cli
-from pipeline.embed.config import EmbedConfig, parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return parser(__doc__)
+from pipeline.embed import command, config
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def body() -> int:
-        from pipeline.embed import devices, job, progress
-
-        config = EmbedConfig(**cli.overrides(args, EmbedConfig))
-        local = cli.ray_address(args) is None
-        chosen = devices.choose_device(config, gpu=args.gpu, cpu=args.cpu, local=local)
-        if args.print_config:
-            cli.print_config(chosen or config)
-            return 0
-        connected = chosen is None
-        if connected:  # a joined cluster, neither --gpu nor --cpu: what it has now decides
-            cli.connect_ray(args, needed_cpus=0)
-            chosen = devices.gpus_from_cluster(config)
-        plan = job.prepare(chosen)
-        print(plan.describe(), flush=True)
-        if plan.work.pending:
-            if local:
-                plan.config = devices.local_actor_cpus(
-                    plan.config, given=args.cpus_per_actor is not None, num_cpus=args.num_cpus
-                )
-            if not connected:
-                cli.connect_ray(args, needed_cpus=devices.local_cpus_needed(plan.config))
-            devices.describe_actors(plan.config)
-        cli.start_work()
-        summary = job.run(plan, on_commit=progress.EmbedProgress(len(plan.work.pending)).on_commit)
-        print("\n" + summary.format(), flush=True)
-        if summary.failed:
-            raise cli.RunFailed(summary.failure())
-        return 0
-
-    from pipeline.data.bad_samples import BadSampleBudgetError, LabelsMissingError
-    from pipeline.embed.identity import OutputClaimedError
-    from pipeline.embed.job import NonFiniteEmbeddingError
-
-    return cli.run_job(
-        body,
-        failures=(BadSampleBudgetError, LabelsMissingError, NonFiniteEmbeddingError, OutputClaimedError),
-    )
+    return cli.main(config.parser(__doc__), command.command, argv, failures=command.failures)
 
 
 if __name__ == "__main__":

@@ -12,41 +12,17 @@ targets from --shots images per class, averaged over --seeds draws).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from pipeline import cli
-from pipeline.evaluate.config import EvaluateConfig, evaluate_parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return evaluate_parser(__doc__)
+from pipeline.evaluate import command, config
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def body() -> int:
-        from pipeline.evaluate import evaluation
-
-        config = EvaluateConfig(**cli.overrides(args, EvaluateConfig))
-        if args.print_config:
-            cli.print_config(config)
-            return 0
-        train, test = evaluation.load(config)
-        print(f"train: {train.describe()}\ntest:  {test.describe()}\n", flush=True)
-        cli.start_work()
-        report = evaluation.evaluate(config, train, test)
-        print(report.format())
-        if config.json:
-            evaluation.write_json(report, config.location(config.json))
-            print(f"\nwrote {config.json}")
-        return 0
-
-    return cli.run_job(body)
+    return cli.main(config.evaluate_parser(__doc__), command.evaluate_command, argv)
 
 
 if __name__ == "__main__":

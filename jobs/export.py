@@ -16,34 +16,16 @@ and README.md, a model card from the run's record (data, objective, steps, loss 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
-from pipeline import cli
-from pipeline.export import ExportConfig, export_parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return export_parser(__doc__)
+from pipeline import cli, export
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def body() -> int:
-        from pipeline.export import export
-
-        config = ExportConfig(**cli.overrides(args, ExportConfig))
-        if args.print_config:
-            cli.print_config(config)
-            return 0
-        print(export(config, begin=cli.start_work).format())
-        return 0
-
-    return cli.run_job(body)
+    return cli.main(export.export_parser(__doc__), export.command, argv)
 
 
 if __name__ == "__main__":

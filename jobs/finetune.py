@@ -27,28 +27,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from pipeline import cli
-from pipeline.train import presets
-
-
-def build_parser():
-    return presets.finetune_parser(__doc__)
+from pipeline.train import driver, presets
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def body() -> int:
-        config = presets.resolve(args, objective="supervised")
-        if args.print_config:
-            cli.print_config(config)
-            return 0
-        from pipeline.train import driver
-
-        return driver.train(config, args)
-
-    from pipeline.train.driver import TrainingError
-
-    return cli.run_job(body, failures=(TrainingError,))
+    return cli.main(presets.finetune_parser(__doc__), driver.finetune_command, argv)
 
 
 if __name__ == "__main__":

@@ -18,44 +18,17 @@ from: model, weights sha256, normalize, dtype, D; the index's kind and parameter
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from pipeline import cli
-from pipeline.index.config import IndexConfig, index_parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return index_parser(__doc__)
+from pipeline.index import command, config
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def body() -> int:
-        from pipeline.index import build
-
-        config = IndexConfig(**cli.overrides(args, IndexConfig))
-        if args.print_config:
-            cli.print_config(config)
-            return 0
-        plan = build.prepare(config)
-        print(plan.spec.describe(), flush=True)
-        if not config.ray_tasks:
-            cli.start_work()
-            print(build.build(plan).format())
-            return 0
-        cli.connect_ray(args, needed_cpus=1)
-        from pipeline.index import distributed
-
-        cli.start_work()
-        print(distributed.build(plan).format())
-        return 0
-
-    return cli.run_job(body)
+    return cli.main(config.index_parser(__doc__), command.index_command, argv)
 
 
 if __name__ == "__main__":

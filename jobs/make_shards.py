@@ -11,38 +11,17 @@ printed is the brace-range URL to pass as ``--data``. The same arguments write t
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout, too
 
 from pipeline import cli
-from pipeline.data.make_shards import make_shards, parse_args
-from pipeline.data.writing import ShardSet, brace_url
+from pipeline.data import make_shards
 
 
-def main(argv: list[str] | None = None) -> ShardSet:
-    """Write the shards; bad input is one line and exit code 2, a failed write one line and 1."""
-    args = parse_args(sys.argv[1:] if argv is None else argv, __doc__)
-    start = time.perf_counter()
-    written: list[ShardSet] = []
-
-    def body() -> int:
-        written.append(make_shards(args, start_work=cli.start_work))
-        return 0
-
-    code = cli.run_job(body)
-    if code:
-        sys.exit(code)
-    shard_set = written[0]
-    print(
-        f"wrote {len(shard_set.urls)} shards ({len(shard_set.keys)} samples, {shard_set.num_classes} classes"
-        + (f", {len(shard_set.skipped)} unreadable file(s) skipped" if shard_set.skipped else "")
-        + f") to {Path(args.out).resolve()} in {time.perf_counter() - start:.1f}s; use:"
-    )
-    print(f"  --data '{brace_url(shard_set.urls)}'")
-    return shard_set
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(make_shards.parser(__doc__), make_shards.command, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The system around the model, in three rooms whose arrows only go down.
+"""The system around the model, in rooms whose arrows only go down.
 
     pipeline.train  pretraining on Ray Train + FSDP2: config and presets, model setup, the optimizer step,
                     checkpoints, metrics, the worker loop, the driver (checks before any cluster work, fit)

@@ -4,7 +4,7 @@ A job's command line is a config dataclass (a preset, or the dataclass's default
 its settings (`pipeline.settings`: one flag per field, its help the field's doc line); a flag left out
 keeps the base value. Every job joins Ray the
 same way (`connect_ray`: ``--address``, else ``RAY_ADDRESS``, else a local Ray with enough logical
-CPUs) and ends the same way (`run_job`): bad input found before any cluster work is one
+CPUs) and ends the same way (`run_job`; a job script's whole ``main`` is `main(parser, command, argv)`): bad input found before any cluster work is one
 ``error: ...`` line and exit code 2; a run that started and then stopped on an error is one line and
 exit code 1. Which of the two an error is depends on when it came: a job calls `start_work` where
 its checks end and its work begins (the first write to ``--out``, the first task on the cluster), so
@@ -267,6 +267,21 @@ def print_config(config: Any) -> None:
     print(json.dumps(settings.to_dict(config), indent=2, sort_keys=True))
 
 
+def configured(args: argparse.Namespace, config_type: type, **fields: Any) -> Any | None:
+    """The ``config_type`` the command line gives (its flags, and ``fields``); None once it is printed
+    under ``--print-config`` (the job then ends with exit code 0)."""
+    config = config_type(**overrides(args, config_type), **fields)
+    return None if printed(args, config) else config
+
+
+def printed(args: argparse.Namespace, config: Any) -> bool:
+    """Under ``--print-config``: print ``config`` and say so (the job then ends with exit code 0)."""
+    if not getattr(args, "print_config", False):
+        return False
+    print_config(config)
+    return True
+
+
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 # Set by `start_work`, reset by `run_job`: whether an error now is a failed run rather than bad input.
@@ -347,14 +362,33 @@ def _keep_traceback(error: BaseException) -> str:
     return f" (traceback: {path})"
 
 
-def run_job(body: Callable[[], int], *, failures: tuple[type[BaseException], ...] = ()) -> int:
+Failures = tuple[type[BaseException], ...] | Callable[[], tuple[type[BaseException], ...]]
+
+
+def main(
+    parser: argparse.ArgumentParser,
+    command: Callable[[argparse.Namespace], int],
+    argv: Sequence[str] | None = None,
+    *,
+    failures: Failures = (),
+) -> int:
+    """The whole of a job script's ``main``: ``argv`` (else ``sys.argv``) through ``parser``, then
+    ``command(args)`` under `run_job`, which turns whatever ends it into an exit code and one line.
+    A usage error is argparse's (its line, exit code 2)."""
+    args = parser.parse_args(argv)
+    return run_job(lambda: command(args), failures=failures)
+
+
+def run_job(body: Callable[[], int], *, failures: Failures = ()) -> int:
     """Run a job's body and end it with an exit code and, on any error, one ``error: ...`` line on stderr.
 
     Before `start_work`: ``ValueError``, ``OSError`` and the object stores' client errors (raised by the
     checks) -> `EXIT_BAD_INPUT`. One of ``failures`` (the run's own errors), `RunFailed`, or any error
     after `start_work` -> `EXIT_RUN_FAILED`; so is an unforeseen error at any time, whose traceback is
     written to a file the line names. Ctrl-C -> `EXIT_INTERRUPTED`; a ``SystemExit`` keeps its code. A body
-    returns 0; a body that returns another code gets a line saying so.
+    returns 0; a body that returns another code gets a line saying so. ``failures`` may be a function
+    that returns the classes: it is called only when an error comes, so that a job's own modules (Ray
+    Train's driver, the embedding job) load with its work, not with ``--help``.
     """
     global _work_started
     _work_started = False
@@ -375,10 +409,11 @@ def run_job(body: Callable[[], int], *, failures: tuple[type[BaseException], ...
         why = "a SIGTERM (Ray's driver exits so)" if e.code == 15 else f"SystemExit({e.code})"
         _say(f"error: stopped by {why}")
         return e.code
-    except (*failures, RunFailed) as e:
-        _say(f"error: {reason(e, worded=failures)}")
-        return EXIT_RUN_FAILED
     except Exception as e:
+        own = failures() if callable(failures) else failures
+        if isinstance(e, (*own, RunFailed)):
+            _say(f"error: {reason(e, worded=own)}")
+            return EXIT_RUN_FAILED
         foreseen = isinstance(e, (ValueError, OSError)) or is_storage_error(e)
         note = "" if foreseen else _keep_traceback(e)
         if is_storage_error(e):

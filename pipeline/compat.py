@@ -46,7 +46,7 @@ def forget_compiled_graphs() -> None:
 def parser_options(parser: Any) -> list[Any]:
     """The argparse actions of ``parser`` that are options, ``--help`` left out, in the order they were
     added. argparse keeps them in ``_actions`` and has no public way to list them; the options reference
-    (`pipeline.reference`) is written from them."""
+    (`jobs/docs.py`) is written from them."""
     import argparse
 
     return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]

@@ -72,6 +72,13 @@ def export_parser(description: str | None = None) -> argparse.ArgumentParser:
     )
 
 
+def command(args: argparse.Namespace) -> int:
+    """`jobs/export.py`: `export` of the command line's config, its result printed."""
+    if (config := cli.configured(args, ExportConfig)) is not None:
+        print(export(config, begin=cli.start_work).format())
+    return 0
+
+
 def files_of(target: str) -> tuple[str, ...]:
     """The files an export for ``target`` writes: a rerun replaces them, and nothing else may be there."""
     from vit.export import CONFIG_FILE, MODEL_FILE, PREPROCESSOR_FILE

@@ -78,12 +78,13 @@ def load_model_source(
     kind, where = _resolve(weights.at(path), weights_format)
     preprocessing = None
     if kind == "export":
-        # vit reads a remote export with fsspec's defaults: the options go with it.
-        config, meta = vit.load_config(where.url, storage_options=where.options)
-        preprocessing = _data_config_dict(meta.get("preprocessing"))
-        if named is not None:
-            _check_named(config, named, path)
-        state_dict, config = vit.load_pretrained(where.url, as_state_dict=True, storage_options=where.options)
+        # vit reads local files only: a remote export is fetched into a local copy, with the job's options.
+        with storage.local_copy(where, (CONFIG_FILE, WEIGHTS_FILE)) as local:
+            config, meta = vit.load_config(local, shown_as=where.url)
+            preprocessing = _data_config_dict(meta.get("preprocessing"))
+            if named is not None:
+                _check_named(config, named, path)
+            state_dict, config = vit.load_pretrained(local, as_state_dict=True, shown_as=where.url)
     elif kind == "checkpoint":
         saved = _read_json(where.join(CONFIG_FILE))
         if not isinstance(saved, dict) or "model_config" not in saved:

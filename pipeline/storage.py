@@ -387,3 +387,23 @@ def staged_file(where: Location | str) -> Iterator[str]:
         fs.put_file(staged, path)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
+def local_copy(where: Location | str, files: tuple[str, ...]) -> Iterator[Path]:
+    """A local directory that holds ``files`` of directory ``where``, for code that reads local files only
+    (`vit.load_pretrained`): ``where`` itself when it is local, else a temporary copy of those of the files
+    it has (removed on exit), fetched with its storage options."""
+    where = as_location(where)
+    if where.is_local:
+        yield Path(where.local_path)
+        return
+    fs, path = where.fs()
+    scratch = Path(tempfile.mkdtemp(prefix="vitray-fetch-"))
+    try:
+        for name in files:
+            if fs.exists(f"{path.rstrip('/')}/{name}"):
+                fs.get_file(f"{path.rstrip('/')}/{name}", str(scratch / name))
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -387,3 +387,19 @@ def test_packed_weights_are_shared_not_copied():
     assert state_dict_sha256(unpacked) == state_dict_sha256(sd)
     changed = dict(sd, **{"norm.bias": sd["norm.bias"] + 1e-3})
     assert state_dict_sha256(changed) != state_dict_sha256(sd)
+
+
+def test_a_remote_export_is_read_through_a_local_copy_and_named_by_its_url(run_dir, tmp_path):
+    # vit reads local files only; pipeline.storage fetches a remote export's two files, and messages name
+    # the URL, not the temporary copy.
+    from pipeline import storage
+
+    url = "memory://vitray-model-source/final"
+    storage.upload_dir(run_dir / "final", url, commit_last=vit.weights.CONFIG_FILE)
+    assert load_model_source(url).sha256 == load_model_source(str(run_dir)).sha256
+    broken = tmp_path / "final"
+    shutil.copytree(run_dir / "final", broken)
+    (broken / vit.weights.CONFIG_FILE).write_text("{not json")
+    storage.upload_dir(broken, "memory://vitray-model-source/broken")
+    with pytest.raises(ValueError, match=r"config\.json in memory://vitray-model-source/broken is not JSON"):
+        load_model_source("memory://vitray-model-source/broken", weights_format="vitray")

@@ -3,9 +3,9 @@
 ``config.json`` is ``{"format": "vitray", "model": <ViTConfig.to_dict()>, "preprocessing": {...},
 ...extra}``; the extra keys (a training summary, say) are the caller's. The weights hold the input
 normalization as buffers (``patch_embed.mean`` / ``patch_embed.std``), so a model loaded from them
-normalizes uint8 patches exactly as it was trained to. Directories may be local paths or fsspec
-URLs (``s3://``, ``gs://``); remote files go through a local temporary copy, reached with
-``storage_options`` (fsspec's: endpoint, credentials) where given, else the environment's.
+normalizes uint8 patches exactly as it was trained to. vit reads and writes local directories only:
+putting an export on an object store, or reading one from there, is `pipeline.storage`'s (a staged
+local copy; `pipeline.model_source.load_model_source` reads any --weights so).
 """
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
-import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -52,10 +48,13 @@ def save_pretrained(
     config: ViTConfig,
     extra: dict | None = None,
 ) -> str:
-    """Write ``weights.safetensors`` + ``config.json`` into ``directory``; returns the directory.
+    """Write ``weights.safetensors`` + ``config.json`` into the local ``directory``; returns the directory.
 
     ``state_dict`` is a plain (full, unsharded) state dict of the model `config` describes; a state
-    dict that does not fit the config is an error, so an export can always be loaded back.
+    dict that does not fit the config is an error, so an export can always be loaded back. The weights
+    are written first and config.json last (a config.json present means the export is complete); a
+    caller whose readers must never see a file half-written writes into a staging directory and moves
+    it in whole (the training run's export: `pipeline.storage.upload_dir`).
     """
     extra = dict(extra or {})
     clash = sorted(set(extra) & {"format", "model"})
@@ -66,40 +65,30 @@ def save_pretrained(
     check_weights(state_dict, config, "the state dict")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     meta = {"format": FORMAT, "model": config.to_dict(), "preprocessing": preprocessing(config), **extra}
-    with _local_dir(directory, write=True) as local:
-        # Weights first, config last (a config.json present means the export is complete), each under a
-        # temporary name and renamed, so a reader never sees a half-written file.
-        tmp = _temporary_name(local / WEIGHTS_FILE)
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, local / WEIGHTS_FILE)
-        tmp = _temporary_name(local / CONFIG_FILE)
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        os.replace(tmp, local / CONFIG_FILE)
+    local = _local(directory)
+    local.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, local / WEIGHTS_FILE, metadata={"format": "pt"})
+    (local / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return str(directory)
 
 
-def load_config(
-    path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None
-) -> tuple[ViTConfig, dict[str, Any]]:
-    """The ViTConfig of an export (its directory, or either file in it), and the whole config.json."""
-    with _local_dir(_export_dir(path), files=(CONFIG_FILE,), storage_options=storage_options) as local:
-        file = local / CONFIG_FILE
-        if not file.exists():
-            raise FileNotFoundError(
-                f"no {CONFIG_FILE} in {_export_dir(path)}; is it a vitray export directory?"
-            )
-        try:
-            meta = json.loads(file.read_text())
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ValueError(f"{CONFIG_FILE} in {_export_dir(path)} is not JSON: {_first_line(e)}") from e
+def load_config(path: str | os.PathLike, *, shown_as: str | None = None) -> tuple[ViTConfig, dict[str, Any]]:
+    """The ViTConfig of a local export (its directory, or either file in it), and the whole config.json.
+    ``shown_as`` names the export in messages (the URL a staged copy came from); default: its path."""
+    name = shown_as or _export_dir(path)
+    file = _local(_export_dir(path)) / CONFIG_FILE
+    if not file.exists():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {name}; is it a vitray export directory?")
+    try:
+        meta = json.loads(file.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{CONFIG_FILE} in {name} is not JSON: {_first_line(e)}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "model" not in meta:
-        raise ValueError(
-            f"{CONFIG_FILE} in {_export_dir(path)} is not a vitray export (no format/model keys)"
-        )
+        raise ValueError(f"{CONFIG_FILE} in {name} is not a vitray export (no format/model keys)")
     try:
         return ViTConfig.from_dict(meta["model"]), meta
     except ValueError as e:
-        raise ValueError(f"{CONFIG_FILE} in {_export_dir(path)}: {e}") from e
+        raise ValueError(f"{CONFIG_FILE} in {name}: {e}") from e
 
 
 def load_pretrained(
@@ -107,10 +96,11 @@ def load_pretrained(
     map_location: torch.device | str = "cpu",
     *,
     as_state_dict: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
+    shown_as: str | None = None,
     **overrides: Any,
 ) -> tuple[VisionTransformer | dict[str, torch.Tensor], ViTConfig]:
-    """Load an export: ``(model, config)``, or ``(state_dict, config)`` with ``as_state_dict=True``.
+    """Load a local export: ``(model, config)``, or ``(state_dict, config)`` with ``as_state_dict=True``;
+    ``shown_as`` names it in messages (as `load_config`).
 
     ``overrides`` replace config fields of the model: another ``image_size`` resamples the position
     embeddings; another head (``head``, ``num_classes``, ``representation_size``) starts freshly
@@ -120,24 +110,22 @@ def load_pretrained(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    config, _ = load_config(path, storage_options=storage_options)
-    with _local_dir(_export_dir(path), files=(WEIGHTS_FILE,), storage_options=storage_options) as local:
-        file = local / WEIGHTS_FILE
-        if not file.exists():
-            raise FileNotFoundError(f"no {WEIGHTS_FILE} in {_export_dir(path)}")
-        # The header first: the config is checked against the file's own shapes before any data is
-        # read or any model of the config's size is built.
-        with open(file, "rb") as stream:
-            shapes = read_header(stream, file.stat().st_size, f"{WEIGHTS_FILE} in {_export_dir(path)}")
-        check_shapes(shapes, config, WEIGHTS_FILE)
-        try:
-            state_dict = load_file(file, device=str(map_location))
-        except SafetensorError as e:
-            raise ValueError(
-                f"{WEIGHTS_FILE} in {_export_dir(path)} is not readable: {_first_line(e)}"
-            ) from e
+    config, _ = load_config(path, shown_as=shown_as)
+    name = shown_as or _export_dir(path)
+    file = _local(_export_dir(path)) / WEIGHTS_FILE
+    if not file.exists():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} in {name}")
+    # The header first: the config is checked against the file's own shapes before any data is read or
+    # any model of the config's size is built.
+    with open(file, "rb") as stream:
+        shapes = read_header(stream, file.stat().st_size, f"{WEIGHTS_FILE} in {name}")
+    check_shapes(shapes, config, WEIGHTS_FILE)
+    try:
+        state_dict = load_file(file, device=str(map_location))
+    except SafetensorError as e:
+        raise ValueError(f"{WEIGHTS_FILE} in {name} is not readable: {_first_line(e)}") from e
     check_weights(state_dict, config, WEIGHTS_FILE)
-    check_values(state_dict, f"{WEIGHTS_FILE} in {_export_dir(path)}")
+    check_values(state_dict, f"{WEIGHTS_FILE} in {name}")
     if as_state_dict:
         if overrides:
             raise ValueError("overrides apply to a model; load with as_state_dict=False to use them")
@@ -289,45 +277,17 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(error).__name__
 
 
-def _temporary_name(path: Path) -> Path:
-    # The scheme of `pipeline.storage.temporary_name` (vit/ imports nothing from pipeline/): hidden, unique
-    # per writer, recognized as uncommitted by the jobs that list output directories.
-    return path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-
-
 def _export_dir(path: str | os.PathLike) -> str:
     path = str(path)
     return path.rsplit("/", 1)[0] if path.endswith((WEIGHTS_FILE, CONFIG_FILE)) else path.rstrip("/")
 
 
-@contextmanager
-def _local_dir(
-    directory: str | os.PathLike,
-    write: bool = False,
-    files: tuple[str, ...] = (),
-    storage_options: Mapping[str, Any] | None = None,
-) -> Iterator[Path]:
-    """A local directory standing for ``directory``: itself, or a temporary copy for an fsspec URL."""
-    directory = str(directory)
-    if "://" not in directory or directory.startswith("file://"):
-        local = Path(directory.removeprefix("file://"))
-        if write:
-            local.mkdir(parents=True, exist_ok=True)
-        yield local
-        return
-    import fsspec  # only for remote exports
-
-    fs, root = fsspec.core.url_to_fs(directory, **(storage_options or {}))
-    tmp = Path(tempfile.mkdtemp(prefix="vitray-export-"))
-    try:
-        for name in files:
-            if fs.exists(f"{root}/{name}"):
-                fs.get_file(f"{root}/{name}", str(tmp / name))
-        yield tmp
-        if write:
-            fs.makedirs(root, exist_ok=True)
-            # Weights first: a config.json present means the export is complete.
-            for name in (WEIGHTS_FILE, CONFIG_FILE):
-                fs.put_file(str(tmp / name), f"{root}/{name}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _local(directory: str | os.PathLike) -> Path:
+    """``directory`` as a local path; a URL is refused in one line (staging it is pipeline.storage's)."""
+    text = str(directory)
+    if "://" in text and not text.startswith("file://"):
+        raise ValueError(
+            f"{text} is not a local directory: vit reads and writes local exports only; stage a remote one "
+            "with pipeline.storage (load_model_source reads any --weights)"
+        )
+    return Path(text.removeprefix("file://"))

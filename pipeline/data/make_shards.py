@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pipeline import cli
 from pipeline.data.shards import SHARD_SUFFIXES
 from pipeline.data.synthetic import CLASSES, write_synthetic_shards
-from pipeline.data.writing import ShardSet, class_folders, folder_samples, write_shards
+from pipeline.data.writing import ShardSet, brace_url, class_folders, folder_samples, write_shards
 from pipeline.storage import check_output_dir, is_temporary
 
 
@@ -92,19 +94,44 @@ def parse_args(argv: list[str], description: str | None = None) -> argparse.Name
     """The arguments, checked: a value that cannot work exits with argparse's one line (exit code 2)."""
     p = parser(description)
     args = p.parse_args(argv)
-    if args.samples_per_shard <= 0:
-        p.error("--samples-per-shard must be positive")
-    if args.synthetic is not None and args.synthetic <= 0:
-        p.error("--synthetic needs a positive number of images")
-    if not 1 <= args.num_classes <= len(CLASSES):
-        p.error(f"--num-classes must be between 1 and {len(CLASSES)}")
-    if not 1 <= args.quality <= 95:
-        p.error("--quality must be between 1 and 95")
-    if args.image_size < 1 or (args.max_size is not None and args.max_size < 1):
-        p.error("--image-size and --max-size must be at least 1 pixel")
-    if not args.prefix or args.prefix.startswith(".") or set(args.prefix) & set("/\\*?[]{}"):
-        p.error(f"--prefix {args.prefix!r} must be a plain file name part (e.g. train): shards go in --out")
+    try:
+        check(args)
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def check(args: argparse.Namespace) -> None:
+    """A ValueError (one line) for a value that cannot work."""
+    if args.samples_per_shard <= 0:
+        raise ValueError("--samples-per-shard must be positive")
+    if args.synthetic is not None and args.synthetic <= 0:
+        raise ValueError("--synthetic needs a positive number of images")
+    if not 1 <= args.num_classes <= len(CLASSES):
+        raise ValueError(f"--num-classes must be between 1 and {len(CLASSES)}")
+    if not 1 <= args.quality <= 95:
+        raise ValueError("--quality must be between 1 and 95")
+    if args.image_size < 1 or (args.max_size is not None and args.max_size < 1):
+        raise ValueError("--image-size and --max-size must be at least 1 pixel")
+    if not args.prefix or args.prefix.startswith(".") or set(args.prefix) & set("/\\*?[]{}"):
+        raise ValueError(
+            f"--prefix {args.prefix!r} must be a plain file name part (e.g. train): shards go in --out"
+        )
+
+
+def command(args: argparse.Namespace) -> int:
+    """`jobs/make_shards.py`: check, write the shards, and print what was written and the ``--data``
+    that reads them (its last line)."""
+    start = time.perf_counter()
+    check(args)
+    shard_set = make_shards(args, start_work=cli.start_work)
+    print(
+        f"wrote {len(shard_set.urls)} shards ({len(shard_set.keys)} samples, {shard_set.num_classes} classes"
+        + (f", {len(shard_set.skipped)} unreadable file(s) skipped" if shard_set.skipped else "")
+        + f") to {Path(args.out).resolve()} in {time.perf_counter() - start:.1f}s; use:"
+    )
+    print(f"  --data '{brace_url(shard_set.urls)}'")
+    return 0
 
 
 def owns(entries: dict[str, bool]) -> bool:

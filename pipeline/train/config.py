@@ -6,9 +6,7 @@ which pixels a sample becomes), ``optim``, ``speed``, ``cluster``, ``run``. Ever
 `jobs/finetune.py`, their help and the names validation messages give are made from it, so adding a
 knob is adding a field. Code that needs one section takes that section, not the whole config.
 
-The training sections live in `pipeline.train.sections`, beside each other, rather than in the modules
-that read them (`optim.py`, `model.py`, `objective.py` import torch): printing or checking a config
-never loads torch. The data section is `DataConfig` itself, owned by `pipeline.data`; the fields it takes from other
+Where the sections live, and why: `pipeline.train.sections`. The fields the data section takes from other
 sections (patch size, seed, labels, mask) are set by `TrainConfig` and are no flags.
 
 The resolved config is saved beside every checkpoint and in the final export (``version`` 2; the flat

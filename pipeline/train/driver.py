@@ -28,6 +28,7 @@ from pipeline import cli, console, storage
 from pipeline.data.dataset import check_shards
 from pipeline.data.mixture import parse_sources
 from pipeline.data.shards import ShardError, expand_shards
+from pipeline.train import presets
 from pipeline.train.config import TrainConfig
 from pipeline.train.resources import local_out_problem, worker_resources
 
@@ -41,8 +42,9 @@ RUN_MARKER = ".vitray-run"
 CHECKPOINT_PREFIX = "checkpoint_"
 
 
-class TrainingError(RuntimeError):
-    """The run stopped on a data problem every worker agreed on (one line, says what to do)."""
+class TrainingError(cli.RunFailed):
+    """The run stopped on a data problem every worker agreed on (one line, says what to do): a failed
+    run, exit code 1."""
 
 
 def split_run_uri(out: str) -> tuple[str, str]:
@@ -322,3 +324,15 @@ def train(config: TrainConfig, args: argparse.Namespace) -> int:
     summary = fit(config, shards, eval_shards, sources)
     print(format_summary(summary, config))
     return 0
+
+
+def pretrain_command(args: argparse.Namespace) -> int:
+    """`jobs/pretrain.py`: the preset and flags resolved, then `train` (or the config printed)."""
+    config = presets.resolve(args)
+    return 0 if cli.printed(args, config) else train(config, args)
+
+
+def finetune_command(args: argparse.Namespace) -> int:
+    """`jobs/finetune.py`: as `pretrain_command`, the objective supervised."""
+    config = presets.resolve(args, objective="supervised")
+    return 0 if cli.printed(args, config) else train(config, args)

@@ -16,13 +16,9 @@ stopped and resumed run trains on the same samples, in the same order, as a stra
 runs at the data pipeline's speed). At another layout the checkpoint's position by sample deals the
 epoch's remaining samples to the new ranks, each once, in another order (`pipeline.train.position`).
 
-An epoch is every good sample once. Every step, ranks agree on how many samples it holds; the epoch
-goes on until every rank's stream has run dry (`pipeline.train.state.StepAgreement`). A rank whose
-stream ends first joins the remaining steps, so every collective has all ranks, with what it has left
-(its last micro-batch may be short) and then with nothing (zero-loss passes over one idle sample);
-the loss is the mean over the step's samples. So an epoch's last steps are smaller: padded, not
-carried into the next epoch, and counted by the schedule as steps like any other. A resume in that
-tail re-reads a dry rank's whole stream. An epoch whose first step is short stops the run (too little data).
+An epoch is every good sample once: its rules (streams of unequal length, the smaller last steps, a short
+first step) are written in docs/design.md, "Training"; here, `pipeline.train.state.StepAgreement` is how
+the ranks agree every step on how many samples it holds, until every rank's stream has run dry.
 A preemption notice on any rank rides on the same agreement: every rank checkpoints at that step
 boundary and stops, and Ray Train restarts the run from there (`pipeline.train.preemption`).
 

@@ -2,8 +2,10 @@
 settings (`pipeline.settings.setting`: one field, one doc line, one flag) that validates itself; the
 messages name the flags through the same declaration.
 
-They live here, beside each other, rather than in the modules that read them (`optim.py`, `model.py`,
-`objective.py` import torch): printing or checking a config never loads torch.
+Where the sections live: the training sections here, beside each other, rather than in the modules that
+read them (`optim.py`, `model.py`, `objective.py` import torch), so that printing or checking a config
+never loads torch; the data section is `pipeline.data.DataConfig` itself, owned by the data room, which
+every job that reads shards shares.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""docs/ stays true: docs/options.md is what the jobs' parsers say (`make docs` writes it), every option
-of every job is in it, and every link between the README and docs/ leads to a file. No Ray."""
+"""docs/ stays true: docs/options.md is what the jobs' parsers say and the layout in docs/design.md what the
+module docstrings say (`make docs` writes both), every option of every job is in the reference, and every
+link between the README and docs/ leads to a file. No Ray."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import reference
+from tests.job_scripts import load_job
 
+reference = load_job("docs")  # jobs/docs.py, which writes the generated docs
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = ROOT / reference.PATH
 JOBS = [name for name, _, _ in reference.JOBS]
@@ -50,6 +52,35 @@ def test_every_option_of_a_job_is_in_the_reference(job):
     missing = sorted(o for o in options if not documented(o, section))
     assert not missing, f"{reference.PATH} lacks these options of jobs/{job}.py: {missing}; run make docs"
     assert options == set(reference.options(dict((n, p) for n, _, p in reference.JOBS)[job]()))
+
+
+def test_layout_is_what_the_module_docstrings_say():
+    assert (ROOT / reference.DESIGN).read_text() == reference.design_markdown(), (
+        f"the layout in {reference.DESIGN} differs from the module docstrings: run make docs"
+    )
+
+
+def test_the_layout_lists_every_module_and_a_new_one_at_once(tmp_path, monkeypatch):
+    block = reference.layout()
+    for path in sorted((ROOT / "pipeline").rglob("*.py")):
+        if path.name != "__init__.py":
+            assert f" {path.name} " in block, path
+    # A module added to a room is in the next layout, under its room, with its docstring's first sentence.
+    room = tmp_path / "pipeline" / "data"
+    room.mkdir(parents=True)
+    (tmp_path / "pipeline" / "__init__.py").write_text('"""The rooms."""\n')
+    (room / "__init__.py").write_text('"""Shards to rows."""\n')
+    (room / "fresh.py").write_text('"""A fresh module: what it holds. More detail here."""\n')
+    monkeypatch.setattr(reference, "ROOT", tmp_path)
+    monkeypatch.setattr(reference, "PACKAGES", ("pipeline",))
+    monkeypatch.setattr(reference, "FOLDERS", {"docs": "d", "cluster": "c", "tests": "t"})
+    lines = reference.layout().splitlines()
+    assert lines[lines.index("  data/                 Shards to rows") + 1] == (
+        "    fresh.py            A fresh module: what it holds"
+    )
+    (room / "bare.py").write_text("x = 1\n")
+    with pytest.raises(ValueError, match=r"bare\.py has no docstring"):
+        reference.layout()
 
 
 def test_help_reader_takes_invocations_only():

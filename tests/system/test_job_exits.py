@@ -3,6 +3,7 @@ and no job writes into a directory of the user's. In this process, no Ray."""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import socket
@@ -199,6 +200,27 @@ def test_training_refuses_a_root_and_a_directory_it_did_not_write(synthetic_shar
     driver.check_out(config.replace(out=str(mine), overwrite=True))
 
 
+def test_a_jobs_own_errors_may_be_named_by_a_function_called_only_when_one_comes(capsys):
+    # A job script passes its command's error classes as a function, so that --help imports none of them.
+    class Diverged(RuntimeError):
+        pass
+
+    asked = []
+
+    def failures():
+        asked.append(True)
+        return (Diverged,)
+
+    assert cli.run_job(lambda: 0, failures=failures) == 0 and not asked
+    assert (
+        cli.run_job(raises(Diverged("the loss diverged at step 9")), failures=failures) == cli.EXIT_RUN_FAILED
+    )
+    assert one_error_line(capsys) == "error: the loss diverged at step 9"  # its message, as written
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int)
+    assert cli.main(parser, lambda args: args.steps - 3, ["--steps", "3"]) == 0
+
+
 def test_a_filesystem_root_is_no_output_directory(tmp_path):
     # Checked here rather than through the jobs: a regression would have them write into the root.
     for root in ("/", "file:///", "/.", "s3://"):
@@ -222,22 +244,19 @@ def test_the_other_jobs_refuse_a_directory_they_did_not_write(
     for name in ("embed", "analyze"):
         assert job(name).main(common) == cli.EXIT_BAD_INPUT, name
         assert "did not write (notes.txt); pass --overwrite" in one_error_line(capsys)
-    with pytest.raises(SystemExit) as exit:
-        job("make_shards").main(["--synthetic", "8", "--out", str(mine)])
-    assert exit.value.code == cli.EXIT_BAD_INPUT
+    assert job("make_shards").main(["--synthetic", "8", "--out", str(mine)]) == cli.EXIT_BAD_INPUT
     assert "did not write (notes.txt); pass --overwrite" in one_error_line(capsys)
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
     # The shard writer shares a directory with other shards, and writes beside anything on request.
     shards = job("make_shards")
-    shards.main(["--synthetic", "8", "--out", str(tmp_path / "s"), "--prefix", "val"])
-    shards.main(["--synthetic", "8", "--out", str(tmp_path / "s")])
-    shards.main(["--synthetic", "8", "--out", str(mine), "--overwrite"])
+    assert shards.main(["--synthetic", "8", "--out", str(tmp_path / "s"), "--prefix", "val"]) == 0
+    assert shards.main(["--synthetic", "8", "--out", str(tmp_path / "s")]) == 0
+    assert shards.main(["--synthetic", "8", "--out", str(mine), "--overwrite"]) == 0
     assert (mine / "notes.txt").read_text() == "the user's"
 
 
 def test_make_shards_from_a_missing_folder_is_bad_input_in_one_line(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit:
-        job("make_shards").main(["--from-folder", str(tmp_path / "nowhere"), "--out", str(tmp_path / "s")])
-    assert exit.value.code == cli.EXIT_BAD_INPUT
+    code = job("make_shards").main(["--from-folder", str(tmp_path / "nowhere"), "--out", str(tmp_path / "s")])
+    assert code == cli.EXIT_BAD_INPUT
     assert "is not a directory" in one_error_line(capsys)
     assert not (tmp_path / "s").exists()

@@ -1,5 +1,6 @@
-"""The README stays true: the quickstart is the Makefile's and its python examples run (every option of
-every job: docs/options.md, tests/system/test_docs.py)."""
+"""The README stays true and short: the quickstart is the Makefile's, its python examples run, it counts the
+jobs there are, and it reads in about ten minutes (every option of every job: docs/options.md,
+tests/system/test_docs.py; the reference: docs/design.md)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,22 @@ def test_quickstart_is_the_two_make_commands():
     for target in ("demo", "test", "lint"):
         assert re.search(rf"^{target}:", makefile, re.MULTILINE), f"Makefile has no {target} target"
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_is_a_ten_minute_read():
+    # Reference paragraphs belong in docs/design.md; the README says what each job is for and points there.
+    assert len(README.split()) < 2600, f"README.md has {len(README.split())} words; move reference to docs/"
+
+
+def test_readme_counts_the_jobs_there_are():
+    from tests.job_scripts import load_job
+
+    jobs = load_job("docs").JOBS  # the jobs docs/options.md documents
+    counted = ("One", "Two", "Three", "Four", "Five", "Six", "Seven", "Eight", "Nine", "Ten", "Eleven")[
+        len(jobs) - 1
+    ]
+    assert f"{counted} jobs, each a script in `jobs/`" in README
+    assert all(f"`{name}`" in README.split("## The jobs", 1)[1].split("##", 1)[0] for name, _, _ in jobs)
 
 
 def test_python_examples_run():

@@ -50,10 +50,21 @@ def test_round_trip(tmp_path, trained):
     assert vit.load_config(tmp_path)[1]["training"]["steps"] == 12
 
 
-def test_round_trip_through_an_fsspec_url(trained):
+def test_vit_reads_and_writes_local_directories_only(tmp_path, trained):
+    # Staging an export to or from a store is pipeline.storage's (tests/test_model_source.py reads one
+    # from S3); vit refuses a URL in one line rather than reaching the network itself.
     url = "memory://vitray-test/final"
-    vit.save_pretrained(url, trained.state_dict(), trained.config)
-    model, config = vit.load_pretrained(url)
+    for call in (
+        lambda: vit.save_pretrained(url, trained.state_dict(), trained.config),
+        lambda: vit.load_pretrained(url),
+        lambda: vit.load_config(url),
+    ):
+        with pytest.raises(
+            ValueError, match="is not a local directory: vit reads and writes local exports only"
+        ):
+            call()
+    vit.save_pretrained(f"file://{tmp_path}", trained.state_dict(), trained.config)
+    model, config = vit.load_pretrained(tmp_path)
     assert config == trained.config
     with torch.no_grad():
         torch.testing.assert_close(model(patches()), trained(patches()), rtol=0, atol=0)
