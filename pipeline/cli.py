@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline import settings
+from pipeline.redaction import public_text
 
 EXIT_BAD_INPUT = 2  # found before cluster work: nothing ran
 EXIT_RUN_FAILED = 1  # the run started, then stopped on an error
@@ -347,8 +348,9 @@ def reason(error: BaseException, *, worded: tuple[type[BaseException], ...] = ()
 
 
 def _say(line: str) -> None:
+    """An error line on stderr, its URLs without userinfo or query string (a password, a SAS token)."""
     with contextlib.suppress(OSError, ValueError):  # stderr closed or gone: the exit code still tells
-        print(line, file=sys.stderr, flush=True)
+        print(public_text(line), file=sys.stderr, flush=True)
 
 
 def _keep_traceback(error: BaseException) -> str:
@@ -356,7 +358,7 @@ def _keep_traceback(error: BaseException) -> str:
     try:
         fd, path = tempfile.mkstemp(prefix="vitray-error-", suffix=".txt")
         with os.fdopen(fd, "w") as f:
-            f.write("".join(traceback.format_exception(error)))
+            f.write(public_text("".join(traceback.format_exception(error))))
     except OSError:
         return ""
     return f" (traceback: {path})"

@@ -6,7 +6,8 @@
               + README.md: a model card from the run's record (data, objective, steps, its figures)
 
 The conversion is `vit.export`'s; this module resolves the weights, checks the output directory (a rerun
-replaces its own files; anything else there is refused, as every job does), writes the files in a local
+for the same library replaces its own files; anything else there, another library's export included, is
+refused, as every job does: `MARKER` says which export a folder holds), writes the files in a local
 directory and uploads them with config.json last. One process, no Ray, no GPU.
 """
 
@@ -79,11 +80,31 @@ def command(args: argparse.Namespace) -> int:
     return 0
 
 
-def files_of(target: str) -> tuple[str, ...]:
-    """The files an export for ``target`` writes: a rerun replaces them, and nothing else may be there."""
-    from vit.export import CONFIG_FILE, MODEL_FILE, PREPROCESSOR_FILE
+MARKER = ".vitray-export"  # {"format": "vitray-export", "to": "timm"}: which export a folder holds
 
-    return (MODEL_FILE, CONFIG_FILE, *((PREPROCESSOR_FILE,) if target == "hf" else ()), CARD)
+
+def owns(out: storage.Location, entries: dict[str, bool], target: str) -> bool:
+    """Whether a folder that is not empty holds an export for ``target`` (`storage.check_output_dir`):
+    its marker says so, not its file names (a transformers export writes every name a timm one does).
+    A marker naming the other library is a one-line ValueError; a folder without one (a user's, or an
+    export from before the marker) is not this export's."""
+    if MARKER not in entries:
+        return False
+    try:
+        held = json.loads(storage.read_text(out.join(MARKER))).get("to")
+    except (OSError, ValueError, AttributeError):  # not JSON, or not an object
+        held = None
+    if held == target:
+        return True
+    what = (
+        f"a vitray export for {LIBRARY[held]} (--to {held})"
+        if held in LIBRARY
+        else f"a {MARKER} that does not read"
+    )
+    raise ValueError(
+        f"--out {out} holds {what}, not one for {LIBRARY[target]}; pick another --out, or pass --overwrite "
+        "to replace it"
+    )
 
 
 @dataclass
@@ -110,13 +131,9 @@ def export(config: ExportConfig, begin: Callable[[], None] | None = None) -> Exp
     from vit.export import check_exportable, save_hf, save_timm
 
     config.validate()
-    own = files_of(config.to)
     out = config.location(config.out)
     storage.check_output_dir(
-        out,
-        job="this export",
-        owns=lambda entries: all(name in own or storage.is_temporary(name) for name in entries),
-        overwrite=config.overwrite,
+        out, job="this export", owns=lambda entries: owns(out, entries, config.to), overwrite=config.overwrite
     )
     source = load_vitray(config.location(config.weights))
     if _same_dir(config.out, source.path) or _same_dir(config.out, config.weights):
@@ -146,6 +163,7 @@ def export(config: ExportConfig, begin: Callable[[], None] | None = None) -> Exp
         )
         load = load_line(config.to, config.out, written, no_pooler)
         (local / CARD).write_text(model_card(config, source, record, written, load, no_pooler))
+        (local / MARKER).write_text(json.dumps({"format": "vitray-export", "to": config.to}) + "\n")
         # config.json last: it is what both libraries open first, so a half-done upload is no model.
         storage.upload_dir(local, out, commit_last="config.json")
     return ExportResult(config.out, config.to, [*files, CARD], source.describe(), load)

@@ -38,6 +38,7 @@ import torch
 import vit
 from pipeline import dcp, storage
 from vit.weights import CONFIG_FILE, WEIGHTS_FILE, check_shapes, check_values, check_weights, read_header
+from vit.weights import preprocessing as model_input
 
 FORMATS = ("auto", "vitray", "timm", "torchvision", "hf")
 FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
@@ -81,7 +82,7 @@ def load_model_source(
         # vit reads local files only: a remote export is fetched into a local copy, with the job's options.
         with storage.local_copy(where, (CONFIG_FILE, WEIGHTS_FILE)) as local:
             config, meta = vit.load_config(local, shown_as=where.url)
-            preprocessing = _data_config_dict(meta.get("preprocessing"))
+            preprocessing = _data_config_dict(meta.get("preprocessing"), config, where.join(CONFIG_FILE))
             if named is not None:
                 _check_named(config, named, path)
             state_dict, config = vit.load_pretrained(local, as_state_dict=True, shown_as=where.url)
@@ -93,7 +94,7 @@ def load_model_source(
             config = vit.ViTConfig.from_dict(saved["model_config"])
         except ValueError as e:
             raise ValueError(f"{where}/{CONFIG_FILE}: {e}") from e
-        preprocessing = _data_config_dict(saved.get("data"))
+        preprocessing = _data_config_dict(saved.get("data"), config, where.join(CONFIG_FILE))
         if named is not None:
             _check_named(config, named, path)
         # A masked autoencoder's checkpoint holds the ViT as its encoder (the decoder is not read).
@@ -198,17 +199,24 @@ def _read_json(file: storage.Location) -> Any:
         raise ValueError(f"--weights {file} is not JSON ({e})") from e
 
 
-def _data_config_dict(values: Any) -> dict[str, Any] | None:
-    """The training DataConfig dict, when ``values`` is one (an export made outside training holds
-    the model's input description under the same key instead)."""
+def _data_config_dict(values: Any, config: vit.ViTConfig, file: storage.Location) -> dict[str, Any] | None:
+    """The training DataConfig dict that ``file`` holds as ``values``; None where it holds none, or holds
+    the model's input description in its place (an export made outside training: `vit.weights`'s
+    fields alone). A record that does not read as a DataConfig (a field unknown here, from a newer
+    vitray or an edit; a value out of range) is a one-line ValueError naming the file and the field:
+    embedding with the default crop in its place would give other embeddings, with no word."""
     from pipeline.data.config import DataConfig
 
-    if not isinstance(values, dict):
+    if values is None or (isinstance(values, dict) and set(values) <= set(model_input(config))):
         return None
+    if not isinstance(values, dict):
+        raise ValueError(
+            f"{file}: its preprocessing is a {type(values).__name__}, not a JSON object of settings"
+        )
     try:
         DataConfig.from_dict(values)
-    except (TypeError, ValueError):
-        return None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: its preprocessing does not read: {e}") from e
     return values
 
 

@@ -11,8 +11,11 @@ owned by the modules that read them (`pipeline.train.config.TrainConfig`). Each 
 - replacing fields by their leaf names across sections (`replace`), which presets and the command line
   share: leaf names are unique within a config, checked when it is first walked;
 - JSON both ways (`to_dict` / `from_dict`): strict about unknown keys, tuples restored from the
-  field's type, secrets (``secret=True``) written as ``"***"``, and a version number for configs saved by
-  older runs (a class's ``CONFIG_VERSION`` and ``migrate(values, version)``).
+  field's type, and a version number for configs saved by older runs (a class's ``CONFIG_VERSION`` and
+  ``migrate(values, version)``). The JSON form is what outputs record, so it holds no credential: a secret
+  (``secret=True``: storage options, how a job reaches its data rather than what it made) keeps only the
+  names of the options set, each value ``"***"``, and a URL is written as `pipeline.redaction.public_url`
+  writes it (no userinfo, no query string). A run that resumes takes both again from its command line.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from pipeline.redaction import REDACTED, public_text, redacted
+
 _HELP = "help"
 _FLAG = "flag"
-_REDACTED = "***"
 _UNSET = object()
 
 
@@ -191,15 +195,16 @@ def settings_section(cls: type, name: str) -> bool:
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """Plain JSON-able values, sections as nested objects; secrets written as ``"***"``; the class's
-    ``CONFIG_VERSION`` (where it has one) as ``"version"``."""
+    """Plain JSON-able values, sections as nested objects; a secret as the names of what it sets, each
+    ``"***"``; URLs without userinfo or query string; the class's ``CONFIG_VERSION`` (where it has one) as
+    ``"version"``."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             out[f.name] = to_dict(value)
         elif f.metadata.get("secret"):
-            out[f.name] = _redact(value)
+            out[f.name] = redacted(value)
         else:
             out[f.name] = _plain(value)
     version = getattr(type(config), "CONFIG_VERSION", None)
@@ -232,7 +237,7 @@ def from_dict(cls: type, values: dict[str, Any], **overrides: Any) -> Any:
         kind, f = kinds[name], known[name]
         if is_section(kind) and isinstance(value, dict):
             value = from_dict(kind, value)
-        elif f.metadata.get("secret") and _REDACTED in repr(value):
+        elif f.metadata.get("secret") and REDACTED in repr(value):
             value = None
         else:
             value = _typed(value, kind)
@@ -255,21 +260,10 @@ def _is_tuple(kind: Any) -> bool:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, tuple):
+    if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
-
-
-def _redact(value: Any, name: str = "") -> Any:
-    if isinstance(value, dict):
-        return {k: _redact(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_redact(v, name) for v in value]
-    if value is not None and any(word in name.lower() for word in _SECRET_WORDS):
-        return _REDACTED
+    if isinstance(value, str):
+        return public_text(value)
     return value

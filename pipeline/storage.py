@@ -24,6 +24,8 @@ from typing import Any
 import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
+from pipeline.redaction import public_url
+
 
 def is_local(where: Location | str) -> bool:
     """True for plain paths and ``file://`` URLs."""
@@ -53,7 +55,7 @@ def join(uri: str, *parts: str) -> str:
 class Location:
     """A local path or URL with the fsspec options that reach it (``{"client_kwargs": {"endpoint_url":
     ...}, "key": ..., "secret": ...}``; none: the environment's). ``str()`` is the URL alone and
-    ``repr()`` names the options' keys, never their values, so a Location in a message, a log or Ray's
+    ``repr()`` its `public_url` and the options' keys, never their values, so a Location in a log or Ray's
     record of a run's config shows no secret."""
 
     url: str
@@ -69,7 +71,7 @@ class Location:
 
     def __repr__(self) -> str:
         keys = f", options=<{', '.join(sorted(map(str, self.options)))}>" if self.options else ""
-        return f"Location({self.url!r}{keys})"
+        return f"Location({public_url(self.url)!r}{keys})"
 
     def __hash__(self) -> int:
         return hash(self.url)

@@ -27,11 +27,13 @@ COMPAT_MODULE = "pipeline/compat.py"
 ALLOWED = {
     "vit": {"vit"},
     # Settings: config dataclass fields with their doc line, flags and JSON (pipeline/settings.py).
-    "pipeline.settings": set(),
-    "pipeline.storage": set(),
+    "pipeline.settings": {"pipeline.redaction"},
+    # What outputs and printed lines may hold of how a job reached its data (pipeline/redaction.py).
+    "pipeline.redaction": set(),
+    "pipeline.storage": {"pipeline.redaction"},
     "pipeline.compat": set(),
     "pipeline.console": {"pipeline.compat"},
-    "pipeline.cli": {"pipeline.console", "pipeline.settings"},
+    "pipeline.cli": {"pipeline.console", "pipeline.settings", "pipeline.redaction"},
     "pipeline.dcp": {"pipeline.storage", "pipeline.compat", "vit"},
     # What --weights resolves to, for every job that takes a trained model (embed, evaluate, fine-tuning).
     "pipeline.model_source": {

@@ -66,7 +66,7 @@ def test_timm_export_of_a_run_loads_in_timm_with_its_preprocessing_and_card(tmp_
     out = tmp_path / "timm"
     code, printed, err = run_job(capsys, "--weights", tmp_path / "run", "--to", "timm", "--out", out)
     assert code == 0, err
-    assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == [".vitray-export", "README.md", "config.json", "model.safetensors"]
     assert f'timm.create_model("local-dir:{out}", pretrained=True)' in printed
     loaded = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
     x = images()
@@ -101,6 +101,7 @@ def test_hf_export_loads_in_transformers_and_imports_back(tmp_path, capsys):
     code, _, err = run_job(capsys, "--weights", tmp_path / "run" / "final", "--to", "hf", "--out", out)
     assert code == 0, err
     assert sorted(os.listdir(out)) == [
+        ".vitray-export",
         "README.md",
         "config.json",
         "model.safetensors",
@@ -182,12 +183,32 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         assert re.search(message, err), (message, err)
     assert sorted(os.listdir(tmp_path / "busy")) == ["notes.txt"]
     assert sorted(os.listdir(run / "final")) == ["config.json", "weights.safetensors"]
-    # An export for one library in another's folder: files that export did not write.
+    # An export for one library in another's folder.
     assert run_job(capsys, "--weights", run, "--to", "hf", "--out", tmp_path / "hf")[0] == 0
     code, _, err = run_job(capsys, "--weights", run, "--to", "timm", "--out", tmp_path / "hf")
-    assert code == 2 and "holds files this export did not write" in err
+    assert code == 2 and "holds a vitray export for transformers (--to hf), not one for timm" in err
     with pytest.raises(SystemExit):  # argparse: --to must be a target
         export_job.main(["--weights", str(run), "--to", "onnx", "--out", str(tmp_path / "x")])
+
+
+def test_an_export_for_one_library_never_replaces_another_s_and_replaces_its_own(tmp_path, capsys):
+    """A transformers export writes every file name a timm one does: the folder's marker tells them apart."""
+    write_run(tmp_path / "run", head="finetune")
+    run, timm_dir, hf_dir = tmp_path / "run", tmp_path / "timm", tmp_path / "hf"
+    for target, out in (("timm", timm_dir), ("hf", hf_dir)):
+        assert run_job(capsys, "--weights", run, "--to", target, "--out", out)[0] == 0
+    before = {p.name: p.read_bytes() for p in timm_dir.iterdir()}
+    for target, out, other in (("hf", timm_dir, "timm"), ("timm", hf_dir, "transformers")):
+        code, _, err = run_job(capsys, "--weights", run, "--to", target, "--out", out)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"--out {out} holds a vitray export for {other}" in err and "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in timm_dir.iterdir()} == before  # left as it was
+    assert run_job(capsys, "--weights", run, "--to", "timm", "--out", timm_dir)[0] == 0  # its own: replaced
+    # An export from before the marker (its files alone) is no proof of which library's it is.
+    (timm_dir / ".vitray-export").unlink()
+    code, _, err = run_job(capsys, "--weights", run, "--to", "hf", "--out", timm_dir)
+    assert code == 2 and "holds files this export did not write" in err
+    assert run_job(capsys, "--weights", run, "--to", "hf", "--out", timm_dir, "--overwrite")[0] == 0
 
 
 def test_an_export_to_s3_arrives_whole_through_failing_requests(tmp_path):
@@ -221,7 +242,7 @@ def test_an_export_to_s3_arrives_whole_through_failing_requests(tmp_path):
         fs.get("exports/ft/", str(tmp_path / "copy"), recursive=True)
     finally:
         s3.stop()
-    assert sorted(os.listdir(tmp_path / "copy")) == sorted(result.files)
+    assert sorted(os.listdir(tmp_path / "copy")) == sorted([*result.files, ".vitray-export"])
     hf = ViTForImageClassification.from_pretrained(tmp_path / "copy", attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(pixel_values=images()).logits, model(images()), **TOL)

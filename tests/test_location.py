@@ -8,6 +8,7 @@ import fsspec
 import pytest
 
 from pipeline import storage
+from pipeline.redaction import public_text, public_url
 from pipeline.storage import Location
 
 OPTIONS = {
@@ -32,6 +33,32 @@ def test_neither_repr_nor_str_shows_an_options_value():
     for text in (str(run), repr(run), repr([run]), str({"out": run})):
         assert "s3cr3t" not in text and "AKIA" not in text and "127.0.0.1" not in text
     assert repr(Location("/x")) == "Location('/x')"
+
+
+@pytest.mark.parametrize(
+    ("url", "public"),
+    [
+        (
+            "https://user:pw@acct.blob.core.windows.net/c/x.tar?sv=2024&sig=abc",
+            "https://acct.blob.core.windows.net/c/x.tar",
+        ),
+        ("https://ghp_token@example.com/x.tar#frag", "https://example.com/x.tar"),
+        ("s3://bucket/train-{000..009}.tar", "s3://bucket/train-{000..009}.tar"),
+        (
+            "abfs://container@acct.dfs.core.windows.net/x?sig=abc",
+            "abfs://container@acct.dfs.core.windows.net/x",
+        ),
+        ("abfs://container:key@acct.dfs.core.windows.net/x", "abfs://acct.dfs.core.windows.net/x"),
+        ("/data/what?is#this.tar", "/data/what?is#this.tar"),  # a local file's name
+        ("file:///data/a?b.tar", "file:///data/a?b.tar"),
+    ],
+)
+def test_a_url_as_outputs_and_messages_write_it_holds_no_userinfo_or_query(url, public):
+    assert public_url(url) == public
+    assert public_text(f"cannot list {url} (from '{url}'): refused") == (
+        f"cannot list {public} (from '{public}'): refused"
+    )
+    assert public in repr(Location(url)) and (url == public or url not in repr(Location(url)))
 
 
 def test_equal_by_url_and_options_and_its_own_copy_of_them():

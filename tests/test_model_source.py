@@ -80,6 +80,45 @@ def test_run_dir_final_and_checkpoint_give_the_same_weights(run_dir, tmp_path):
     assert latest.sha256 == final.sha256
 
 
+def test_a_saved_preprocessing_that_does_not_read_is_one_line_naming_the_file_and_the_field(
+    run_dir, tmp_path
+):
+    """An export's or a checkpoint's training preprocessing with a field unknown here (a newer vitray, an
+    edit) would otherwise be dropped for the default crop: other embeddings, with no word."""
+    export, ckpt = tmp_path / "final", tmp_path / dcp.checkpoint_name(1)
+    shutil.copytree(run_dir / "final", export)
+    shutil.copytree(run_dir / dcp.checkpoint_name(1), ckpt)
+    for where, key in ((export, "preprocessing"), (ckpt, "data")):
+        meta = json.loads((where / "config.json").read_text())
+        meta[key]["crop_mode"] = "letterbox"
+        (where / "config.json").write_text(json.dumps(meta))
+        with pytest.raises(ValueError) as caught:
+            load_model_source(str(where))
+        message = str(caught.value)
+        assert f"{where / 'config.json'}: its preprocessing does not read" in message, message
+        assert "crop_mode" in message and "\n" not in message
+    # An export made outside training describes the model's input there: that is no training record.
+    model = vit.create_model("vit_tiny_test")
+    vit.save_pretrained(tmp_path / "plain", model.state_dict(), model.config)
+    assert load_model_source(str(tmp_path / "plain")).preprocessing is None
+
+
+def test_a_checkpoint_whose_saved_settings_do_not_read_is_not_resumed(run_dir, tmp_path):
+    saved = json.loads((run_dir / dcp.checkpoint_name(1) / "config.json").read_text())
+    config = vit.ViTConfig.from_dict(saved["model_config"])
+    for section, change in (("train", {"version": 99}), ("data", {"crop_mode": "letterbox"})):
+        (tmp_path / section).mkdir()
+        path = tmp_path / section / "config.json"
+        path.write_text(json.dumps({**saved, section: {**saved[section], **change}}))
+        with pytest.raises(dcp.CheckpointRefusedError) as caught:
+            checkpoint.check_compatible(tmp_path / section, config)
+        assert str(caught.value).startswith(f"{path}: its {section} settings do not read: "), caught.value
+        assert ("version 99" if section == "train" else "crop_mode") in str(caught.value)
+    (tmp_path / "same").mkdir()
+    (tmp_path / "same" / "config.json").write_text(json.dumps(saved))
+    checkpoint.check_compatible(tmp_path / "same", config)  # as saved: resumes
+
+
 def test_weights_on_s3_load_with_the_jobs_storage_options_alone(run_dir, monkeypatch):
     """A run directory, its final/ and a checkpoint on a loopback S3, the endpoint and keys in the
     Location's options only: each loads, the same weights as from local disk."""

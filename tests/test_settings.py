@@ -150,11 +150,15 @@ def test_json_round_trips_tuples_sections_and_redacts_secrets():
     )
     saved = json.loads(json.dumps(config.to_dict()))
     assert saved["version"] == TrainConfig.CONFIG_VERSION
-    assert saved["data"]["storage_options"] == {"key": "***", "client_kwargs": {"region_name": "x"}}
+    assert saved["data"]["storage_options"] == {"key": "***", "client_kwargs": "***"}  # names alone
     again = TrainConfig.from_dict(saved)
     assert again.data.scale == (0.2, 1.0) and isinstance(again.data.scale, tuple)
     assert again.data.storage_options is None  # a redacted secret is never taken for the real one
     assert again == config.replace(storage_options=None)
+    # A URL is saved without what may be a credential in it (a password, a SAS token).
+    signed = tiny_config(data="https://user:pw@acct.blob.core.windows.net/c/x.tar?sv=1&sig=abc").to_dict()
+    assert "https://acct.blob.core.windows.net/c/x.tar" in json.dumps(signed)
+    assert "pw@" not in json.dumps(signed) and "sig=abc" not in json.dumps(signed)
 
 
 def test_unknown_keys_and_newer_versions_are_refused_in_one_line():

@@ -34,6 +34,7 @@ from pipeline import storage
 from vit.config import REGULARIZATION_FIELDS
 
 CLAIM = "_identity.json"  # "_" keeps Parquet readers out
+VERSION = 1  # of an output's header (claim, manifest, footers): a newer one is refused, not misread
 # DataConfig fields that decide which rows a shard yields and what pixels they see; the others say how
 # reading runs (block sizes, concurrency, credentials, the bad-sample budget) and change no output.
 PREPROCESSING_IDENTITY = (
@@ -107,7 +108,19 @@ def read(out: storage.Location | str) -> dict[str, Any] | None:
         raise ValueError(f"{uri} is not valid JSON ({e}); pass --overwrite to start this output anew") from e
     if not isinstance(claim, dict):
         raise ValueError(f"{uri} is not a vitray embedding claim; choose another --out")
+    check_version(claim, uri)
     return claim
+
+
+def check_version(header: dict[str, Any], where: object) -> None:
+    """A one-line ValueError naming ``where`` when a header saved there is of a newer version than this
+    vitray reads: its fields may mean what this one would not check."""
+    version = header.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version > VERSION:
+        raise ValueError(
+            f"{where} is version {version!r} of the embedding output, newer than this vitray reads "
+            f"({VERSION}); update vitray"
+        )
 
 
 def claim(out: storage.Location | str, header: dict[str, Any], run_id: str, *, replace: bool) -> None:

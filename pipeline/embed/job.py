@@ -36,6 +36,7 @@ from pipeline.data.config import DataConfig
 from pipeline.data.dataset import build_dataset, check_shards
 from pipeline.data.mixture import parse_sources
 from pipeline.data.shards import expand_shards
+from pipeline.embed import identity
 from pipeline.embed.actor import Embedder, actor_memory, embedding_dim
 from pipeline.embed.config import DEFAULT_LABEL_KEY, EmbedConfig
 from pipeline.embed.devices import compute_identity
@@ -170,7 +171,7 @@ def prepare(config: EmbedConfig) -> EmbedPlan:
     check_shards(shards, data_config)
     header = {  # through JSON and back, so that it compares equal to one read from a manifest
         "format": FORMAT,
-        "version": 1,
+        "version": identity.VERSION,
         "model": {"name": source.config.name, "config": source.config.to_dict()},
         "weights": {"sha256": source.sha256, "source": source.kind, "path": source.path},
         "embedding": config.embedding,

@@ -194,6 +194,7 @@ class EmbeddingOutput:
             ) from e
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise ValueError(f"{uri} is not a vitray embedding manifest; choose another --out")
+        identity.check_version(manifest, uri)
         return manifest
 
     def plan(self, shards: list[str], *, overwrite: bool) -> OutputPlan:

@@ -77,6 +77,8 @@ def output_files(
             raise ValueError(
                 f"{storage.join(uri, MANIFEST)} is not valid JSON ({e}); re-run jobs/embed.py"
             ) from e
+        if isinstance(manifest, dict):
+            identity.check_version(manifest, storage.join(uri, MANIFEST))
         files = sorted(record["file"] for record in (manifest.get("shards") or {}).values())
         missing = [f for f in files if f not in names]
         if missing:

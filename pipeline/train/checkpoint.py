@@ -139,6 +139,7 @@ def check_compatible(
             f"{directory} is not a vitray checkpoint (no {CONFIG}); pass a checkpoint_* directory"
         )
     saved_all = json.loads(path.read_text())
+    check_saved_config(saved_all, path)
     saved = saved_all.get("model_config", {})
     mine = model_config.to_dict()
     keys = (*vit.ARCHITECTURE_FIELDS, "num_heads", "num_classes")
@@ -174,6 +175,27 @@ def check_compatible(
             f"{layer_decay:g} ({'one parameter group per layer' if layer_decay != 1 else 'no per-layer groups'}"
             f"); resume with --layer-decay {saved_decay:g}, or use a fresh --out"
         )
+
+
+def check_saved_config(saved: dict[str, Any], path: Path | str) -> None:
+    """A one-line `CheckpointRefusedError` naming ``path`` and the field when the run's settings saved in a
+    checkpoint's config.json do not read here (a newer vitray's version, a field unknown here): resuming
+    would drop or misread them with no word."""
+    from pipeline.data.config import DataConfig
+    from pipeline.train.config import TrainConfig
+
+    for section, cls in (("train", TrainConfig), ("data", DataConfig)):
+        if section not in saved:
+            continue
+        try:
+            if not isinstance(saved[section], dict):
+                raise ValueError(f"it is a {type(saved[section]).__name__}, not a JSON object of settings")
+            cls.from_dict(saved[section])
+        except (TypeError, ValueError) as e:
+            raise CheckpointRefusedError(
+                f"{path}: its {section} settings do not read: {e}; resume with the vitray that wrote it, or "
+                "use a fresh --out"
+            ) from e
 
 
 def load(

@@ -142,8 +142,10 @@ class TrainConfig:
 
 def worker_config(loop_config: dict[str, Any]) -> TrainConfig:
     """The run's config on a worker, as the driver resolved it (`pipeline.train.driver.fit`'s loop config):
-    the saved form with the real storage options, which come inside the run directory's Location (the
-    saved form redacts secrets); without one, as saved."""
+    the saved form with the real storage options and URLs, which come inside the run directory's and the
+    weights' Locations (the saved form holds no credential); without them, as saved."""
     config = TrainConfig.from_dict(loop_config["train"])
-    out = loop_config.get("out")
-    return config if out is None else config.replace(storage_options=dict(out.options) or None)
+    out, weights = loop_config.get("out"), loop_config.get("weights")
+    if weights is not None:
+        config = config.replace(weights=weights.url)
+    return config if out is None else config.replace(storage_options=dict(out.options) or None, out=out.url)

@@ -10,8 +10,9 @@ with the same `--out` resumes from the latest checkpoint there (Ray Train keeps 
 reported checkpoints in the run directory).
 
 The config the workers get is the saved form (`TrainConfig.to_dict`), which Ray Train also records for
-its dashboard, secrets redacted; the real storage options travel beside it inside the run directory's
-`Location` (whose text shows no option's value), and `pipeline.train.config.worker_config` puts them back.
+its dashboard, with no credential (storage options as names, URLs without userinfo or query string); the
+real storage options and URLs travel beside it inside `Location`s (whose text shows neither), and
+`pipeline.train.config.worker_config` puts them back.
 """
 
 from __future__ import annotations
@@ -232,8 +233,11 @@ def fit(
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "train": config.to_dict(),  # secrets redacted: Ray Train records this
-            "out": config.run_dir,  # the storage options, whole (`pipeline.train.config.worker_config`)
+            "train": config.to_dict(),  # no credential: Ray Train records this
+            # The storage options and the URLs whole (`pipeline.train.config.worker_config`), in Locations,
+            # whose text shows neither.
+            "out": config.run_dir,
+            **({"weights": config.location(config.arch.weights)} if config.arch.weights else {}),
             "shards": shards,
             **({"sources": sources} if sources else {}),
             "eval_shards": list(eval_shards or []),

@@ -105,11 +105,8 @@ def test_config_round_trips_and_redacts_secrets():
         storage_options={"key": "AKIA", "secret": "s3cr3t", "client_kwargs": {"endpoint_url": "http://x"}},
     )
     saved = json.loads(json.dumps(config.to_dict()))
-    assert saved["storage_options"] == {
-        "key": "***",
-        "secret": "***",
-        "client_kwargs": {"endpoint_url": "http://x"},
-    }
+    # The names of the options set, no value (a header or a connection string under any name is one).
+    assert saved["storage_options"] == {"key": "***", "secret": "***", "client_kwargs": "***"}
     again = DataConfig.from_dict(saved, storage_options=config.storage_options)
     assert again == config
     assert DataConfig.from_dict(saved).storage_options is None  # redacted values are never used

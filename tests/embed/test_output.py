@@ -22,6 +22,7 @@ from pipeline.embed.config import EmbedConfig
 from pipeline.embed.identity import CLAIM, OutputClaimedError
 from pipeline.embed.job import prepare, run
 from pipeline.embed.output import (
+    FORMAT,
     MANIFEST,
     RECORDS,
     EmbeddingOutput,
@@ -359,3 +360,22 @@ def test_two_runs_of_other_weights_into_one_fresh_out_leave_one_model(
     assert snapshot(out) == before  # the run that lost the claim left nothing
     loaded = load_embeddings(str(out))  # what jobs/evaluate.py scores: one model's rows
     assert loaded.weights_sha256 == plans[0].source.sha256 and sorted(loaded.keys) == synthetic_shards.keys
+
+
+def test_an_output_of_a_newer_version_is_refused_by_every_reader_in_one_line(tmp_path):
+    """A claim or manifest from a newer vitray may hold fields this one would not check: refused, naming
+    the file, where it was resumed into or read before."""
+    from pipeline.embed import identity
+    from pipeline.evaluate.embeddings import output_files
+
+    newer = {"format": FORMAT, "version": 99, "shards": {}}
+    (tmp_path / MANIFEST).write_text(json.dumps(newer))
+    with pytest.raises(ValueError, match=rf"^{tmp_path / MANIFEST} is version 99 of the embedding output"):
+        EmbeddingOutput(str(tmp_path), {}).read_manifest()
+    with pytest.raises(
+        ValueError, match=r"is version 99 of the embedding output, newer than this vitray reads"
+    ):
+        output_files(str(tmp_path))
+    (tmp_path / CLAIM).write_text(json.dumps(newer))
+    with pytest.raises(ValueError, match=rf"^{tmp_path / CLAIM} is version 99"):
+        identity.read(tmp_path)
