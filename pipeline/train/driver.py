@@ -288,6 +288,8 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     )
     if metrics:
         finished = f"finished at step {metrics['step']}: loss {metrics['loss']:.4f}{scores}"
+        if metrics.get("run_images_per_s"):  # every second of the attempt, its log lines and saves too
+            finished += f"; {metrics['run_images_per_s']:,.0f} images/s over the run"
     else:  # resumed at the schedule's end (run again after it finished, or killed after its last checkpoint)
         step = (summary.get("resumed_from") or {}).get("step")
         finished = f"finished at step {step}: resumed at the end of the schedule, nothing left to train"

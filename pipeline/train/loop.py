@@ -325,6 +325,7 @@ class Trainer:
             flops_per_image=self.flops_per_image,
             peak_tflops=self.peak_tflops,
             has_accuracy=self.objective.has_accuracy,
+            full_collect=save,
         )
         if eval_accuracy is not None:
             metrics["eval_accuracy"] = eval_accuracy
@@ -342,8 +343,9 @@ class Trainer:
             self.log.append(metrics, flush=save)
         stacks.mark(self.state.step)
         self.last_metrics = metrics
-        # A new window, started after any checkpoint so that saving does not count as training time.
-        self.window = MetricsWindow(self.device)
+        # The next window starts where this one's reduce ended: a checkpoint's save falls in the next
+        # window (and in this row's checkpoint_stall_s), so every second of the run is in one window.
+        self.window = self.window.following()
 
     def save_checkpoint(self, metrics: dict[str, Any]) -> None:
         """Collective: every rank saves its shards and hands them to Ray Train with the metrics

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,14 +30,33 @@ def log_line(line: str) -> None:
     sys.stdout.flush()
 
 
+@dataclass
+class RunTotals:
+    """What the windows of one attempt share: when its first window began, the images stepped over
+    since (all ranks), and whether the collector has frozen the objects of the warm-up."""
+
+    start: float
+    images: float = 0.0
+    frozen: bool = False
+
+
 class MetricsWindow:
     """Sums over the steps since the last log line, on every rank.
 
     Loss and top-1 hits stay on the device, so adding a step never waits for the GPU; only
-    `reduce`, when a log line is due, reads them back.
+    `reduce`, when a log line is due, reads them back. Windows are cut at that read, after the
+    all-reduce has waited for the device, and the next one (`following`) begins at the same instant:
+    every second of the run is in exactly one window, the device's backlog at a log line and a
+    checkpoint's save included, and a window shows what the device did in it, not what the host
+    queued.
+
+    Python's collector runs at log lines only (`collect_garbage`): the first window turns its
+    automatic collections off (a full collection of a large heap holds the interpreter lock for a
+    second or more, whenever allocation counts say, in the middle of a step), and each log line's
+    collection is timed into the window and reported as ``gc_s``.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, totals: RunTotals | None = None):
         self.device = device
         self.loss = torch.zeros((), dtype=torch.float64, device=device)  # summed per-sample loss
         self.correct = torch.zeros((), dtype=torch.float64, device=device)
@@ -43,7 +64,20 @@ class MetricsWindow:
         # Samples of the steps not skipped: what loss and accuracy average over.
         self.scored = torch.zeros((), dtype=torch.float64, device=device)
         self.data_wait = 0.0  # seconds spent waiting for the next step's batches
-        self.start = time.perf_counter()
+        first = totals is None
+        if totals is None:
+            gc.disable()
+            totals = RunTotals(start=time.perf_counter())
+        self.totals = totals
+        self.start = totals.start if first else time.perf_counter()
+        self.end: float | None = None  # set by `reduce`, after the wait for the device
+
+    def following(self) -> MetricsWindow:
+        """The next window, from the instant this one ended (`reduce`)."""
+        window = MetricsWindow(self.device, self.totals)
+        if self.end is not None:
+            window.start = self.end
+        return window
 
     def add_step(
         self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int, skipped: torch.Tensor
@@ -68,21 +102,28 @@ class MetricsWindow:
         flops_per_image: float,
         peak_tflops: float | None,
         has_accuracy: bool = True,
+        full_collect: bool = False,
     ) -> dict[str, Any]:
-        """Collective: this window's metrics over all ranks, one `metrics.jsonl` row.
+        """Collective: this window's metrics over all ranks, one `metrics.jsonl` row; the window ends here.
 
         `samples_seen` and `bad_samples` are this rank's run totals; `grad_norm` and `skipped_steps`
         (the run's total) are the same on every rank. Without `has_accuracy` (an objective with no
-        classes, MAE) ``accuracy`` is None.
+        classes, MAE) ``accuracy`` is None. ``full_collect``: a full collection (at checkpoints), not
+        only of the young generations. ``run_images_per_s`` is the attempt's rate so far, every window.
         """
         world = dist.get_world_size()
-        elapsed = time.perf_counter() - self.start
+        gc_s = collect_garbage(self.totals, full=full_collect)
         host = torch.tensor(
-            [self.count, self.data_wait, samples_seen, bad_samples], dtype=torch.float64, device=self.device
+            [self.count, self.data_wait, samples_seen, bad_samples, gc_s],
+            dtype=torch.float64,
+            device=self.device,
         )
         sums = torch.cat([torch.stack([self.loss, self.correct, self.scored]), host])
         dist.all_reduce(sums)
-        loss, correct, scored, count, wait, seen, n_bad = sums.tolist()
+        loss, correct, scored, count, wait, seen, n_bad, gc_sum = sums.tolist()  # waits for the device
+        self.end = time.perf_counter()  # the window's end, and the next one's start
+        elapsed = self.end - self.start
+        self.totals.images += count
         memory = torch.tensor([_memory_gib(self.device)], dtype=torch.float64, device=self.device)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         images_per_s = count / elapsed
@@ -101,7 +142,21 @@ class MetricsWindow:
             "bad_samples": int(n_bad),
             "skipped_steps": skipped_steps,
             "memory_gib": memory.item(),
+            "gc_s": gc_sum / world,  # the ranks' mean
+            "run_images_per_s": self.totals.images / (self.end - self.totals.start),
         }
+
+
+def collect_garbage(totals: RunTotals, *, full: bool) -> float:
+    """A log line's collection (young generations, or ``full``), in seconds. After the first window
+    (the warm-up: model, optimizer, compiled code, the pipeline's first objects), what is left is
+    frozen (`gc.freeze`): later collections never walk it again."""
+    started = time.perf_counter()
+    gc.collect() if full or not totals.frozen else gc.collect(1)
+    if not totals.frozen:
+        gc.freeze()
+        totals.frozen = True
+    return time.perf_counter() - started
 
 
 class SkippedSteps:
@@ -213,6 +268,8 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
     if m.get("skipped_steps"):
         parts.append(f"skipped steps {m['skipped_steps']}")
     parts.append(f"mem {m['memory_gib']:.1f} GiB")
+    if m.get("gc_s"):  # Python's collection at this log line (`collect_garbage`)
+        parts.append(f"gc {m['gc_s']:.2f} s")
     if m.get("checkpoint_stall_s") is not None:  # training's wait for this step's checkpoint
         parts.append(f"checkpoint stall {m['checkpoint_stall_s']:.2f} s")
     done = m["step"] - first_step
