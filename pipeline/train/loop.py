@@ -114,7 +114,8 @@ class Trainer:
         # ran (the run stopped) are not counted.
         self.cursor = self.resume_cursor()
         self.skipped = SkippedSteps(self.device)
-        self.log = None if self.rank else sinks.attach(MetricsLog(config.run_dir, self.state.step), config)
+        log = None if self.rank else MetricsLog(config.run_dir, self.state.step, watch=True)
+        self.log = None if log is None else sinks.attach(log, config)
         self.saved_config = {
             "train": config.to_dict(),
             "model_config": self.model_config.to_dict(),
@@ -325,7 +326,6 @@ class Trainer:
             flops_per_image=self.flops_per_image,
             peak_tflops=self.peak_tflops,
             has_accuracy=self.objective.has_accuracy,
-            full_collect=save,
         )
         if eval_accuracy is not None:
             metrics["eval_accuracy"] = eval_accuracy
@@ -343,8 +343,7 @@ class Trainer:
             self.log.append(metrics, flush=save)
         stacks.mark(self.state.step)
         self.last_metrics = metrics
-        # The next window starts where this one's reduce ended: a checkpoint's save falls in the next
-        # window (and in this row's checkpoint_stall_s), so every second of the run is in one window.
+        # From where this one ended: every second is in one window, a checkpoint's save in the next.
         self.window = self.window.following()
 
     def save_checkpoint(self, metrics: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import resource
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import storage
+from pipeline.train import stacks
 from pipeline.train.mfu import mfu
 
 if TYPE_CHECKING:
@@ -102,17 +104,15 @@ class MetricsWindow:
         flops_per_image: float,
         peak_tflops: float | None,
         has_accuracy: bool = True,
-        full_collect: bool = False,
     ) -> dict[str, Any]:
         """Collective: this window's metrics over all ranks, one `metrics.jsonl` row; the window ends here.
 
         `samples_seen` and `bad_samples` are this rank's run totals; `grad_norm` and `skipped_steps`
         (the run's total) are the same on every rank. Without `has_accuracy` (an objective with no
-        classes, MAE) ``accuracy`` is None. ``full_collect``: a full collection (at checkpoints), not
-        only of the young generations. ``run_images_per_s`` is the attempt's rate so far, every window.
+        classes, MAE) ``accuracy`` is None. ``run_images_per_s`` is the attempt's rate so far, every window.
         """
         world = dist.get_world_size()
-        gc_s = collect_garbage(self.totals, full=full_collect)
+        gc_s = collect_garbage(self.totals)
         host = torch.tensor(
             [self.count, self.data_wait, samples_seen, bad_samples, gc_s],
             dtype=torch.float64,
@@ -147,12 +147,14 @@ class MetricsWindow:
         }
 
 
-def collect_garbage(totals: RunTotals, *, full: bool) -> float:
-    """A log line's collection (young generations, or ``full``), in seconds. After the first window
-    (the warm-up: model, optimizer, compiled code, the pipeline's first objects), what is left is
-    frozen (`gc.freeze`): later collections never walk it again."""
+def collect_garbage(totals: RunTotals) -> float:
+    """A log line's collection of the young generations, in seconds. At the first log line, after the
+    warm-up (model, optimizer, compiled code, the pipeline's first objects), what survives it is
+    frozen (`gc.freeze`): no later collection walks it. The oldest generation is never collected (as
+    torchtitan does): a full collection walks the whole heap, which took 1 s on a 2-core machine at a
+    run's first log line (BENCHMARKS.md, "The host beside a device-shaped step")."""
     started = time.perf_counter()
-    gc.collect() if full or not totals.frozen else gc.collect(1)
+    gc.collect(1)
     if not totals.frozen:
         gc.freeze()
         totals.frozen = True
@@ -217,8 +219,13 @@ class MetricsLog:
     its append after the save writes nothing more there.
     """
 
-    def __init__(self, run_dir: storage.Location | str, resume_step: int = 0):
+    def __init__(self, run_dir: storage.Location | str, resume_step: int = 0, *, watch: bool = False):
         self.uri = storage.as_location(run_dir).join(METRICS_FILE)
+        # With ``watch`` (rank 0's log, built on the training thread): that thread sampled, so that a
+        # window more than `SLOW` under the run's median says in one line where the thread was.
+        self.watch = stacks.Watch() if watch else None
+        self.rates: list[float] = []  # images_per_s of this attempt's windows after its first
+        self.windows = 0
         self.rows: list[dict[str, Any]] = []
         if resume_step and storage.exists(self.uri):
             lines = storage.read_text(self.uri).splitlines()
@@ -231,6 +238,11 @@ class MetricsLog:
         it is in storage already: written ahead of its save, where what the save added to it since (its
         ``checkpoint_stall_s``) waits for the next flush."""
         self.rows.append(row)
+        if self.watch is not None:
+            window, self.windows = self.watch.take(), self.windows + 1
+            note = slow_window(row, self.rates, window) if self.windows > 1 else ""  # not the start
+            if note:
+                log_line(note)
         stored, self.stored_ahead = row is self.stored_ahead, None
         if self.uri.is_local or (flush and not stored):
             self.flush()
@@ -245,6 +257,24 @@ class MetricsLog:
     def row(self, step: int) -> dict[str, Any]:
         """The row logged at `step`, or {}."""
         return next((r for r in reversed(self.rows) if r["step"] == step), {})
+
+
+SLOW = 0.15  # a window this far under the run's median says what the training thread was doing
+
+
+def slow_window(row: dict[str, Any], rates: list[float], window: stacks.Window) -> str:
+    """One line for a window more than `SLOW` under the median of ``rates`` (the earlier windows
+    after the first; this row's rate is added to them), saying where the training thread was
+    (`pipeline.train.stacks.summary`); "" for the others."""
+    rate = row.get("images_per_s") or 0.0
+    median = statistics.median(rates) if rates else rate
+    rates.append(rate)
+    if rate >= (1 - SLOW) * median:
+        return ""
+    return (
+        f"step {row['step']}: {rate:,.0f} img/s, {100 * (1 - rate / median):.0f}% under the run's median "
+        f"({median:,.0f}); the training thread: {stacks.summary(window)}"
+    )
 
 
 def format_line(m: dict[str, Any], last_step: int, started: float, first_step: int) -> str:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+from pipeline.train import stacks
 from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, plot_training_curve
 
 
@@ -147,4 +148,29 @@ def test_the_collector_runs_at_log_lines_only_and_its_time_is_reported(world, co
     assert gc.get_freeze_count() > frozen_before  # the warm-up's objects, never walked again
     later = window.following()
     assert not gc.isenabled()
-    assert window_row(later, 2, full_collect=True)["gc_s"] > 0
+    assert window_row(later, 2)["gc_s"] > 0
+
+
+def test_a_window_well_under_the_runs_median_says_where_the_training_thread_was(tmp_path, capsys):
+    log = MetricsLog(str(tmp_path), watch=True)
+
+    def waiting_for_something_slow():
+        time.sleep(0.6)
+
+    for step, rate in ((10, 20.0), (20, 100.0), (30, 100.0), (40, 90.0)):  # the first: the start
+        log.append({**row(step), "images_per_s": rate}, flush=False)
+    assert capsys.readouterr().out == ""  # 10% under: no line; the first window is not compared
+    waiting_for_something_slow()
+    log.append({**row(50), "images_per_s": 80.0}, flush=False)
+    line = capsys.readouterr().out
+    assert line.startswith(
+        "step 50: 80 img/s, 20% under the run's median (100); the training thread: other 100%"
+    )
+    assert "test_metrics.py:waiting_for_something_slow" in line
+
+
+def test_the_summary_of_a_window_gives_each_parts_share():
+    window = stacks.Window(None, 0.0)
+    window.parts.update({"data wait": 8, "step": 1, "other": 1})
+    window.other["gc.py:collect"] = 1
+    assert stacks.summary(window) == "data wait 80%, step 10%, other 10% (other: gc.py:collect 1)"
