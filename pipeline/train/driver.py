@@ -21,6 +21,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,9 +216,11 @@ def fit(
     shards: list[str],
     eval_shards: list[str] | None = None,
     sources: list[dict[str, Any]] | None = None,
+    worker_loop: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) training on the connected Ray cluster; `eval_shards` (fine-tuning) are
     evaluated every ``eval_every`` steps and at the end; ``sources`` (`prepare_data`) are mixed by weight.
+    ``worker_loop`` replaces `train_loop_per_worker` (`jobs/benchmark.py host`: its step a wait).
 
     Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts).
     """
@@ -228,7 +231,7 @@ def fit(
 
     storage_path, name, filesystem = ray_storage(config.run_dir)
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        worker_loop or train_loop_per_worker,
         train_loop_config={
             "train": config.to_dict(),  # secrets redacted: Ray Train records this
             "out": config.run_dir,  # the storage options, whole (`pipeline.train.config.worker_config`)
