@@ -53,15 +53,22 @@ def mark(step: int) -> None:
 def _sample(target: int, out) -> None:
     while True:
         time.sleep(INTERVAL_S)
-        frame = thread_frame(target)
-        if frame is None:  # the training thread has ended
+        names = innermost_frames(target)
+        if names is None:  # the training thread has ended
             return
-        names = []
-        while frame is not None and len(names) < DEPTH:
-            code = frame.f_code
-            names.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
-            frame = frame.f_back
         out.write(f"{time.time():.4f}\t" + " < ".join(names) + "\n")
+
+
+def innermost_frames(target: int) -> list[str] | None:
+    """Thread ``target``'s `DEPTH` innermost frames (``file.py:function``), or None once it has ended."""
+    frame = thread_frame(target)
+    if frame is None:
+        return None
+    names = []
+    while frame is not None and len(names) < DEPTH:
+        names.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}")
+        frame = frame.f_back
+    return names
 
 
 PARTS = (  # the first part whose frame is on a sample's stack names it
@@ -107,13 +114,9 @@ class Watch:
     def _run(self, target: int) -> None:
         while True:
             time.sleep(self.interval)
-            frame = thread_frame(target)
-            if frame is None:  # the training thread has ended
+            names = innermost_frames(target)
+            if names is None:  # the training thread has ended
                 return
-            names = []
-            while frame is not None and len(names) < DEPTH:
-                names.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}")
-                frame = frame.f_back
             part = part_of(names)
             with self._lock:
                 self.window.parts[part] += 1
