@@ -7,6 +7,7 @@
     python jobs/benchmark.py index [--json PATH] ...   HNSW / IVF-PQ vs exact search: build, memory, recall
     python jobs/benchmark.py checkpoint [--json PATH] ...   training stall per checkpoint: sync vs async saves
     python jobs/benchmark.py position [--json PATH] ...   host time a step of the data position: one source vs mixed
+    python jobs/benchmark.py host [--json PATH] ...   the real job's host work beside a device-shaped step (CPU)
 
 `python jobs/benchmark.py NAME --help` lists a benchmark's options. Each prints a table and, with
 `--json PATH`, writes the same figures as JSON. Results and the machines they came from: BENCHMARKS.md.
@@ -31,6 +32,7 @@ COMMANDS = {
     "index": "approximate indexes (HNSW, IVF-PQ) vs exact search: build time, memory, recall@10, latency",
     "checkpoint": "the training stall per checkpoint: synchronous vs asynchronous saves (pretraining runs)",
     "position": "the host time a step of the data position: one source vs sources mixed by weight",
+    "host": "the real training job with its step a device-shaped wait: steps/s against the ideal, host ms",
 }
 
 

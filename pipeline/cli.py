@@ -41,7 +41,12 @@ EXIT_RUN_FAILED = 1  # the run started, then stopped on an error
 # Ray Train's controller polls its workers every 2 s by default, and a run waits on that poll at its
 # start, at each report and at its end; on a local Ray a short poll costs nothing that matters
 # (BENCHMARKS.md, "Local Ray").
-LOCAL_RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+# Ray starts its workers (training workers, decode tasks, model actors) at niceness 15 by default, so
+# that its daemons stay responsive: on a machine shared with other work that leaves a job a few percent
+# of the CPU that an ordinary process beside it gets (a task that takes 0.1 s alone took 10x as long
+# beside two busy shell loops; BENCHMARKS.md, "The host beside a device-shaped step"). A local Ray
+# is the user's own job: its workers run at the niceness of the command that started it.
+LOCAL_RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "RAY_worker_niceness": "0"}
 
 
 def apply_local_ray_env() -> None:

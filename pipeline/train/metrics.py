@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from pipeline import storage
+from pipeline.train import stacks
 from pipeline.train.mfu import mfu
 
 if TYPE_CHECKING:
@@ -28,14 +32,33 @@ def log_line(line: str) -> None:
     sys.stdout.flush()
 
 
+@dataclass
+class RunTotals:
+    """What the windows of one attempt share: when its first window began, the images stepped over
+    since (all ranks), and whether the collector has frozen the objects of the warm-up."""
+
+    start: float
+    images: float = 0.0
+    frozen: bool = False
+
+
 class MetricsWindow:
     """Sums over the steps since the last log line, on every rank.
 
     Loss and top-1 hits stay on the device, so adding a step never waits for the GPU; only
-    `reduce`, when a log line is due, reads them back.
+    `reduce`, when a log line is due, reads them back. Windows are cut at that read, after the
+    all-reduce has waited for the device, and the next one (`following`) begins at the same instant:
+    every second of the run is in exactly one window, the device's backlog at a log line and a
+    checkpoint's save included, and a window shows what the device did in it, not what the host
+    queued.
+
+    Python's collector runs at log lines only (`collect_garbage`): the first window turns its
+    automatic collections off (a full collection of a large heap holds the interpreter lock for a
+    second or more, whenever allocation counts say, in the middle of a step), and each log line's
+    collection is timed into the window and reported as ``gc_s``.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, totals: RunTotals | None = None):
         self.device = device
         self.loss = torch.zeros((), dtype=torch.float64, device=device)  # summed per-sample loss
         self.correct = torch.zeros((), dtype=torch.float64, device=device)
@@ -43,7 +66,20 @@ class MetricsWindow:
         # Samples of the steps not skipped: what loss and accuracy average over.
         self.scored = torch.zeros((), dtype=torch.float64, device=device)
         self.data_wait = 0.0  # seconds spent waiting for the next step's batches
-        self.start = time.perf_counter()
+        first = totals is None
+        if totals is None:
+            gc.disable()
+            totals = RunTotals(start=time.perf_counter())
+        self.totals = totals
+        self.start = totals.start if first else time.perf_counter()
+        self.end: float | None = None  # set by `reduce`, after the wait for the device
+
+    def following(self) -> MetricsWindow:
+        """The next window, from the instant this one ended (`reduce`)."""
+        window = MetricsWindow(self.device, self.totals)
+        if self.end is not None:
+            window.start = self.end
+        return window
 
     def add_step(
         self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int, skipped: torch.Tensor
@@ -69,20 +105,25 @@ class MetricsWindow:
         peak_tflops: float | None,
         has_accuracy: bool = True,
     ) -> dict[str, Any]:
-        """Collective: this window's metrics over all ranks, one `metrics.jsonl` row.
+        """Collective: this window's metrics over all ranks, one `metrics.jsonl` row; the window ends here.
 
         `samples_seen` and `bad_samples` are this rank's run totals; `grad_norm` and `skipped_steps`
         (the run's total) are the same on every rank. Without `has_accuracy` (an objective with no
-        classes, MAE) ``accuracy`` is None.
+        classes, MAE) ``accuracy`` is None. ``run_images_per_s`` is the attempt's rate so far, every window.
         """
         world = dist.get_world_size()
-        elapsed = time.perf_counter() - self.start
+        gc_s = collect_garbage(self.totals)
         host = torch.tensor(
-            [self.count, self.data_wait, samples_seen, bad_samples], dtype=torch.float64, device=self.device
+            [self.count, self.data_wait, samples_seen, bad_samples, gc_s],
+            dtype=torch.float64,
+            device=self.device,
         )
         sums = torch.cat([torch.stack([self.loss, self.correct, self.scored]), host])
         dist.all_reduce(sums)
-        loss, correct, scored, count, wait, seen, n_bad = sums.tolist()
+        loss, correct, scored, count, wait, seen, n_bad, gc_sum = sums.tolist()  # waits for the device
+        self.end = time.perf_counter()  # the window's end, and the next one's start
+        elapsed = self.end - self.start
+        self.totals.images += count
         memory = torch.tensor([_memory_gib(self.device)], dtype=torch.float64, device=self.device)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         images_per_s = count / elapsed
@@ -101,7 +142,23 @@ class MetricsWindow:
             "bad_samples": int(n_bad),
             "skipped_steps": skipped_steps,
             "memory_gib": memory.item(),
+            "gc_s": gc_sum / world,  # the ranks' mean
+            "run_images_per_s": self.totals.images / (self.end - self.totals.start),
         }
+
+
+def collect_garbage(totals: RunTotals) -> float:
+    """A log line's collection of the young generations, in seconds. At the first log line, after the
+    warm-up (model, optimizer, compiled code, the pipeline's first objects), what survives it is
+    frozen (`gc.freeze`): no later collection walks it. The oldest generation is never collected (as
+    torchtitan does): a full collection walks the whole heap, which took 1 s on a 2-core machine at a
+    run's first log line (BENCHMARKS.md, "The host beside a device-shaped step")."""
+    started = time.perf_counter()
+    gc.collect(1)
+    if not totals.frozen:
+        gc.freeze()
+        totals.frozen = True
+    return time.perf_counter() - started
 
 
 class SkippedSteps:
@@ -162,8 +219,13 @@ class MetricsLog:
     its append after the save writes nothing more there.
     """
 
-    def __init__(self, run_dir: storage.Location | str, resume_step: int = 0):
+    def __init__(self, run_dir: storage.Location | str, resume_step: int = 0, *, watch: bool = False):
         self.uri = storage.as_location(run_dir).join(METRICS_FILE)
+        # With ``watch`` (rank 0's log, built on the training thread): that thread sampled, so that a
+        # window more than `SLOW` under the run's median says in one line where the thread was.
+        self.watch = stacks.Watch() if watch else None
+        self.rates: list[float] = []  # images_per_s of this attempt's windows after its first
+        self.windows = 0
         self.rows: list[dict[str, Any]] = []
         if resume_step and storage.exists(self.uri):
             lines = storage.read_text(self.uri).splitlines()
@@ -176,6 +238,11 @@ class MetricsLog:
         it is in storage already: written ahead of its save, where what the save added to it since (its
         ``checkpoint_stall_s``) waits for the next flush."""
         self.rows.append(row)
+        if self.watch is not None:
+            window, self.windows = self.watch.take(), self.windows + 1
+            note = slow_window(row, self.rates, window) if self.windows > 1 else ""  # not the start
+            if note:
+                log_line(note)
         stored, self.stored_ahead = row is self.stored_ahead, None
         if self.uri.is_local or (flush and not stored):
             self.flush()
@@ -190,6 +257,24 @@ class MetricsLog:
     def row(self, step: int) -> dict[str, Any]:
         """The row logged at `step`, or {}."""
         return next((r for r in reversed(self.rows) if r["step"] == step), {})
+
+
+SLOW = 0.15  # a window this far under the run's median says what the training thread was doing
+
+
+def slow_window(row: dict[str, Any], rates: list[float], window: stacks.Window) -> str:
+    """One line for a window more than `SLOW` under the median of ``rates`` (the earlier windows
+    after the first; this row's rate is added to them), saying where the training thread was
+    (`pipeline.train.stacks.summary`); "" for the others."""
+    rate = row.get("images_per_s") or 0.0
+    median = statistics.median(rates) if rates else rate
+    rates.append(rate)
+    if rate >= (1 - SLOW) * median:
+        return ""
+    return (
+        f"step {row['step']}: {rate:,.0f} img/s, {100 * (1 - rate / median):.0f}% under the run's median "
+        f"({median:,.0f}); the training thread: {stacks.summary(window)}"
+    )
 
 
 def format_line(m: dict[str, Any], last_step: int, started: float, first_step: int) -> str:
@@ -213,6 +298,8 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
     if m.get("skipped_steps"):
         parts.append(f"skipped steps {m['skipped_steps']}")
     parts.append(f"mem {m['memory_gib']:.1f} GiB")
+    if m.get("gc_s"):  # Python's collection at this log line (`collect_garbage`)
+        parts.append(f"gc {m['gc_s']:.2f} s")
     if m.get("checkpoint_stall_s") is not None:  # training's wait for this step's checkpoint
         parts.append(f"checkpoint stall {m['checkpoint_stall_s']:.2f} s")
     done = m["step"] - first_step

@@ -279,3 +279,34 @@ def test_position_times_one_source_against_mixed_sources(tmp_path, capsys):
     assert [(r["micro_batch"], r["accum"]) for r in figures["rows"]] == [(16, 4), (64, 4), (256, 1), (256, 4)]
     assert all(r["single_us"] > 0 and r["mixed_us"] > 0 for r in figures["rows"])
     assert figures["shards"] == 40 and "data position, host time a step" in capsys.readouterr().out
+
+
+def test_train_steps_at_the_jobs_accumulation(tmp_path):
+    """`--accum 2`: a step is two micro-batches and one update, as the job's `--batch-size 2 x micro`;
+    its images/s counts both (gpu.sh's b16-step against job-b16 at the same batch)."""
+    result = benchmark(
+        "train", *TINY, "--micro-batch-size", "2", "--accum", "2", "--configs", "eager", "--warmup", "1",
+        "--iters", "2", "--json", str(tmp_path / "t.json"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads((tmp_path / "t.json").read_text())
+    (only,) = figures["results"]
+    assert figures["accum"] == 2 and "2 images/device x 2 micro-batches a step" in result.stdout
+    assert only["images_per_s"] == pytest.approx(4 / (only["step_ms"] / 1000))
+
+
+def test_host_windows_count_steps_against_the_ideal_and_the_host_time_outside_the_wait():
+    window_rows = load_job("benchmarks/host").window_rows
+
+    # (step, host seconds before its 50 ms wait, when the wait ended): steps 1-4 keep up with 5 ms of
+    # host each; step 6 waited 1 s (a stall) outside its wait.
+    steps, now = [], 100.0
+    for step in range(1, 9):
+        host = 1.0 if step == 6 else 0.005
+        now += host + 0.05
+        steps.append((step, host, now))
+    first, second = window_rows(steps, log_every=4, step_ms=50)
+    assert second["steps"] == "5-8" and first["steps"] == "1-4"
+    assert first["steps/s"] == pytest.approx(4 / 0.22) and first["of ideal"] == pytest.approx(4 / 0.22 / 20)
+    assert second["steps/s"] == pytest.approx(4 / (3 * 0.055 + 1.05))
+    assert second["host ms max"] == pytest.approx(1000) and second["host ms median"] == pytest.approx(5)

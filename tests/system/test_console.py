@@ -69,7 +69,7 @@ NOISE = re.compile(
 # One metrics.jsonl row of a supervised run, as the README lists its fields.
 METRICS_FIELDS = {
     "step", "epoch", "loss", "accuracy", "lr", "grad_norm", "images_per_s", "images_per_s_per_worker", "mfu",
-    "data_wait_share", "samples_seen", "bad_samples", "skipped_steps", "memory_gib",
+    "data_wait_share", "samples_seen", "bad_samples", "skipped_steps", "memory_gib", "gc_s", "run_images_per_s",
 }  # fmt: skip
 
 

@@ -3,6 +3,8 @@ a module that need one."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch.distributed as dist
 
@@ -16,3 +18,15 @@ def world():
     assert (rank, size) == (0, 1)
     yield device
     dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def collector_as_it_was():
+    """A run's first log window turns Python's collector off and freezes the heap
+    (`pipeline.train.metrics.MetricsWindow`): for a worker process, which ends with its run. A run in
+    this process gives them back after each test."""
+    enabled = gc.isenabled()
+    yield
+    gc.unfreeze()
+    if enabled:
+        gc.enable()

@@ -3,6 +3,8 @@ kernel makes foreach's update on FSDP2's DTensor parameters, and float8 training
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -59,6 +61,8 @@ def test_fused_adamw_on_cuda_makes_the_foreach_update(cuda_world):
 def test_a_float8_step_runs_on_hopper(cuda_world):
     if torch.cuda.get_device_capability(cuda_world) < (8, 9):
         pytest.skip("float8 needs compute capability 8.9+")
+    if importlib.util.find_spec("torchao") is None:  # the fp8 extra, as --fp8 itself says
+        pytest.skip("float8 needs torchao: pip install 'vitray[fp8]'")
     config = CONFIG.replace(use_gpu=True, fp8=True, compile=True, model_overrides={})
     step = TrainStep(build_model(config, cuda_world), config, cuda_world)
     g = torch.Generator().manual_seed(4)

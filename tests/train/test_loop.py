@@ -31,7 +31,10 @@ from tests.configs import tiny_config
 
 SHARDS = [f"mem://shard-{i}" for i in range(4)]
 SAMPLES_PER_SHARD = 9
-TIMINGS = ("images_per_s", "images_per_s_per_worker", "data_wait_share", "memory_gib", "checkpoint_stall_s")
+TIMINGS = (
+    "images_per_s", "images_per_s_per_worker", "data_wait_share", "memory_gib", "checkpoint_stall_s", "gc_s",
+    "run_images_per_s",
+)  # fmt: skip
 
 
 def config(out: Path, **changes) -> TrainConfig:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
+import pytest
+import torch
+import torch.distributed as dist
 from PIL import Image
 
-from pipeline.train.metrics import MetricsLog, format_line, plot_training_curve
+from pipeline.train import stacks
+from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, plot_training_curve
 
 
 def row(step: int, loss: float = 1.0) -> dict:
@@ -78,3 +83,94 @@ def test_a_row_stored_ahead_of_its_save_is_not_written_again_when_appended(monke
     log.append(row(6), flush=True)  # another checkpoint's row, not stored ahead: written
     stalls = [json.loads(line).get("checkpoint_stall_s") for line in writes[-1].splitlines()]
     assert len(writes) == 2 and stalls == [None, 0.5, None]
+
+
+@pytest.fixture
+def collector():
+    """Python's collector as it was, after a test whose windows turned it off and froze the heap."""
+    yield
+    gc.unfreeze()
+    gc.enable()
+
+
+def window_row(window: MetricsWindow, step: int, **kw) -> dict:
+    return window.reduce(
+        step=step, epoch=0, lr=1e-3, grad_norm=torch.zeros(()), samples_seen=0, bad_samples=0,
+        skipped_steps=0, flops_per_image=1.0, peak_tflops=None, **kw,
+    )  # fmt: skip
+
+
+def test_windows_cover_every_second_the_device_backlog_at_a_log_line_included(world, monkeypatch, collector):
+    """The all-reduce at a log line is where the host waits for the GPU's backlog: that wait belongs to
+    the window it ends (not to no window), the next window starts where it ended, and the windows'
+    seconds add up to the run's, to the end of the last log line's wait."""
+    backlog = 0.3
+    all_reduce = dist.all_reduce
+
+    def waits_for_the_device(tensor, *args, **kwargs):
+        if tensor.numel() > 1:  # the window's sums: they wait for the steps queued on the device
+            time.sleep(backlog)
+        return all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", waits_for_the_device)
+    window = MetricsWindow(world)
+    started, rows = window.start, []
+    for step in (1, 2, 3):
+        window.add_step(torch.tensor(1.0), torch.tensor(1), 100, torch.tensor(False))
+        time.sleep(0.1)  # the host's part of the window
+        rows.append(window_row(window, step))
+        waited = time.perf_counter()
+        previous, window = window, window.following()
+        assert window.start == previous.end
+    seconds = [100 / r["images_per_s"] for r in rows]
+    assert sum(seconds) == pytest.approx(waited - started, abs=0.05)
+    assert seconds[-1] >= 0.1 + backlog  # the last window holds its wait for the device
+    assert rows[-1]["run_images_per_s"] == pytest.approx(300 / sum(seconds), rel=1e-6)
+
+
+def test_the_collector_runs_at_log_lines_only_and_its_time_is_reported(world, collector):
+    gc.enable()
+    window = MetricsWindow(world)
+    assert not gc.isenabled()  # no collection in the middle of a step
+    frozen_before = gc.get_freeze_count()
+
+    class Cycle:
+        pass
+
+    for _ in range(1000):  # garbage only a collection frees
+        a, b = Cycle(), Cycle()
+        a.other, b.other = b, a
+    del a, b
+    assert gc.get_count()[0] >= 1000  # left for the log line, not collected on the way
+    row = window_row(window, 1)
+    assert row["gc_s"] > 0
+    assert gc.get_count()[0] < 1000
+    assert gc.get_freeze_count() > frozen_before  # the warm-up's objects, never walked again
+    later = window.following()
+    assert not gc.isenabled()
+    assert window_row(later, 2)["gc_s"] > 0
+
+
+def test_a_window_well_under_the_runs_median_says_where_the_training_thread_was(tmp_path, capsys):
+    log = MetricsLog(str(tmp_path), watch=True)
+
+    def waiting_for_something_slow():
+        time.sleep(0.6)
+
+    for step, rate in ((10, 20.0), (20, 100.0), (30, 100.0), (40, 90.0)):  # the first: the start
+        log.append({**row(step), "images_per_s": rate}, flush=False)
+    assert capsys.readouterr().out == ""  # 10% under: no line; the first window is not compared
+    waiting_for_something_slow()
+    log.append({**row(50), "images_per_s": 80.0}, flush=False)
+    line = capsys.readouterr().out
+    assert line.startswith(
+        "step 50: 80 img/s, 20% under the run's median (100); the training thread: other 100%"
+    )
+    assert "test_metrics.py:waiting_for_something_slow" in line
+
+
+def test_the_summary_of_a_window_gives_each_parts_share():
+    window = stacks.Window(None, 0.0)
+    window.parts.update({"data wait": 8, "step": 1, "other": 1})
+    window.other["gc.py:collect"] = 1
+    assert stacks.summary(window) == "data wait 80%, step 10%, other 10% (other: gc.py:collect 1)"

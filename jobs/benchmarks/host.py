@@ -1,0 +1,275 @@
+"""The training job's host work beside a device-shaped step: does the host keep a GPU busy?
+
+    python jobs/benchmark.py host --step-ms 50 --steps 200 --log-every 20
+
+The real job on a local Ray (the driver, Ray Train's worker loop `pipeline.train.loop`, the rank's Ray
+Data pipeline decoding synthetic JPEG shards on this machine's other cores) with one change: the
+model step is a wait of ``--step-ms`` that holds no interpreter lock, as a GPU step does for the host
+(the host queues the kernels and waits for the device; here it sleeps). A host that keeps up runs
+at the ideal 1000 / step-ms steps a second; what it loses is host work outside the wait: the next
+step's input, the loop's own bookkeeping, log lines, checkpoints, and any time the training thread
+could not get the interpreter or a core.
+
+Per log window (``--log-every`` steps; the first holds the start): achieved steps/s against the ideal,
+the host milliseconds a step outside the wait (median, p99, max), and where the training thread was
+(`pipeline.train.stacks`: the share of its samples in each part of the loop, the longest gap
+between two samples). With py-spy installed, the threads of the training process that held the
+interpreter lock over the run, by thread, from ``py-spy record --gil``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from jobs.benchmarks.report import machine, print_table, write_json
+
+STEPS_ENV = "VITRAY_DEVICE_STEP"  # "MS,DIR": the wait a step, where each step's host time is written
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python jobs/benchmark.py host", description=__doc__.split("\n")[0])
+    p.add_argument("--step-ms", type=float, default=50.0, help="the device-shaped wait of a step")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--log-every", type=int, default=20, help="steps a window (a log line each)")
+    p.add_argument("--batch-size", type=int, default=16, help="images a step")
+    p.add_argument(
+        "--micro-batch-size", type=int, default=8, help="images a micro-batch (accumulation: the rest)"
+    )
+    p.add_argument("--images", type=int, default=2048, help="synthetic images in the shards")
+    p.add_argument("--source-size", type=int, default=160, help="side of the JPEGs decoded")
+    p.add_argument("--image-size", type=int, default=64, help="side of the crop the step takes")
+    p.add_argument(
+        "--model", default="vit_ti16", help="built but never stepped (its optimizer is checkpointed)"
+    )
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2, help="logical CPUs of the local Ray")
+    p.add_argument("--no-py-spy", action="store_true", help="do not sample the GIL holder with py-spy")
+    p.add_argument("--json", help="also write the figures to this JSON file")
+    return p.parse_args(argv)
+
+
+def device_shaped_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
+    """A Ray Train worker running the real loop, its `TrainStep` replaced by `wait_step_class()`."""
+    from pipeline.train import loop
+
+    loop.TrainStep = wait_step_class()
+    return loop.train_loop_per_worker(loop_config)
+
+
+def wait_step_class() -> type:
+    """`TrainStep` with a wait in place of the model's work (imported in the worker: torch)."""
+    from pipeline.train.step import StepStats, TrainStep
+
+    class _WaitStep(TrainStep):
+        """The step's place in the loop, its optimizer (checkpoints hold it) and its stats, with a wait
+        of ``VITRAY_DEVICE_STEP``'s milliseconds in place of forward, backward and update."""
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            import torch
+
+            ms, directory = os.environ[STEPS_ENV].split(",", 1)
+            self.wait_s = float(ms) / 1000
+            self.out = open(Path(directory) / f"steps-{os.getpid()}.tsv", "a", buffering=1)  # noqa: SIM115
+            self.zero = torch.zeros((), device=self.device)
+            self.last = time.time()  # when the last wait ended
+
+        def __call__(self, step: int, micro_batches: list, global_count: int, micro_steps: int | None = None):
+            started = time.time()
+            time.sleep(self.wait_s)  # releases the interpreter lock, as a wait for the GPU does
+            ended = time.time()  # the clock of `pipeline.train.stacks` samples
+            self.out.write(f"{step + 1}\t{started - self.last:.6f}\t{ended:.6f}\n")
+            self.last = ended
+            count = sum(len(mb[0]) for mb in micro_batches)
+            return StepStats(self.zero, self.zero.long(), count, self.zero, 0.0, self.zero.bool())
+
+    return _WaitStep
+
+
+def read_steps(directory: Path) -> list[tuple[int, float, float]]:
+    """(step, host seconds before its wait, when its wait ended) of every step the workers wrote."""
+    rows = []
+    for path in directory.glob("steps-*.tsv"):
+        for line in path.read_text().splitlines():
+            step, host, ended = line.split("\t")
+            rows.append((int(step), float(host), float(ended)))
+    return sorted(rows)
+
+
+def window_rows(
+    steps: list[tuple[int, float, float]], log_every: int, step_ms: float
+) -> list[dict[str, Any]]:
+    """One row per window of ``log_every`` steps: steps/s (between the ends of the windows' last waits;
+    the first window from its first step's start), against the ideal, and the host ms a step."""
+    ideal = 1000 / step_ms
+    rows = []
+    by_step = {s: (host, ended) for s, host, ended in steps}
+    last = max(by_step, default=0)
+    for end in range(log_every, last + 1, log_every):
+        chosen = [by_step[s] for s in range(end - log_every + 1, end + 1) if s in by_step]
+        if len(chosen) < log_every:
+            continue
+        before = by_step.get(end - log_every)
+        start = before[1] if before else chosen[0][1] - step_ms / 1000 - chosen[0][0]
+        seconds = chosen[-1][1] - start
+        host_ms = sorted(1000 * h for h, _ in chosen)
+        rate = log_every / seconds
+        rows.append({
+            "steps": f"{end - log_every + 1}-{end}",
+            "steps/s": rate,
+            "of ideal": rate / ideal,
+            "host ms median": statistics.median(host_ms),
+            "host ms p99": host_ms[min(len(host_ms) - 1, round(0.99 * (len(host_ms) - 1)))],
+            "host ms max": host_ms[-1],
+        })  # fmt: skip
+    return rows
+
+
+def stack_parts(
+    tsv: Path, rows: list[dict[str, Any]], steps: list[tuple[int, float, float]], wait_s: float
+) -> None:
+    """Add each window's training-thread parts (`pipeline.train.stacks`; the wait counts as `step`) to
+    its row, and what the thread was doing in the window's slowest step outside the wait: the
+    innermost frames sampled then, most frequent first."""
+    from pipeline.train.stacks import PARTS, windows
+
+    if not tsv.is_file():
+        return
+    lines = tsv.read_text().splitlines()
+    found = {w.last_step: w for w in windows(lines) if w.last_step is not None}
+    samples = [(float(t), rest.split(" < ")) for t, _, rest in (x.partition("\t") for x in lines)]
+    by_step = {s: (host, ended) for s, host, ended in steps}
+    for row in rows:
+        first, last = (int(x) for x in row["steps"].split("-"))
+        w = found.get(last)
+        if w is None or not w.samples:
+            continue
+        parts = dict(w.parts)
+        parts["step"] = parts.get("step", 0) + w.other.get("host.py:__call__", 0)  # the wait
+        parts["other"] -= w.other.get("host.py:__call__", 0)
+        row["where"] = " ".join(f"{name} {100 * parts.get(name, 0) / w.samples:.0f}%" for name, _ in PARTS)
+        row["where"] += f" other {100 * parts['other'] / w.samples:.0f}%"
+        row["gap s"] = w.longest_gap
+        worst = max(range(first, last + 1), key=lambda s: by_step.get(s, (0.0, 0.0))[0])
+        host, ended = by_step.get(worst, (0.0, 0.0))
+        begin, end = ended - wait_s - host, ended - wait_s
+        frames = Counter(stack[0] for t, stack in samples if begin <= t <= end and stack[0] != "?")
+        top = ", ".join(f"{f} {n}" for f, n in frames.most_common(2) if not f.startswith("step "))
+        row["slowest step"] = f"{worst}: {top}"
+
+
+def gil_holders(raw: Path) -> list[dict[str, Any]]:
+    """From ``py-spy record --gil --threads --format raw``: each thread's share of the samples that
+    held the interpreter lock, and its innermost frame most often."""
+    threads: dict[str, int] = {}
+    frames: dict[str, dict[str, int]] = {}
+    for line in raw.read_text().splitlines() if raw.is_file() else []:
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        parts = stack.split(";")
+        thread = parts[0].split(" ")[-1].strip('"') if parts else "?"
+        threads[thread] = threads.get(thread, 0) + int(count)
+        inner = parts[-1].split(" (")[0] if len(parts) > 1 else "?"
+        frames.setdefault(thread, {})
+        frames[thread][inner] = frames[thread].get(inner, 0) + int(count)
+    total = sum(threads.values()) or 1
+    return [
+        {"thread": t, "GIL samples": n, "share": n / total, "top frame": max(frames[t], key=frames[t].get)}
+        for t, n in sorted(threads.items(), key=lambda kv: -kv[1])
+    ]
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    args = parse_args(argv)
+    import ray
+
+    from pipeline.cli import apply_local_ray_env
+    from pipeline.data.synthetic import write_synthetic_shards
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.driver import fit, read_metrics
+
+    scratch = Path(tempfile.mkdtemp(prefix="vitray-bench-host-"))
+    shards = write_synthetic_shards(
+        scratch / "shards", args.images, samples_per_shard=max(args.images // 8, 1),
+        image_size=args.source_size, num_classes=10,
+    )  # fmt: skip
+    record = scratch / "steps"
+    record.mkdir()
+    root = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    os.environ[STEPS_ENV] = f"{args.step_ms},{record}"
+    os.environ["VITRAY_SAMPLE_STACKS"] = str(scratch / "stacks")
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    apply_local_ray_env()
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=True)
+    config = TrainConfig().replace(
+        model=args.model, image_size=args.image_size, num_classes=10, batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size, num_workers=1, use_gpu=False, max_steps=args.steps, warmup_steps=1,
+        checkpoint_every=args.checkpoint_every, log_every=args.log_every, keep_checkpoints=1,
+        max_failures=0, shards=",".join(shards.urls), out=str(scratch / "run"),
+    )  # fmt: skip
+    spy = None if args.no_py_spy else _start_py_spy(record, scratch / "gil.txt", args)
+    started = time.perf_counter()
+    fit(config, shards.urls, worker_loop=device_shaped_worker)
+    seconds = time.perf_counter() - started
+    if spy is not None:
+        try:
+            spy.wait(timeout=30)  # it ends with the worker's process
+        except subprocess.TimeoutExpired:
+            spy.terminate()
+            spy.wait()
+    ray.shutdown()
+    steps = read_steps(record)
+    rows = window_rows(steps, args.log_every, args.step_ms)
+    stack_parts(scratch / "stacks" / "stacks-rank0.tsv", rows, steps, args.step_ms / 1000)
+    logged = {r["step"]: r for r in read_metrics(str(scratch / "run"))}
+    for row in rows:  # the log line that ends each window: its collection and checkpoint stall
+        at = logged.get(int(row["steps"].split("-")[1]), {})
+        row["gc s"], row["ckpt s"] = at.get("gc_s"), at.get("checkpoint_stall_s")
+    later = [r["of ideal"] for r in rows[1:]]
+    title = (
+        f"host beside a {args.step_ms:g} ms device-shaped step: batch {args.batch_size} "
+        f"({args.micro_batch_size} a micro-batch), {args.source_size}px JPEGs cropped to {args.image_size}px, "
+        f"{args.num_cpus} CPUs; ideal {1000 / args.step_ms:.1f} steps/s"
+    )
+    if later:
+        title += f"; windows after the first: {min(later):.1%} to {max(later):.1%} of ideal"
+    print_table(title, rows)
+    holders = gil_holders(scratch / "gil.txt")
+    if holders:
+        print_table(
+            "who held the interpreter lock in the training process (py-spy --gil, whole run)", holders
+        )
+    figures = {"config": vars(args), "rows": rows, "gil": holders, "run_s": seconds,
+               "worst_after_first": min(later) if later else None, "machine": machine()}  # fmt: skip
+    if args.json:
+        write_json(args.json, figures)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return figures
+
+
+def _start_py_spy(record: Path, out: Path, args: argparse.Namespace) -> subprocess.Popen | None:
+    """py-spy on the training worker once it has written its first step, in the background; None
+    without py-spy."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).exists():
+        print("py-spy is not installed: no GIL holders (pip install py-spy)", flush=True)
+        return None
+    script = (
+        f"while ! ls {record}/steps-*.tsv >/dev/null 2>&1; do sleep 0.2; done; "
+        f'pid=$(ls {record}/steps-*.tsv | head -1 | sed "s/.*steps-//; s/.tsv//"); '
+        f"exec {exe} record --pid $pid --gil --threads --format raw --rate 50 --nonblocking "
+        f"--output {out} --duration {int(args.steps * args.step_ms / 1000 * 3) + 30}"
+    )
+    return subprocess.Popen(["bash", "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
