@@ -28,6 +28,8 @@ ALLOWED = {
     "vit": {"vit"},
     # Settings: config dataclass fields with their doc line, flags and JSON (pipeline/settings.py).
     "pipeline.settings": set(),
+    # The linear probe: evaluate scores embeddings with it, fine-tuning starts a head from it.
+    "pipeline.linear_probe": set(),
     "pipeline.storage": set(),
     "pipeline.compat": set(),
     "pipeline.console": {"pipeline.compat"},
@@ -45,6 +47,7 @@ ALLOWED = {
     "pipeline.data": {"pipeline.data", "pipeline.settings", "pipeline.storage", "pipeline.compat", "vit"},
     "pipeline.train": {
         "pipeline.train",
+        "pipeline.linear_probe",
         "pipeline.settings",
         "pipeline.cli",  # its job's parser, made from its config
         "pipeline.console",
@@ -89,6 +92,7 @@ ALLOWED = {
     # Reads what embed writes and loads weights as embed does; never pipeline.train.
     "pipeline.evaluate": {
         "pipeline.evaluate",
+        "pipeline.linear_probe",
         "pipeline.settings",
         "pipeline.cli",  # its job's parser, made from its config
         "pipeline.embed",
