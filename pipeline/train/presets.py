@@ -174,6 +174,10 @@ def finetune() -> TrainConfig:
         python jobs/finetune.py --weights s3://bucket/runs/b16 --data 's3://bucket/task/train-{000..063}.tar' \
             --eval-data 's3://bucket/task/val-{000..007}.tar' --num-classes 100 --out s3://bucket/runs/b16-ft
 
+    Its augmentation is ImageNet-scale: random-resized crops of 8-100% of the image's area with
+    horizontal flips, sized for 384 px photos of a million-image set. On a task of a few thousand small
+    images, see `finetune_small`.
+
     Expected: eval_accuracy in metrics.jsonl at every --eval-every and at the end; not yet measured on
     GPUs (BENCHMARKS.md, "Learning", has the CPU figures on small images).
     """
@@ -191,6 +195,33 @@ def finetune() -> TrainConfig:
         max_steps=10_000,
         checkpoint_every=1000,
         eval_every=1000,
+    )
+
+
+def finetune_small() -> TrainConfig:
+    """`finetune` for a small task (thousands of images, tens of pixels): the head starts from a linear
+    probe of the pretrained features (``--head-init probe``, LP-FT: Kumar et al. 2022) rather than at
+    zero, crops keep 60-100% of the image's area rather than 8-100% (a crop of a small image has few
+    pixels left to show), layer-wise lr decay 0.75 trains the early blocks more gently than the head,
+    and a budget sized for such a set (batch 128, 1,000 steps).
+
+        python jobs/finetune.py --preset finetune_small --weights /tmp/small --data '/tmp/fmnist/train-*.tar' \
+            --eval-data '/tmp/fmnist/test-*.tar' --image-size 48 --num-classes 10 --out /tmp/ft --cpu \
+            --num-workers 2
+
+    Expected (BENCHMARKS.md, "Learning"): on 5,000 Fashion-MNIST images it ends above its starting
+    model's own linear probe, where `finetune`'s defaults end under it.
+    """
+    return finetune().replace(
+        head_init="probe",
+        scale=(0.6, 1.0),
+        layer_decay=0.75,
+        batch_size=128,
+        micro_batch_size=16,
+        warmup_steps=50,
+        max_steps=1000,
+        checkpoint_every=250,
+        eval_every=250,
     )
 
 
@@ -272,6 +303,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "small": small,
     "small_recipe": small_recipe,
     "finetune": finetune,
+    "finetune_small": finetune_small,
     "finetune_mae": finetune_mae,
     "deit_s16_224": deit_s16_224,
     "deit_b16_224": deit_b16_224,
@@ -324,7 +356,7 @@ NOT_FINETUNE_FLAGS = (
 
 
 # Pretraining starts from initialized weights; `jobs/finetune.py` starts from --weights.
-NOT_PRETRAIN_FLAGS = ("weights",)
+NOT_PRETRAIN_FLAGS = ("weights", "head_init")
 
 
 def pretrain_parser(description: str | None = None) -> argparse.ArgumentParser:
