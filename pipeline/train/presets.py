@@ -169,7 +169,10 @@ def finetune() -> TrainConfig:
     with momentum 0.9, no weight decay, cosine decay after 500 warmup steps, global-norm clipping at 1,
     batch 512, at a higher resolution than pretraining (384 px after 224); the paper searched lr over
     {0.003, 0.01, 0.03, 0.06} and trained 10k steps (20k for ImageNet). Model, patch size and
-    preprocessing come from --weights; a zero-initialized linear head replaces the pretraining head.
+    preprocessing come from --weights; a new linear head replaces the pretraining head. Not the paper's:
+    the head starts from a linear probe of the pretrained features (``--head-init probe``, LP-FT: Kumar
+    et al. 2022), which measured better than the paper's zero head (BENCHMARKS.md, "Learning");
+    ``--head-init zero`` is the paper's.
 
         python jobs/finetune.py --weights s3://bucket/runs/b16 --data 's3://bucket/task/train-{000..063}.tar' \
             --eval-data 's3://bucket/task/val-{000..007}.tar' --num-classes 100 --out s3://bucket/runs/b16-ft
@@ -183,6 +186,7 @@ def finetune() -> TrainConfig:
     """
     return gpu_node().replace(
         image_size=384,
+        head_init="probe",
         optimizer="sgd",
         momentum=0.9,
         weight_decay=0.0,
@@ -199,11 +203,11 @@ def finetune() -> TrainConfig:
 
 
 def finetune_small() -> TrainConfig:
-    """`finetune` for a small task (thousands of images, tens of pixels): the head starts from a linear
-    probe of the pretrained features (``--head-init probe``, LP-FT: Kumar et al. 2022) rather than at
-    zero, crops keep 60-100% of the image's area rather than 8-100% (a crop of a small image has few
-    pixels left to show), layer-wise lr decay 0.75 trains the early blocks more gently than the head,
-    and a budget sized for such a set (batch 128, 1,000 steps).
+    """`finetune` for a small task (thousands of images, tens of pixels): crops keep 60-100% of the
+    image's area rather than 8-100% (a crop of a small image has few pixels left to show), layer-wise lr
+    decay 0.75 trains the early blocks more gently than the head, and a budget sized for such a set
+    (batch 128, 1,000 steps); the head starts from a linear probe, as `finetune`'s does. Where a mirror
+    image is another class (digits, text), add ``--no-hflip``.
 
         python jobs/finetune.py --preset finetune_small --weights /tmp/small --data '/tmp/fmnist/train-*.tar' \
             --eval-data '/tmp/fmnist/test-*.tar' --image-size 48 --num-classes 10 --out /tmp/ft --cpu \
@@ -213,7 +217,6 @@ def finetune_small() -> TrainConfig:
     model's own linear probe, where `finetune`'s defaults end under it.
     """
     return finetune().replace(
-        head_init="probe",
         scale=(0.6, 1.0),
         layer_decay=0.75,
         batch_size=128,

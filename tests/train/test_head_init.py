@@ -145,8 +145,10 @@ def test_a_resumed_run_keeps_its_probe_head_and_ends_equal_to_a_straight_run(wor
 # --- the flag -------------------------------------------------------------------------------------
 
 
-def test_head_init_is_zero_in_the_papers_recipe_and_probe_for_small_tasks():
-    assert presets.finetune_small().arch.head_init == "probe"
+def test_the_finetuning_presets_start_from_a_probe_head_and_pretraining_from_none():
+    assert presets.finetune().arch.head_init == presets.finetune_small().arch.head_init == "probe"
+    assert presets.finetune_mae().arch.head_init == "probe"
+    assert presets.tiny().arch.head_init == "zero"  # no --weights: nothing to probe
     assert presets.finetune_small().data.scale == (0.6, 1.0)
     with pytest.raises(ValueError, match="--head-init must be one of zero, probe, got 'linear'"):
         tiny_config(head_init="linear").validate()
