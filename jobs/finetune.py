@@ -9,10 +9,12 @@
 
 --weights takes a pretraining export (final/), a run directory or a checkpoint_* directory (supervised
 or MAE), or timm / torchvision / transformers weights: the model, its patch size and input
-normalization are the weights' own. The pretraining head is dropped and a zero-initialized linear head
-of --num-classes takes its place; at another --image-size the position embeddings are resampled in 2D
-(the [CLS] one kept). The default recipe is the paper's (preset `finetune`): SGD with momentum 0.9, no
-weight decay, cosine decay, global-norm clipping at 1. --eval-data is evaluated (resize + center crop)
+normalization are the weights' own. The pretraining head is dropped and a linear head of --num-classes
+takes its place, fit as a linear probe of the training images' features before the first step
+(--head-init probe; zero: the paper's zero head); at another --image-size the position embeddings are
+resampled in 2D (the [CLS] one kept). The default recipe is the paper's (preset `finetune`): SGD with
+momentum 0.9, no weight decay, cosine decay, global-norm clipping at 1; --preset finetune_small suits a
+task of thousands of small images. --eval-data is evaluated (resize + center crop)
 every --eval-every steps and at the end; the final accuracy is printed. Rerun with the same --out to
 resume. Leaves under --out: checkpoint_<step>/, metrics.jsonl (with eval_accuracy),
 final/weights.safetensors + config.json (head: finetune, the new image size), which jobs/embed.py and

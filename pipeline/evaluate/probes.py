@@ -2,8 +2,9 @@
 
 All three take features ``(n, D)`` float and integer labels ``(n,)`` and return accuracies in [0, 1]:
 
-- `linear_probe_accuracy`: multinomial logistic regression (scikit-learn, L-BFGS, L2 penalty) on
-  features standardized with the training set's mean and std.
+- `linear_probe_accuracy`: the linear probe of `pipeline.linear_probe` (multinomial logistic
+  regression, scikit-learn, L-BFGS, L2 penalty, on features standardized with the training set's mean
+  and std), the one that ``jobs/finetune.py --head-init probe`` starts its head from.
 - `knn_accuracy`: the ``k`` training rows of highest cosine similarity vote, one vote each (majority);
   a tie goes to the smallest class index (scikit-learn's rule), so the result is deterministic.
 - `few_shot_accuracy`: as in the paper (Dosovitskiy et al. 2021, section 4.1), a closed-form
@@ -14,9 +15,9 @@ All three take features ``(n, D)`` float and integer labels ``(n,)`` and return 
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
+
+from pipeline.linear_probe import fit_linear_probe
 
 
 def linear_probe_accuracy(
@@ -29,18 +30,8 @@ def linear_probe_accuracy(
     max_iter: int = 1000,
 ) -> tuple[float, bool]:
     """``(accuracy, converged)`` of logistic regression with inverse L2 strength ``c``."""
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.preprocessing import StandardScaler
-
-    scaler = StandardScaler().fit(train_x)
-    probe = LogisticRegression(C=c, max_iter=max_iter)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ConvergenceWarning)
-        probe.fit(scaler.transform(train_x), train_y)
-    converged = not any(issubclass(w.category, ConvergenceWarning) for w in caught)
-    predicted = probe.predict(scaler.transform(test_x))
-    return float(np.mean(predicted == test_y)), converged
+    probe = fit_linear_probe(train_x, train_y, c=c, max_iter=max_iter)
+    return float(np.mean(probe.predict(test_x) == test_y)), probe.converged
 
 
 def knn_accuracy(

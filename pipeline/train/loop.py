@@ -73,7 +73,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # a line per rank per epoch otherwise
     try:
         trainer = Trainer(loop_config, RaySession(worker_config(loop_config).run_dir))
-    except dcp.CheckpointRefusedError as e:  # every rank refuses alike; a restart would only refuse again
+    except (dcp.CheckpointRefusedError, finetune.HeadInitError) as e:  # every rank alike: a restart would too
         return {"metrics": {}, "bad_samples": {}, "error": str(e)}
     return trainer.train()
 
@@ -100,8 +100,8 @@ class Trainer:
         self.step_fn = TrainStep(self.model, config, self.device, self.objective)
         decay = config.optim.ema_decay  # the EMA of the weights (`pipeline.train.ema`), or None
         self.ema = None if decay is None else WeightEMA(self.model, decay, config.optim.ema_every)
+        self.group = control_group()  # before resume: --head-init probe agrees on its batches with it
         self.state = self.resume()
-        self.group = control_group()
         self.saver = Saver(
             session, self.model, self.step_fn.optimizer, self.ema, asynchronous=config.run.async_checkpoint
         )
@@ -136,6 +136,8 @@ class Trainer:
                 if self.config.arch.weights:  # fine-tuning starts from these; a resume from its checkpoint
                     state = finetune.pretrained_state(self.config, self.model_config)
                     finetune.load_pretrained(self.model, state)
+                    if self.config.arch.head_init == "probe":
+                        finetune.probe_head_in_run(self)
                     if self.ema is not None:
                         self.ema.reset()  # the EMA starts from the pretrained weights
                 return TrainState(seed=self.config.run.seed)

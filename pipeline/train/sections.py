@@ -24,6 +24,7 @@ OBJECTIVES = ("supervised", "mae")  # pipeline.train.objective has one class for
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("cosine", "linear")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+HEAD_INITS = ("zero", "probe")  # pipeline.train.finetune starts the new head from one of them
 
 
 def _at_least(section: Any, names: tuple[str, ...], minimum: int = 1) -> None:
@@ -63,6 +64,12 @@ class ArchConfig:
     weights: str | None = setting(
         None, "pretrained weights: export (final/), run dir, checkpoint_* dir or weights file"
     )
+    head_init: str = setting(
+        "zero",
+        "fine-tuning's new head: zero (the ViT paper's) or probe (LP-FT: a linear probe fit on the "
+        "pretrained model's embeddings of up to 10,000 training images, eval crop, then everything trains)",
+        choices=HEAD_INITS,
+    )
     drop_path_rate: float = setting(
         0.0,
         "stochastic depth: block i of D drops each residual branch per sample at this rate x i/(D-1) "
@@ -76,6 +83,7 @@ class ArchConfig:
         if self.num_classes < 1:
             raise ValueError(f"--num-classes must be at least 1, got {self.num_classes}")
         _within(self, REGULARIZATION_FIELDS)
+        _one_of(self, "head_init", HEAD_INITS)
         both = sorted(set(REGULARIZATION_FIELDS) & set(self.model_overrides))
         if both:
             raise ValueError(

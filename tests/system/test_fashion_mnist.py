@@ -74,6 +74,10 @@ def job(script, *args):
         run.mkdir(parents=True)
         rows = [{{"step": 4, "eval_accuracy": 0.5}}, {{"step": 6, "loss": 1.0}}, {{"step": 8, "eval_accuracy": 0.75}}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
+    if script == "finetune.py":
+        run = Path(args[args.index("--out") + 1])
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text(json.dumps({{"step": 8, "eval_accuracy": 0.6}}) + "\\n")
     return 1.0
 
 
@@ -109,3 +113,33 @@ def test_learning_passes_pretrain_args_to_every_run_and_reports_its_test_accurac
     classifiers = [r for r in out["rows"] if r["what"].endswith("its classifier")]
     assert [r["curve"] for r in classifiers] == [[[4, 0.5], [8, 0.75]]] * 2
     assert [r["accuracy"] for r in classifiers] == [0.75, 0.75]
+
+
+def test_learning_runs_each_finetuning_preset_and_head_init_on_the_digits_at_one_budget(tmp_path):
+    argv = [
+        "--digits", "--out", str(tmp_path / "out"), "--finetune-steps", "8", "--finetune-batch", "32",
+        "--finetune-warmup", "2", "--finetune-args", "", "--finetune-runs", "finetune_small:probe,finetune:zero",
+    ]  # fmt: skip
+    code = LEARN.format(root=str(ROOT), argv=argv)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    runs = [args for script, *args in out["calls"] if script == "finetune.py"]
+    assert [(a[a.index("--preset") + 1], a[a.index("--head-init") + 1]) for a in runs] == [
+        ("finetune_small", "probe"),
+        ("finetune", "zero"),
+    ]
+    for args in runs:  # the same budget for each, and no flag beyond it
+        budget = [
+            args[args.index(flag) + 1] for flag in ("--batch-size", "--micro-batch-size", "--max-steps")
+        ]
+        assert budget == ["32", "16", "8"]
+        assert "--lr" not in args and "--crop-scale" not in args
+    rows = [r for r in out["rows"] if "fine-tuned" in r["what"]]
+    assert [r["what"] for r in rows] == [
+        "supervised: fine-tuned at 48 px, finetune_small, head probe",
+        "supervised: fine-tuned at 48 px, finetune, head zero",
+    ]
+    assert (tmp_path / "out" / "shards" / "test" / "test-000000.tar").is_file()  # the digits' 359 images
