@@ -26,7 +26,7 @@ from typing import Any
 
 from pipeline import cli, console, storage
 from pipeline.data.dataset import check_shards
-from pipeline.data.mixture import parse_sources
+from pipeline.data.mixture import check_disjoint, parse_sources
 from pipeline.data.shards import ShardError, expand_shards
 from pipeline.train.config import TrainConfig
 from pipeline.train.resources import local_out_problem, worker_resources
@@ -98,6 +98,8 @@ def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] |
                 raise
             raise ShardError(f"source {name}: {e}") from e  # which of the sources
         expanded.append({"name": name, "weight": weight, "shards": shards})
+    if mixed:
+        check_disjoint({source["name"]: source["shards"] for source in expanded})
     check_resumable(config)
     for source in expanded:
         if len(source["shards"]) < config.cluster.num_workers:
