@@ -36,6 +36,7 @@ import os
 import re
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -121,6 +122,7 @@ class Console:
     def after_init(self) -> None:
         """Call after ``ray.init``: the driver's Ray Data settings and the filter on its Ray loggers."""
         follow_stderr()
+        compat.filter_forwarded_logs("vitray_stopped", _drop_once_stopped)
         if self.verbose:
             return
         import ray.data
@@ -133,6 +135,26 @@ class Console:
                     handler.addFilter(QuietFilter())
         compat.filter_forwarded_logs("vitray_quiet_records", QuietRecords())
         spend_actor_restart_notice()
+
+
+# Set once a job has written its last line (`stop_worker_lines`); cleared when a job starts.
+_stopped = threading.Event()
+
+
+def stop_worker_lines() -> None:
+    """From now on the lines Ray's processes print reach no console: a job stopped by a signal says so
+    in its last line, and its workers, stopping too, would otherwise go on printing after it."""
+    _stopped.set()
+
+
+def resume_worker_lines() -> None:
+    """A job starts: the lines of Ray's processes reach the console again (`stop_worker_lines`)."""
+    _stopped.clear()
+
+
+def _drop_once_stopped(batch: dict[str, Any]) -> None:
+    if _stopped.is_set():
+        batch["lines"] = []
 
 
 class CurrentStderr(logging.StreamHandler):
