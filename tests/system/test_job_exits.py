@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 import tempfile
 from pathlib import Path
@@ -285,6 +286,30 @@ def test_the_other_jobs_refuse_a_directory_they_did_not_write(
     shards.main(["--synthetic", "8", "--out", str(tmp_path / "s")])
     shards.main(["--synthetic", "8", "--out", str(mine), "--overwrite"])
     assert (mine / "notes.txt").read_text() == "the user's"
+
+
+def test_a_second_live_run_into_one_out_is_refused_in_one_line_naming_the_first(
+    synthetic_shards, tmp_path, capsys
+):
+    from pipeline.train import lease
+
+    for marked in (False, True):  # the first run's lease alone (before its marker), or beside it
+        out = tmp_path / f"run-{marked}"
+        first = lease.acquire(str(out))  # a live run: its driver is this process
+        if marked:
+            (out / driver.RUN_MARKER).write_text("{}")
+        args = ["--preset", "tiny", "--data", synthetic_shards.dir, "--out", str(out), "--cpu"]
+        assert job("pretrain").main(args) == cli.EXIT_BAD_INPUT
+        line = one_error_line(capsys)
+        head, tail = line.split(", renewed ")
+        assert head == (
+            f"error: --out {out} is in use by a live training run, run {first.run} (pid {os.getpid()} on "
+            f"{socket.gethostname()}"
+        )
+        assert tail.endswith(
+            " s ago); wait for it to end or stop it, then run again (a stopped run's directory is taken over)"
+        )
+        assert lease.read(str(out))["run"] == first.run  # the first run's lease untouched
 
 
 def test_make_shards_from_a_missing_folder_is_bad_input_in_one_line(tmp_path, capsys):
