@@ -34,8 +34,6 @@ from typing import Any
 
 from pipeline import settings
 
-_signalled: int | None = None  # the SIGTERM that stopped this job, where one did (`connect_ray`)
-
 EXIT_BAD_INPUT = 2  # found before cluster work: nothing ran
 EXIT_RUN_FAILED = 1  # the run started, then stopped on an error
 
@@ -246,7 +244,6 @@ def connect_ray(args: argparse.Namespace, *, needed_cpus: float) -> bool:
     if address:
         ray.init(address=address, **console.init_options())
         console.after_init()
-        _note_sigterm()
         return False
     needed = math.ceil(needed_cpus)
     if args.num_cpus is not None and args.num_cpus < needed:
@@ -263,26 +260,7 @@ def connect_ray(args: argparse.Namespace, *, needed_cpus: float) -> bool:
         **console.init_options(),
     )
     console.after_init()
-    _note_sigterm()
     return True
-
-
-def _note_sigterm() -> None:
-    """After ``ray.init``: a SIGTERM ends the job as Ray's handler does (``SystemExit(15)``), noted, since
-    a ``ray.get`` it interrupts turns it into ``SystemExit(1)`` (Ray's ``check_status``), and the job's
-    line then named no signal (`run_job`)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def on_sigterm(signum: int, _frame: Any) -> None:
-        global _signalled
-        _signalled = signum
-        raise SystemExit(signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def print_config(config: Any) -> None:
@@ -378,9 +356,9 @@ def run_job(body: Callable[[], int], *, failures: tuple[type[BaseException], ...
     written to a file the line names. Ctrl-C -> `EXIT_INTERRUPTED`; a ``SystemExit`` keeps its code. A body
     returns 0; a body that returns another code gets a line saying so.
     """
-    global _work_started, _signalled
-    _work_started, _signalled = False, None
-    from pipeline.console import follow_stderr, resume_worker_lines, stop_worker_lines
+    global _work_started
+    _work_started = False
+    from pipeline.console import follow_stderr, resume_worker_lines, signalled, stop_worker_lines
 
     follow_stderr()  # Ray's console handlers, made when Ray was imported, may hold a stream closed since
     resume_worker_lines()
@@ -396,7 +374,7 @@ def run_job(body: Callable[[], int], *, failures: tuple[type[BaseException], ...
         if not isinstance(e.code, int):
             _say(f"error: {e.code}")
             return EXIT_RUN_FAILED
-        code = _signalled or e.code  # a SIGTERM that a ray.get turned into SystemExit(1) keeps its code
+        code = signalled() or e.code  # a SIGTERM that a ray.get turned into SystemExit(1) keeps its code
         if code == 15:
             stop_worker_lines()
             _say("error: stopped by a SIGTERM (exit code 15); run the same command again to continue")

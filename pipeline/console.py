@@ -123,6 +123,7 @@ class Console:
         """Call after ``ray.init``: the driver's Ray Data settings and the filter on its Ray loggers."""
         follow_stderr()
         compat.filter_forwarded_logs("vitray_stopped", _drop_once_stopped)
+        _note_sigterm()
         if self.verbose:
             return
         import ray.data
@@ -141,6 +142,30 @@ class Console:
 _stopped = threading.Event()
 
 
+_signalled: list[int] = []  # the SIGTERM that stopped this job, where one did (`signalled`)
+
+
+def _note_sigterm() -> None:
+    """After ``ray.init``: a SIGTERM ends the job as Ray's handler does (``SystemExit(15)``), noted, since
+    a ``ray.get`` it interrupts turns it into ``SystemExit(1)`` (Ray's ``check_status``), and the job's
+    line then named no signal (`pipeline.cli.run_job`)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_sigterm(signum: int, _frame: Any) -> None:
+        _signalled.append(signum)
+        raise SystemExit(signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def signalled() -> int | None:
+    """The signal that stopped this job since it started (`resume_worker_lines`), or None."""
+    return _signalled[-1] if _signalled else None
+
+
 def stop_worker_lines() -> None:
     """From now on the lines Ray's processes print reach no console: a job stopped by a signal says so
     in its last line, and its workers, stopping too, would otherwise go on printing after it."""
@@ -148,8 +173,10 @@ def stop_worker_lines() -> None:
 
 
 def resume_worker_lines() -> None:
-    """A job starts: the lines of Ray's processes reach the console again (`stop_worker_lines`)."""
+    """A job starts: the lines of Ray's processes reach the console again (`stop_worker_lines`), and no
+    signal has stopped it."""
     _stopped.clear()
+    _signalled.clear()
 
 
 def _drop_once_stopped(batch: dict[str, Any]) -> None:

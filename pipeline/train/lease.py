@@ -156,3 +156,14 @@ def lost(run_dir: storage.Location | str, run: str) -> str:
         f"the lease on {storage.as_location(run_dir).url} was {whose}: this run stops and writes nothing "
         "more there"
     )
+
+
+def agreed_lost(run: str | None, run_dir: storage.Location | str, rank: int, group: Any) -> str:
+    """Collective: why this run may no longer write to ``run_dir`` ("" while it holds lease ``run``; rank 0
+    reads it, `lost`), the same on every rank. Workers of a killed driver stop here once a rerun has
+    taken ``--out`` over. A run started without a lease (``run`` None: a test's trainer) checks nothing."""
+    from pipeline.train.state import agree_on_error
+
+    if run is None:
+        return ""
+    return agree_on_error(lost(run_dir, run) if rank == 0 else "", group)[0]

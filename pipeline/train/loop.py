@@ -45,8 +45,7 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
 from pipeline.data.shards import dataset_root
-from pipeline.train import checkpoint, finetune, mfu, preemption, sinks, sources, stacks
-from pipeline.train import lease as run_lease
+from pipeline.train import checkpoint, finetune, lease, mfu, preemption, sinks, sources, stacks
 from pipeline.train.config import worker_config
 from pipeline.train.cursor import EpochCursor
 from pipeline.train.ema import WeightEMA
@@ -61,7 +60,6 @@ from pipeline.train.session import RaySession
 from pipeline.train.state import (
     StepAgreement,
     TrainState,
-    agree_on_error,
     agree_on_step,
     agree_weights_are_finite,
     control_group,
@@ -98,7 +96,7 @@ class Trainer:
         self.rank, self.world, self.device = session.rank, session.world, session.device
         stacks.start(self.rank)  # with VITRAY_SAMPLE_STACKS only
         self.eval_shards: list[str] = loop_config.get("eval_shards", [])
-        self.lease: str | None = loop_config.get("lease")  # the driver's lease on --out (`lost_lease`)
+        self.lease: str | None = loop_config.get("lease")  # the driver's lease on --out (`lease`)
         self.model_config = model_config(config)
         self.objective = objective_for(config)  # loss, batch columns, FLOPs, what final/ holds
         self.data_config = config.data_for(self.model_config.patch_size)
@@ -314,12 +312,10 @@ class Trainer:
     # --- report and checkpoint -------------------------------------------------------------------
     def report(self, stats: StepStats, *, save: bool, eval_accuracy: float | None = None) -> None:
         """Collective: a report to Ray Train (with a checkpoint), then a log line and `metrics.jsonl` row."""
-        error = self.skipped.check(self.state, self.config.optim.max_skipped_steps, self.rank)
+        lost = lease.agreed_lost(self.lease, self.config.run_dir, self.rank, self.group)  # a rerun's?
+        error = self.skipped.check(self.state, self.config.optim.max_skipped_steps, self.rank) or lost
         if error:
             raise StopRun(error)
-        lost = self.lost_lease()  # before any write to --out: a rerun may have taken it over
-        if lost:
-            raise StopRun(lost)
         metrics = self.window.reduce(
             step=self.state.step,
             epoch=self.state.epoch,
@@ -369,15 +365,6 @@ class Trainer:
         self.saver.start(dict(metrics), self.state.to_dict(), self.saved_config)
         metrics["checkpoint_stall_s"] = time.perf_counter() - started
 
-    def lost_lease(self) -> str:
-        """Collective: why this run may no longer write to ``--out`` ("" while it holds the driver's lease;
-        rank 0 reads it, `pipeline.train.lease.lost`). Workers of a killed driver stop here once a rerun
-        has taken ``--out`` over. A run started without a lease (a test's trainer) checks nothing."""
-        if self.lease is None:
-            return ""
-        mine = run_lease.lost(self.config.run_dir, self.lease) if self.rank == 0 else ""
-        return agree_on_error(mine, self.group)[0]
-
     # --- finish ----------------------------------------------------------------------------------
     def finish(self, error: str) -> dict[str, Any]:
         """Collective: the last checkpoint in storage; merge every rank's bad samples; export the model
@@ -386,8 +373,7 @@ class Trainer:
         merged = BadSamples.from_config(self.data_config)
         for counts in gather_bad_samples(self.cursor.counts, self.group):
             merged.merge(counts)
-        error = error or self.lost_lease()
-        if not error:
+        if not (error := error or lease.agreed_lost(self.lease, self.config.run_dir, self.rank, self.group)):
             if self.log is not None:  # the last checkpoint's stall, which followed its row's write
                 self.log.flush()
             self.export()
