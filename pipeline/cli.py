@@ -399,12 +399,14 @@ def run_job(body: Callable[[], int], *, failures: Failures = ()) -> int:
     """
     global _work_started
     _work_started = False
-    from pipeline.console import follow_stderr
+    from pipeline.console import follow_stderr, resume_worker_lines, signalled, stop_worker_lines
 
     follow_stderr()  # Ray's console handlers, made when Ray was imported, may hold a stream closed since
+    resume_worker_lines()
     try:
         code = body()
     except KeyboardInterrupt:
+        stop_worker_lines()  # the workers stop too: none of their lines after this one
         _say("error: interrupted (Ctrl-C); run the same command again to continue")
         return EXIT_INTERRUPTED
     except SystemExit as e:
@@ -413,9 +415,13 @@ def run_job(body: Callable[[], int], *, failures: Failures = ()) -> int:
         if not isinstance(e.code, int):
             _say(f"error: {e.code}")
             return EXIT_RUN_FAILED
-        why = "a SIGTERM (Ray's driver exits so)" if e.code == 15 else f"SystemExit({e.code})"
-        _say(f"error: stopped by {why}")
-        return e.code
+        code = signalled() or e.code  # a SIGTERM that a ray.get turned into SystemExit(1) keeps its code
+        if code == 15:
+            stop_worker_lines()
+            _say("error: stopped by a SIGTERM (exit code 15); run the same command again to continue")
+        else:
+            _say(f"error: stopped by SystemExit({code})")
+        return code
     except Exception as e:
         own = failures() if callable(failures) else failures
         if isinstance(e, (*own, RunFailed)):

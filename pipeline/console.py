@@ -36,6 +36,7 @@ import os
 import re
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -121,6 +122,8 @@ class Console:
     def after_init(self) -> None:
         """Call after ``ray.init``: the driver's Ray Data settings and the filter on its Ray loggers."""
         follow_stderr()
+        compat.filter_forwarded_logs("vitray_stopped", _drop_once_stopped)
+        _note_sigterm()
         if self.verbose:
             return
         import ray.data
@@ -133,6 +136,52 @@ class Console:
                     handler.addFilter(QuietFilter())
         compat.filter_forwarded_logs("vitray_quiet_records", QuietRecords())
         spend_actor_restart_notice()
+
+
+# Set once a job has written its last line (`stop_worker_lines`); cleared when a job starts.
+_stopped = threading.Event()
+
+
+_signalled: list[int] = []  # the SIGTERM that stopped this job, where one did (`signalled`)
+
+
+def _note_sigterm() -> None:
+    """After ``ray.init``: a SIGTERM ends the job as Ray's handler does (``SystemExit(15)``), noted, since
+    a ``ray.get`` it interrupts turns it into ``SystemExit(1)`` (Ray's ``check_status``), and the job's
+    line then named no signal (`pipeline.cli.run_job`)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_sigterm(signum: int, _frame: Any) -> None:
+        _signalled.append(signum)
+        raise SystemExit(signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def signalled() -> int | None:
+    """The signal that stopped this job since it started (`resume_worker_lines`), or None."""
+    return _signalled[-1] if _signalled else None
+
+
+def stop_worker_lines() -> None:
+    """From now on the lines Ray's processes print reach no console: a job stopped by a signal says so
+    in its last line, and its workers, stopping too, would otherwise go on printing after it."""
+    _stopped.set()
+
+
+def resume_worker_lines() -> None:
+    """A job starts: the lines of Ray's processes reach the console again (`stop_worker_lines`), and no
+    signal has stopped it."""
+    _stopped.clear()
+    _signalled.clear()
+
+
+def _drop_once_stopped(batch: dict[str, Any]) -> None:
+    if _stopped.is_set():
+        batch["lines"] = []
 
 
 class CurrentStderr(logging.StreamHandler):

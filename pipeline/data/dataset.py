@@ -154,9 +154,10 @@ def check_shards(shards: list[str], config: DataConfig, *, probe: int = 16) -> N
     """Fail fast, before any Ray work, when the first shard cannot be what the job expects.
 
     Reads up to ``probe`` samples of the first shard: a `ShardError` if it cannot be opened, holds no
-    image member, (with ``require_labels``) carries no label member at all, or holds more labels outside
-    ``[0, num_classes)`` (a wrong class count) or unreadable (a wrong label key) than the bad-sample
-    share allows.
+    image member, (with ``require_labels``) carries no label member at all, holds more labels outside
+    ``[0, num_classes)`` than the bad-sample share allows (a wrong class count), or not one label that
+    reads (a wrong label key). Some unreadable labels among readable ones are bad samples, each that
+    sample's error row, not a wrong key.
     """
     if not shards:
         raise ShardError("no shards to read; pass at least one shard URL")
@@ -199,7 +200,8 @@ def check_shards(shards: list[str], config: DataConfig, *, probe: int = 16) -> N
         ),
     ):
         bad = [(key, error) for key, (_, error) in labeled if error.startswith(kind)]
-        if bad and len(bad) > config.max_bad_fraction * len(labeled):
+        allowed = config.max_bad_fraction * len(labeled) if kind == "label out of range" else len(labeled) - 1
+        if bad and len(bad) > allowed:
             key, error = bad[0]
             what = "out of range" if kind == "label out of range" else "unreadable"
             raise ShardError(

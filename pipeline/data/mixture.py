@@ -36,8 +36,9 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -111,6 +112,13 @@ def _checked(sources: list[Source]) -> list[Source]:
             raise MixtureError(
                 f"source {source.name}: weight {source.weight} must be a positive number (a share, e.g. 0.3)"
             )
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        parts = shares([s.weight for s in sources])
+    if not (np.isfinite(parts).all() and (parts > 0).all()):  # 1e308 twice: the sum overflows, shares 0
+        raise MixtureError(
+            f"weights {', '.join(f'{s.name}: {s.weight:g}' for s in sources)} give no share to every source "
+            "(too large or too far apart); give shares such as 0.7 and 0.3"
+        )
     doubles = sorted({n for n in names if names.count(n) > 1})
     if doubles:
         raise MixtureError(f"source {doubles[0]} is named twice in --data; give each source its own name")
@@ -125,15 +133,40 @@ def _yaml_problem(error: Exception) -> str:
     return where + " ".join(str(problem).split())
 
 
+def _unique_key_loader() -> type:
+    """PyYAML's safe loader (plain data, nothing constructed) that refuses a key given twice in one
+    mapping, where PyYAML keeps the last and drops the block before it without a word."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, Hashable):
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            problem=f"key {key!r} given twice (the first would be dropped)",
+                            problem_mark=key_node.start_mark,
+                        )
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def _from_yaml(path: str) -> list[Source]:
-    """``sources: [{name: laion, data: s3://a/{000..999}.tar, weight: 0.7}, ...]``, read with
-    ``yaml.safe_load`` (plain data, nothing constructed); PyYAML comes with Ray, a dependency of its own."""
+    """``sources: [{name: laion, data: s3://a/{000..999}.tar, weight: 0.7}, ...]``, read with a safe loader
+    that refuses duplicate keys (plain data, nothing constructed); PyYAML comes with Ray, a dependency of
+    its own."""
     import yaml
 
     from pipeline import storage
 
     try:
-        values = yaml.safe_load(storage.read_text(storage.as_location(path)))
+        values = yaml.load(storage.read_text(storage.as_location(path)), Loader=_unique_key_loader())
     except OSError as e:
         raise MixtureError(f"cannot read the sources file {path}: {str(e).splitlines()[0]}") from e
     except yaml.YAMLError as e:
@@ -152,11 +185,29 @@ def _from_yaml(path: str) -> list[Source]:
             raise MixtureError(f"{path}: source {i + 1} needs name, data and weight (got {entry!r})")
         name = str(entry.get("name") or f"source{i + 1}")
         weight = entry.get("weight", 1.0)
-        weight = _weight(name, str(weight)) if not isinstance(weight, int | float) else float(weight)
+        if isinstance(weight, bool) or not isinstance(weight, int | float | str):  # `yes` reads as True
+            raise MixtureError(f"{path}: source {name}: weight {weight!r} is not a number; {_SPEC}")
+        weight = _weight(name, str(weight))  # an int past float's range reads as inf, refused below
         data = entry["data"]
         urls = ",".join(map(str, data)) if isinstance(data, list) else str(data or "")
         sources.append(Source(name, urls, weight))
     return _checked(sources)
+
+
+def check_disjoint(shards: dict[str, list[str]]) -> None:
+    """Refuse shards named by two sources (source name -> its expanded shard URLs): each of their samples
+    would be trained twice an epoch, with the same crops. A `MixtureError` naming the sources and shards."""
+    owner: dict[str, str] = {}
+    for name, urls in shards.items():
+        shared = [url for url in urls if owner.setdefault(url, name) != name]
+        if shared:
+            first = owner[shared[0]]
+            listed = ", ".join(shared[:3]) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
+            raise MixtureError(
+                f"sources {first} and {name} both read {len(shared)} shard(s) ({listed}): their samples "
+                "would train twice an epoch; give each shard to one source (a larger weight trains a source "
+                "more often)"
+            )
 
 
 def shares(weights: list[float]) -> np.ndarray:

@@ -48,6 +48,11 @@ class Embeddings:
     def weights_sha256(self) -> str | None:
         return (self.about.get("weights") or {}).get("sha256")
 
+    @property
+    def normalized(self) -> bool:
+        """Whether its rows were L2-normalized (``jobs/embed.py --normalize``)."""
+        return bool((self.about.get("output") or identity.DEFAULT_OUTPUT_OPTIONS).get("normalize"))
+
     def describe(self) -> str:
         classes = len(np.unique(self.labels))
         model = f", {self.model}" if self.model else ""
@@ -216,8 +221,9 @@ def _same(name: str, uri: str, a: dict, a_name: str, b: dict, b_name: str) -> No
 
 
 def check_pair(train: Embeddings, test: Embeddings) -> None:
-    """One line when the two outputs cannot be compared: other widths, other weights, shards in common
-    (the manifests' shard lists), or test classes the training rows never show."""
+    """One line when the two outputs cannot be compared: other widths, other weights, one L2-normalized
+    and one not, shards in common (the manifests' shard lists), or test classes the training rows never
+    show."""
     if train.dim != test.dim:
         raise ValueError(
             f"--train has D = {train.dim} but --test D = {test.dim}; embed both with the same model"
@@ -226,6 +232,12 @@ def check_pair(train: Embeddings, test: Embeddings) -> None:
         raise ValueError(
             f"--train and --test were embedded with other weights (sha256 {train.weights_sha256[:12]} vs "
             f"{test.weights_sha256[:12]}); embed both with the same --weights"
+        )
+    if train.normalized != test.normalized:  # distances and probes would compare rows of other scales
+        plain, unit = ("--test", "--train") if train.normalized else ("--train", "--test")
+        raise ValueError(
+            f"{unit} was embedded with --normalize (unit-length rows) and {plain} without; embed both with "
+            "the same --normalize"
         )
     shared = sorted(set(train.about.get("shards") or {}) & set(test.about.get("shards") or {}))
     if shared:

@@ -10,6 +10,7 @@ from pipeline.settings import setting
 from pipeline.storage import Location
 
 KINDS = ("auto", "flat", "ivfpq", "hnsw")
+MAX_KNOB = 2**31 - 1  # --k, --nprobe, --ef-search: FAISS takes them as C ints (beyond: OverflowError)
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,9 @@ class SearchConfig:
             raise ValueError(
                 "--weights embeds an --image query; a --key or --near-duplicates search needs none"
             )
-        if self.k <= 0 or (self.nprobe is not None and self.nprobe <= 0):
-            raise ValueError("--k and --nprobe must be positive")
-        if self.ef_search is not None and self.ef_search <= 0:
-            raise ValueError("--ef-search must be positive")
+        for flag, value in (("--k", self.k), ("--nprobe", self.nprobe), ("--ef-search", self.ef_search)):
+            if value is not None and not 0 < value <= MAX_KNOB:
+                raise ValueError(f"{flag} must be from 1 to {MAX_KNOB:,}, got {value:,}")
 
     def location(self, url: str) -> Location:
         """``url`` with ``storage_options``."""

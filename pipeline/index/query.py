@@ -24,7 +24,8 @@ from pipeline.model_source import load_model_source
 def read_image(file: storage.Location | str) -> bytes:
     fs, path = storage.filesystem(file)
     if not fs.isfile(path):
-        raise ValueError(f"--image {file} does not exist; pass an image file")
+        what = "is a directory" if fs.isdir(path) else "does not exist"
+        raise ValueError(f"--image {file} {what}; pass an image file")
     return fs.cat_file(path)
 
 

@@ -57,14 +57,51 @@ def _empty(shards: list[str] | None, position: Position | None) -> Position | No
     return None if shards is None else EpochPosition(shards)
 
 
+# What each part of a stream's fingerprint is, as a resume's log line says it changed.
+STREAM_PARTS = {
+    "shards": "from other shards",
+    "sources": "from other sources or shards",
+    "weights": "with other source weights",
+    "seed": "with another --seed",
+    "shuffle": "with another --shuffle-buffer",
+    "exhausted": "with another --source-exhausted",
+}
+
+
+def fingerprint(whole: Any, **parts: Any) -> str:
+    """A stream's fingerprint: a hash of ``whole`` (what fingerprints were before they had parts, so a
+    checkpoint of then still resumes at the sample), then each part's (``shards=1a2b3c4d seed=...``, named
+    as in `STREAM_PARTS`), so a resume can say which part changed (`changed_parts`)."""
+    digest = [hashlib.sha256(json.dumps(whole).encode()).hexdigest()[:16]]
+    for name, value in parts.items():
+        digest.append(f"{name}={hashlib.sha256(json.dumps(value).encode()).hexdigest()[:8]}")
+    return " ".join(digest)
+
+
+def same_stream(saved: str | None, now: str) -> bool:
+    """Whether a checkpoint's stream fingerprint (whole, as before parts, or with them) is ``now``'s."""
+    return saved in (now, now.split()[0])
+
+
+def changed_parts(saved: str, now: str) -> str:
+    """How the stream ``saved`` was taken differs from ``now``, in words (``with other source weights``);
+    a checkpoint whose fingerprint has other parts (from before they had names, or of one source against
+    several) gets every part that may have changed."""
+    old, new = (dict(part.split("=", 1) for part in f.split() if "=" in part) for f in (saved, now))
+    changed = [name for name in new if old.get(name) != new[name]]
+    if old.keys() != new.keys() or not changed:
+        return "from other shards or sources, or with another seed or shuffle buffer"
+    return " and ".join(STREAM_PARTS.get(name, f"with another {name}") for name in changed)
+
+
 def stream_fingerprint(shards: list[str], seed: int, shuffle_buffer: int) -> str:
     """What fixes the order of every rank's samples in an epoch, beside the layout: a resume re-reads
     a position only in the stream it was taken from. The shards count by their names within the
     dataset (`shard_name`), as the seeds of their samples do, so data moved to another directory or
     bucket is the same stream."""
     root = dataset_root(shards)
-    text = json.dumps([[shard_name(url, root) for url in shards], seed, shuffle_buffer])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    names = [shard_name(url, root) for url in shards]
+    return fingerprint([names, seed, shuffle_buffer], shards=names, seed=seed, shuffle=shuffle_buffer)
 
 
 def _copy(counts: BadSamples) -> BadSamples:
@@ -91,7 +128,7 @@ class EpochCursor:
     rank: int
     world: int
     micro_batch_size: int
-    stream: str  # `stream_fingerprint` of the run's shards, seed and shuffle buffer
+    stream: str  # `stream_fingerprint` of the run's shards, seed and shuffle buffer (`fingerprint`)
     counts: BadSamples
     at_epoch_start: BadSamples
     taken: int = 0  # micro-batch places of this epoch's steps: micro-batches taken, or the whole stream
@@ -162,8 +199,8 @@ class EpochCursor:
             why = "this epoch went on by sample after a resume at another layout"
         elif layout != (world, micro_batch_size):
             why = f"it was taken with {layout[0]} workers x micro-batch {layout[1]}"
-        elif saved.get("stream") != stream:
-            why = "it was taken from other shards, or with another seed or shuffle buffer"
+        elif not same_stream(saved.get("stream"), stream):
+            why = f"it was taken {changed_parts(saved.get('stream') or '', stream)}"
         else:
             cursor.taken = taken
             return cursor, f"each worker re-reads the samples it had taken (up to {taken * micro_batch_size})"

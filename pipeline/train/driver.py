@@ -28,8 +28,9 @@ from typing import Any
 
 from pipeline import cli, console, storage
 from pipeline.data.dataset import check_shards
-from pipeline.data.mixture import parse_sources
+from pipeline.data.mixture import check_disjoint, parse_sources
 from pipeline.data.shards import ShardError, expand_shards
+from pipeline.train import lease as run_lease
 from pipeline.train import presets
 from pipeline.train.config import TrainConfig
 from pipeline.train.resources import local_out_problem, worker_resources
@@ -102,6 +103,8 @@ def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] |
                 raise
             raise ShardError(f"source {name}: {e}") from e  # which of the sources
         expanded.append({"name": name, "weight": weight, "shards": shards})
+    if mixed:
+        check_disjoint({source["name"]: source["shards"] for source in expanded})
     check_resumable(config)
     for source in expanded:
         if len(source["shards"]) < config.cluster.num_workers:
@@ -117,9 +120,12 @@ def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] |
 
 def owns_run_dir(entries: dict[str, bool]) -> bool:
     """Whether a directory's entries (`pipeline.storage.list_entries`) are a training run's: its marker,
-    or a checkpoint (a run written before the marker was)."""
-    return RUN_MARKER in entries or any(
-        is_dir and name.startswith(CHECKPOINT_PREFIX) for name, is_dir in entries.items()
+    its lease (a run that has not written its marker yet), or a checkpoint (a run written before the
+    marker was)."""
+    return (
+        RUN_MARKER in entries
+        or run_lease.LEASE in entries
+        or any(is_dir and name.startswith(CHECKPOINT_PREFIX) for name, is_dir in entries.items())
     )
 
 
@@ -220,10 +226,13 @@ def fit(
     eval_shards: list[str] | None = None,
     sources: list[dict[str, Any]] | None = None,
     worker_loop: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    lease: str | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) training on the connected Ray cluster; `eval_shards` (fine-tuning) are
     evaluated every ``eval_every`` steps and at the end; ``sources`` (`prepare_data`) are mixed by weight.
-    ``worker_loop`` replaces `train_loop_per_worker` (`jobs/benchmark.py host`: its step a wait).
+    ``worker_loop`` replaces `train_loop_per_worker` (`jobs/benchmark.py host`: its step a wait);
+    ``lease``: the run id of the lease this run holds on ``--out`` (`pipeline.train.lease`), which the
+    workers check before each write there.
 
     Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts).
     """
@@ -247,6 +256,7 @@ def fit(
             # None: each worker decides every epoch (pipeline.train.resources); the cluster the
             # driver sees now may not have its GPU and decode nodes yet.
             "data_cpus_per_worker": config.cluster.data_cpus_per_worker,
+            **({"lease": lease} if lease else {}),
         },
         scaling_config=ScalingConfig(
             num_workers=config.cluster.num_workers,
@@ -327,10 +337,15 @@ def train(config: TrainConfig, args: argparse.Namespace) -> int:
     note = eval_note(config)
     if note:
         print(note, flush=True)
-    local = cli.connect_ray(args, needed_cpus=local_cpus_needed(config))
-    check_cluster(config, local_ray=local)
-    cli.start_work()
-    summary = fit(config, shards, eval_shards, sources)
+    held = run_lease.acquire(config.run_dir)  # one line while another live run holds --out
+    try:
+        local = cli.connect_ray(args, needed_cpus=local_cpus_needed(config))
+        check_cluster(config, local_ray=local)
+        cli.start_work()
+        held.keep_renewed()
+        summary = fit(config, shards, eval_shards, sources, lease=held.run)
+    finally:
+        held.release()
     print(format_summary(summary, config))
     return 0
 

@@ -41,7 +41,7 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import shard_order
 from pipeline.data.dataset import micro_batches
 from pipeline.data.shards import dataset_root
-from pipeline.train import checkpoint, finetune, mfu, preemption, sinks, sources, stacks
+from pipeline.train import checkpoint, finetune, lease, mfu, preemption, sinks, sources, stacks
 from pipeline.train.config import worker_config
 from pipeline.train.cursor import EpochCursor
 from pipeline.train.ema import WeightEMA
@@ -92,6 +92,7 @@ class Trainer:
         self.rank, self.world, self.device = session.rank, session.world, session.device
         stacks.start(self.rank)  # with VITRAY_SAMPLE_STACKS only
         self.eval_shards: list[str] = loop_config.get("eval_shards", [])
+        self.lease: str | None = loop_config.get("lease")  # the driver's lease on --out (`lease`)
         self.model_config = model_config(config)
         self.objective = objective_for(config)  # loss, batch columns, FLOPs, what final/ holds
         self.data_config = config.data_for(self.model_config.patch_size)
@@ -310,7 +311,8 @@ class Trainer:
     # --- report and checkpoint -------------------------------------------------------------------
     def report(self, stats: StepStats, *, save: bool, eval_accuracy: float | None = None) -> None:
         """Collective: a report to Ray Train (with a checkpoint), then a log line and `metrics.jsonl` row."""
-        error = self.skipped.check(self.state, self.config.optim.max_skipped_steps, self.rank)
+        lost = lease.agreed_lost(self.lease, self.config.run_dir, self.rank, self.group)  # a rerun's?
+        error = self.skipped.check(self.state, self.config.optim.max_skipped_steps, self.rank) or lost
         if error:
             raise StopRun(error)
         metrics = self.window.reduce(
@@ -370,7 +372,7 @@ class Trainer:
         merged = BadSamples.from_config(self.data_config)
         for counts in gather_bad_samples(self.cursor.counts, self.group):
             merged.merge(counts)
-        if not error:
+        if not (error := error or lease.agreed_lost(self.lease, self.config.run_dir, self.rank, self.group)):
             if self.log is not None:  # the last checkpoint's stall, which followed its row's write
                 self.log.flush()
             self.export()

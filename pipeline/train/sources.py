@@ -22,8 +22,6 @@ A plain ``--data`` never comes here: it runs as before, sample for sample.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -75,11 +73,14 @@ class Mixture:
         stream_fingerprint` for one source): each source's shard names, its weight, the seed, the shuffle
         buffer and what a source that runs out does."""
         named = [
-            [name, weight, [shard_name(url, dataset_root(shards)) for url in shards]]
-            for name, weight, shards in zip(self.names, self.weights, self.shards, strict=True)
+            [name, [shard_name(url, dataset_root(shards)) for url in shards]]
+            for name, shards in zip(self.names, self.shards, strict=True)
         ]
-        text = json.dumps([named, seed, shuffle_buffer, self.exhausted])
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        whole = [[[n, w, s] for (n, s), w in zip(named, self.weights, strict=True)], seed, shuffle_buffer]
+        return cursor.fingerprint(
+            [*whole, self.exhausted],
+            sources=named, weights=self.weights, seed=seed, shuffle=shuffle_buffer, exhausted=self.exhausted,
+        )  # fmt: skip
 
     def stream(
         self,

@@ -181,6 +181,35 @@ def test_check_shards_refuses_a_label_key_that_reads_no_label(synthetic_shards):
     )
 
 
+def test_check_shards_takes_one_unreadable_label_among_readable_ones_as_a_bad_sample(tmp_path):
+    # One .cls of 2**63 among good labels is that sample's error row, not a wrong --label-key.
+    shard = tmp_path / "one_bad.tar"
+    labels = [b"1", str(2**63).encode(), b"0", b"1"]
+    shard.write_bytes(
+        tar_bytes(
+            [
+                (f"{i:04d}.{ext}", b"J" if ext == "jpg" else labels[i])
+                for i in range(4)
+                for ext in ("jpg", "cls")
+            ]
+        )
+    )
+    config = DataConfig(image_size=32, patch_size=8, num_classes=2)
+    assert config.max_bad_fraction * 4 < 1  # the budget alone would refuse it
+    check_shards([str(shard)], config)
+    with shard.open("rb") as f:
+        samples = list(iter_samples(f))
+    assert [config.row_spec.label(s)[1].split(":")[0] for s in samples] == ["", "bad label", "", ""]
+    every_bad = tmp_path / "every_bad.tar"
+    every_bad.write_bytes(
+        tar_bytes(
+            [(f"{i:04d}.{ext}", b"J" if ext == "jpg" else b"x") for i in range(4) for ext in ("jpg", "cls")]
+        )
+    )
+    with pytest.raises(ShardError, match=r"4 of the first 4 labels are unreadable .*check --label-key"):
+        check_shards([str(every_bad)], config)
+
+
 def test_check_shards_says_a_file_that_is_not_a_tar_is_not_one(tmp_path, synthetic_shards):
     empty, text, noise = tmp_path / "empty.tar", tmp_path / "text.tar", tmp_path / "noise.tar"
     empty.write_bytes(b"")

@@ -10,6 +10,7 @@ from pipeline.data.mixture import (
     MixtureError,
     Source,
     SourceReader,
+    check_disjoint,
     draw_sources,
     mixed_micro_batches,
     parse_sources,
@@ -83,6 +84,65 @@ def test_a_yaml_file_lists_the_sources(tmp_path):
         parse_sources(str(path))
     with pytest.raises(MixtureError, match="cannot read the sources file"):
         parse_sources(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize(
+    "weights, says",
+    [
+        ("yes, no", "weight True is not a number"),  # YAML reads yes as a boolean, once taken as 1.0
+        ("'heavy', 1", "weight 'heavy' is not a number"),
+        ("[1], 1", "weight [1] is not a number"),
+        ("1e308, 1e308", "weights a: 1e+308, b: 1e+308 give no share to every source"),  # sum overflows
+        ("1.0e308, 1.0e308", "weights a: 1e+308, b: 1e+308 give no share to every source"),
+        (f"1{'0' * 400}, 1", "weight inf must be a positive number"),
+        (".inf, 1", "weight inf must be a positive number"),
+        (".nan, 1", "weight nan must be a positive number"),
+    ],
+)
+def test_a_sources_file_refuses_weights_that_are_no_finite_number(tmp_path, weights, says):
+    first, second = weights.split(", ")
+    path = tmp_path / "mix.yaml"
+    path.write_text(
+        f"sources:\n  - {{name: a, data: /x, weight: {first}}}\n  - {{name: b, data: /y, weight: {second}}}\n"
+    )
+    with pytest.raises(MixtureError) as error:
+        parse_sources(str(path))
+    assert says in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_weights_of_a_spec_whose_shares_overflow_are_refused():
+    with pytest.raises(MixtureError, match="give no share to every source"):
+        parse_sources("a=/x:1e308,b=/y:1e308")
+    assert [s.weight for s in parse_sources("a=/x:1e300,b=/y:1e300")] == [1e300, 1e300]
+
+
+@pytest.mark.parametrize(
+    "text, key, where",
+    [
+        ("sources:\n  - name: a\n    data: /x\n    data: /y\n", "data", "line 4, column 5"),
+        ("sources: [{name: a, data: /x}]\nsources: [{name: b, data: /y}]\n", "sources", "line 2, column 1"),
+    ],
+)
+def test_a_sources_file_with_a_key_given_twice_is_refused_where_it_is(tmp_path, text, key, where):
+    # PyYAML keeps the last of a key given twice: the block before it was dropped without a word.
+    path = tmp_path / "mix.yaml"
+    path.write_text(text)
+    with pytest.raises(MixtureError) as error:
+        parse_sources(str(path))
+    assert str(error.value) == (
+        f"the sources file {path} is not plain YAML: {where}: key {key!r} given twice (the first would be "
+        "dropped); fix it there"
+    )
+
+
+def test_check_disjoint_names_the_sources_and_their_shared_shards():
+    check_disjoint({"a": ["/s/0.tar", "/s/1.tar"], "b": ["/s/2.tar"]})
+    shards = [f"/s/{i}.tar" for i in range(6)]
+    with pytest.raises(
+        MixtureError,
+        match=r"^sources a and c both read 5 shard\(s\) \(/s/1.tar, /s/2.tar, /s/3.tar and 2 more\)",
+    ):
+        check_disjoint({"a": shards, "b": ["/t/0.tar"], "c": shards[1:]})
 
 
 @pytest.mark.parametrize(

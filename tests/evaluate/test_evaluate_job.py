@@ -29,12 +29,18 @@ HEADER = {
 
 
 def write_output(
-    directory: Path, features: np.ndarray, labels: np.ndarray, *, files: int = 2, prefix: str = ""
+    directory: Path,
+    features: np.ndarray,
+    labels: np.ndarray,
+    *,
+    files: int = 2,
+    prefix: str = "",
+    header: dict | None = None,
 ) -> Path:
     """An output as jobs/embed.py leaves it: ``files`` Parquet files and a manifest listing them
-    (``prefix``: before each file's name, as older versions named some)."""
+    (``prefix``: before each file's name, as older versions named some; ``header``: in place of HEADER)."""
     directory.mkdir(parents=True, exist_ok=True)
-    header = HEADER
+    header = header or HEADER
     shards = {}
     for i, (x, y) in enumerate(
         zip(np.array_split(features, files), np.array_split(labels, files), strict=True)
@@ -129,6 +135,30 @@ def test_a_test_split_embedded_from_training_shards_is_refused(tmp_path, capsys)
             "error: --train and --test were embedded from 3 of the same shards (first: train/shard-0.tar): "
             "the test would score images the classifier trained on; embed a held-out split for --test\n"
         )
+
+
+def test_a_normalized_split_against_a_plain_one_is_refused(tmp_path, capsys):
+    # Unit-length training rows against plain test rows were scored, exit 0.
+    labels = np.repeat([0, 1, 2], 10)
+    unit = {**HEADER, "output": {"normalize": True, "dtype": "float32"}}
+    x = clustered(labels)
+    normalized = write_output(
+        tmp_path / "unit", x / np.linalg.norm(x, axis=1, keepdims=True), labels, header=unit
+    )
+    plain = write_output(tmp_path / "plain", x, labels)
+    for train, test, unit_flag, plain_flag in (
+        (normalized, plain, "--train", "--test"),
+        (plain, normalized, "--test", "--train"),
+    ):
+        assert evaluate_job.main(["--train", str(train), "--test", str(test)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: {unit_flag} was embedded with --normalize (unit-length rows) and {plain_flag} without; "
+            "embed both with the same --normalize\n"
+        )
+    both = write_output(
+        tmp_path / "unit-test", x / np.linalg.norm(x, axis=1, keepdims=True), labels, header=unit
+    )
+    assert evaluate_job.main(["--train", str(normalized), "--test", str(both)]) == 0
 
 
 def test_an_output_that_an_older_version_named_for_readers_to_skip_still_loads(tmp_path):

@@ -272,6 +272,16 @@ def test_refusals_are_one_line(tmp_path, vectors, capsys):
         search.load_index(str(out)).search(np.zeros((1, 8), np.float32), 3)
 
 
+@pytest.mark.parametrize("flag", ["--k", "--nprobe", "--ef-search"])
+def test_search_knobs_past_a_c_int_are_refused_at_parse(tmp_path, capsys, flag):
+    # --nprobe 10**20 reached FAISS and ended in OverflowError, exit 1.
+    args = ["--index", str(tmp_path / "index"), "--key", "0-00000", flag]
+    one_line_error(
+        capsys, search_job.main([*args, str(10**20)]), f"{flag} must be from 1 to 2,147,483,647, got 100,000,"
+    )
+    one_line_error(capsys, search_job.main([*args, "0"]), f"{flag} must be from 1 to 2,147,483,647, got 0")
+
+
 def test_a_query_image_is_embedded_with_the_outputs_model(tmp_path, capsys):
     model = vit.create_model("vit_tiny_test", num_classes=4, image_size=32)
     weights = tmp_path / "export"
@@ -306,6 +316,9 @@ def test_a_query_image_is_embedded_with_the_outputs_model(tmp_path, capsys):
     broken.write_bytes(io.BytesIO(b"\xff\xd8not a jpeg").getvalue())
     args = ["--index", str(out), "--weights", str(weights), "--image"]
     one_line_error(capsys, search_job.main([*args, str(broken)]), "does not decode")
+    one_line_error(
+        capsys, search_job.main([*args, str(tmp_path)]), f"--image {tmp_path} is a directory; pass an image file"
+    )  # fmt: skip
     other = vit.create_model("vit_tiny_test", num_classes=4, image_size=32)
     vit.save_pretrained(tmp_path / "other", other.state_dict(), other.config)
     one_line_error(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import socket
 import tempfile
 from pathlib import Path
@@ -127,6 +128,58 @@ def test_interrupts_exits_and_failed_returns_each_end_in_one_line(capsys):
     assert cli.run_job(raises(SystemExit(0))) == 0 and capsys.readouterr().err == ""
     assert cli.run_job(lambda: 1) == 1
     assert "exit code 1" in one_error_line(capsys)
+
+
+SIGTERM_JOB = """
+import os, signal, sys, threading, time
+from types import SimpleNamespace
+
+from pipeline import cli
+
+
+def body():
+    cli.connect_ray(SimpleNamespace(address=None, num_cpus=1, verbose=False), needed_cpus=1)
+    import ray
+
+    @ray.remote
+    def chatty():
+        for i in range(1200):
+            print(f"worker line {i}", flush=True)
+            time.sleep(0.05)
+
+    ref = chatty.remote()
+    threading.Timer(8, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    ray.get(ref)  # Ray's check_status turns the SIGTERM it interrupts into SystemExit(1)
+    return 0
+
+
+sys.exit(cli.run_job(body))
+"""
+
+
+def test_a_sigterm_in_a_ray_get_names_the_signal_with_its_code_and_no_worker_line_follows(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(SIGTERM_JOB)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    lines = done.stdout.splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    # Was: 'error: stopped by SystemExit(1)', exit code 1, and worker lines after it.
+    assert done.returncode == 15, done.stdout[-2000:]
+    assert len(errors) == 1, done.stdout[-2000:]
+    assert lines[errors[0]] == (
+        "error: stopped by a SIGTERM (exit code 15); run the same command again to continue"
+    )
+    assert any("worker line" in line for line in lines[: errors[0]])  # lines were forwarded before it
+    assert not any("worker line" in line for line in lines[errors[0] :]), lines[errors[0] :]
 
 
 # --- storage that cannot be reached -----------------------------------------------------------------
@@ -253,6 +306,30 @@ def test_the_other_jobs_refuse_a_directory_they_did_not_write(
     assert shards.main(["--synthetic", "8", "--out", str(tmp_path / "s")]) == 0
     assert shards.main(["--synthetic", "8", "--out", str(mine), "--overwrite"]) == 0
     assert (mine / "notes.txt").read_text() == "the user's"
+
+
+def test_a_second_live_run_into_one_out_is_refused_in_one_line_naming_the_first(
+    synthetic_shards, tmp_path, capsys
+):
+    from pipeline.train import lease
+
+    for marked in (False, True):  # the first run's lease alone (before its marker), or beside it
+        out = tmp_path / f"run-{marked}"
+        first = lease.acquire(str(out))  # a live run: its driver is this process
+        if marked:
+            (out / driver.RUN_MARKER).write_text("{}")
+        args = ["--preset", "tiny", "--data", synthetic_shards.dir, "--out", str(out), "--cpu"]
+        assert job("pretrain").main(args) == cli.EXIT_BAD_INPUT
+        line = one_error_line(capsys)
+        head, tail = line.split(", renewed ")
+        assert head == (
+            f"error: --out {out} is in use by a live training run, run {first.run} (pid {os.getpid()} on "
+            f"{socket.gethostname()}"
+        )
+        assert tail.endswith(
+            " s ago); wait for it to end or stop it, then run again (a stopped run's directory is taken over)"
+        )
+        assert lease.read(str(out))["run"] == first.run  # the first run's lease untouched
 
 
 def test_make_shards_from_a_missing_folder_is_bad_input_in_one_line(tmp_path, capsys):

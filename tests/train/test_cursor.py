@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 
 from pipeline.data.bad_samples import BadSamples
@@ -68,16 +71,31 @@ def test_a_position_is_re_read_only_in_the_stream_and_layout_it_was_taken_from()
     cursor.took(3, counts(12, 0))
     state = saved([cursor, EpochCursor.start(1, 2, 4, SAME, DATA)])
     others = [
-        stream_fingerprint(["a.tar", "c.tar"], 0, 16),  # other shards
-        stream_fingerprint(["b.tar", "a.tar"], 0, 16),  # listed in another order
-        stream_fingerprint(["a.tar", "b.tar"], 1, 16),  # another seed
-        stream_fingerprint(["a.tar", "b.tar"], 0, 0),  # another shuffle buffer
+        (stream_fingerprint(["a.tar", "c.tar"], 0, 16), "from other shards"),
+        (stream_fingerprint(["b.tar", "a.tar"], 0, 16), "from other shards"),  # listed in another order
+        (stream_fingerprint(["a.tar", "b.tar"], 1, 16), "with another --seed"),
+        (stream_fingerprint(["a.tar", "b.tar"], 0, 0), "with another --shuffle-buffer"),
+        (
+            stream_fingerprint(["a.tar"], 1, 0),
+            "from other shards and with another --seed and with another --shuffle-buffer",
+        ),
     ]
     moved = stream_fingerprint(["s3://bucket/copy/a.tar", "s3://bucket/copy/b.tar"], 0, 16)
     assert stream_fingerprint(["/data/a.tar", "/data/b.tar"], 0, 16) == SAME == moved  # same names
-    for other in others:
+    for other, why in others:
         again, note = EpochCursor.resume(state, 0, 2, 4, other, DATA)
-        assert again.taken == 0 and note.startswith("it was taken from other shards"), note
+        assert again.taken == 0 and note.startswith(f"it was taken {why}, so this epoch's data"), note
+    # A checkpoint from before the fingerprint had named parts: its whole hash is the first part's; any
+    # other says each part that may have changed.
+    before = hashlib.sha256(json.dumps([["a.tar", "b.tar"], 0, 16]).encode()).hexdigest()[:16]
+    assert SAME.split()[0] == before
+    state.epoch_position = {**state.epoch_position, "stream": before}
+    assert EpochCursor.resume(state, 0, 2, 4, SAME, DATA)[0].taken == 3
+    state.epoch_position = {**state.epoch_position, "stream": "0123456789abcdef"}
+    _, note = EpochCursor.resume(state, 0, 2, 4, SAME, DATA)
+    assert note.startswith(
+        "it was taken from other shards or sources, or with another seed or shuffle buffer"
+    )
     again, note = EpochCursor.resume(state, 0, 4, 4, SAME, DATA)
     assert again.taken == 0
     assert (
@@ -140,3 +158,21 @@ def test_at_another_layout_a_position_by_sample_makes_the_cursor_elastic_and_dea
     assert not again.elastic and note.endswith(
         "so this epoch's data starts again from its first sample (no position by sample)"
     )
+
+
+def test_a_mixed_streams_fingerprint_says_which_of_its_parts_changed():
+    from pipeline.train.cursor import changed_parts
+    from pipeline.train.sources import Mixture
+
+    def mix(weights, shards=(["/a/0.tar"], ["/b/0.tar"]), exhausted="cycle"):
+        return Mixture(["a", "b"], list(weights), [list(s) for s in shards], exhausted).fingerprint(0, 16)
+
+    saved = mix([0.7, 0.3])
+    assert mix([0.7, 0.3]) == saved
+    # A resume with changed weights was told "taken from other shards, or with another seed".
+    assert changed_parts(saved, mix([0.5, 0.5])) == "with other source weights"
+    assert (
+        changed_parts(saved, mix([0.7, 0.3], (["/a/0.tar"], ["/b/1.tar"]))) == "from other sources or shards"
+    )
+    assert changed_parts(saved, mix([0.7, 0.3], exhausted="end")) == "with another --source-exhausted"
+    assert changed_parts(saved, SAME).startswith("from other shards or sources, or")  # one source now

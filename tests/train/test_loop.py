@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
 from pipeline.data.masking import mask_batch
-from pipeline.train import loop
+from pipeline.train import lease, loop
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import model_config
 from pipeline.train.state import TrainState
@@ -227,6 +227,33 @@ def test_weights_that_are_not_finite_are_never_checkpointed(world, fake_data, mo
     summary, _ = run(config(tmp_path / "run"), world)
     assert summary["error"].startswith("the weights hold NaN or inf at step 4 and were not saved")
     assert not (tmp_path / "run" / dcp.checkpoint_name(4)).exists()
+
+
+def test_workers_stop_writing_once_another_run_has_taken_the_run_directory_over(
+    world, fake_data, monkeypatch, tmp_path
+):
+    # The workers of a killed driver trained ~8 more steps into --out while a rerun resumed there.
+    cfg = config(tmp_path / "run")
+    held = lease.acquire(cfg.run_dir)
+    real_step = loop.TrainStep.__call__
+
+    def step_then_taken_over(self, step, micro_batches, global_count, **kwargs):
+        stats = real_step(self, step, micro_batches, global_count, **kwargs)
+        if step == 2:  # a rerun takes --out over (its driver is this live process)
+            record = {**held.record(), "run": "rerun"}
+            (tmp_path / "run" / lease.LEASE).write_text(json.dumps(record))
+        return stats
+
+    monkeypatch.setattr(loop.TrainStep, "__call__", step_then_taken_over)
+    session = LocalSession(world, Path(cfg.run.out))
+    loop_config = {"train": cfg.to_dict(), "shards": SHARDS, "data_cpus_per_worker": 1.0, "lease": held.run}
+    summary = loop.Trainer(loop_config, session).train()
+    assert summary["error"].startswith(f"the lease on {tmp_path / 'run'} was taken over by run rerun (pid ")
+    assert summary["error"].endswith("this run stops and writes nothing more there")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [2]  # step 4's row, checkpoint and final/ never written
+    assert not (tmp_path / "run" / dcp.checkpoint_name(4)).exists()
+    assert not (tmp_path / "run" / "final").exists()
 
 
 def test_train_state_reads_checkpoints_written_before_its_newer_fields():

@@ -142,7 +142,7 @@ def test_a_resume_with_other_weights_starts_the_epoch_again_and_says_so(
     run(stopped, world)
     other = [dict(SOURCES[0], weight=0.5), dict(SOURCES[1], weight=0.5)]
     run(stopped.replace(stop_at_step=None), world, mix=other)
-    assert "it was taken from other shards" in capsys.readouterr().out
+    assert "it was taken with other source weights" in capsys.readouterr().out
     assert dcp.latest_complete(tmp_path / "run") is not None
 
 
@@ -162,6 +162,19 @@ def test_the_driver_expands_and_checks_each_source_before_any_cluster_work(synth
         driver.prepare_data(base.replace(data=f"a={synthetic_shards.dir}:1,b={tmp_path / 'b/'}:1"))
     with pytest.raises(ValueError, match=r"weight 0\.0 must be a positive number"):
         driver.prepare_data(base.replace(data=f"a={synthetic_shards.dir}:0"))
+
+
+def test_the_driver_refuses_sources_that_share_shards_naming_them(synthetic_shards):
+    # The same shards in two sources trained their samples twice an epoch, with the same crops.
+    urls = synthetic_shards.urls
+    base = PRESETS["tiny"]().replace(out="unused", num_workers=2)
+    spec = f"a={synthetic_shards.dir}:0.5,b={urls[1]},{urls[3]}:0.5"  # b's shards are also a's
+    with pytest.raises(ValueError) as error:
+        driver.prepare_data(base.replace(data=spec))
+    assert str(error.value) == (
+        f"sources a and b both read 2 shard(s) ({urls[1]}, {urls[3]}): their samples would train twice an "
+        "epoch; give each shard to one source (a larger weight trains a source more often)"
+    )
 
 
 def test_the_next_epochs_mixed_input_starts_ahead_and_trains_what_input_built_in_step_trains(
