@@ -26,7 +26,7 @@ import torch
 
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
-from pipeline.train import loop, sources
+from pipeline.train import dataplan, loop
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import model_config
 from pipeline.train.presets import PRESETS
@@ -70,11 +70,13 @@ def golden_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples,
     yield from rebatch(rows(), size)
 
 
-def use_streams(mp: pytest.MonkeyPatch, plain: Any) -> None:
-    """The fake streams in place of Ray Data's: ``plain`` for one source, `tests.train.test_sources`'s
-    for mixed sources."""
-    mp.setattr(loop, "micro_batches", plain)
-    mp.setattr(sources, "micro_batches", test_sources.fake_micro_batches)
+def use_stream(mp: pytest.MonkeyPatch, stream: Any) -> None:
+    """A fake stream in place of Ray Data's."""
+    mp.setattr(dataplan, "micro_batches", stream)
+
+
+def stream_of(kind: str) -> Any:
+    return test_loop.fake_micro_batches if kind == "plain" else test_sources.fake_micro_batches
 
 
 def record_keys(mp: pytest.MonkeyPatch) -> list[list[str]]:
@@ -130,7 +132,7 @@ def keys_config(kind: str, out: Path) -> TrainConfig:
 
 def losses_now(device: torch.device, out: Path) -> list[float]:
     with pytest.MonkeyPatch.context() as mp:
-        use_streams(mp, golden_micro_batches)
+        use_stream(mp, golden_micro_batches)
         cfg = loss_config(out)
         reports = run(cfg, device, {"shards": LOSS_SHARDS})["reports"]
     return [row["loss"] for row in reports]
@@ -139,7 +141,7 @@ def losses_now(device: torch.device, out: Path) -> list[float]:
 def keys_run_now(kind: str, device: torch.device, out: Path) -> dict[str, Any]:
     """The keys per step, the final weights' sha and the state of the checkpoint at `MIDWAY`."""
     with pytest.MonkeyPatch.context() as mp:
-        use_streams(mp, test_loop.fake_micro_batches)
+        use_stream(mp, stream_of(kind))
         taken = record_keys(mp)
         cfg = keys_config(kind, out)
         run(cfg, device, data_of(kind))
@@ -178,7 +180,7 @@ def test_a_checkpoint_in_the_recorded_form_resumes_with_the_recorded_keys_and_we
     out = tmp_path / "run"
     cfg = keys_config(kind, out).replace(stop_at_step=midway)
     with pytest.MonkeyPatch.context() as mp:
-        use_streams(mp, test_loop.fake_micro_batches)
+        use_stream(mp, stream_of(kind))
         run(cfg, world, data_of(kind))
         written = json.loads((out / dcp.checkpoint_name(midway) / "train_state.json").read_text())
         # The stream fingerprint is of the shard names and the seed: the same as the recorded one.
