@@ -209,13 +209,13 @@ class Mixture:
 @dataclass(frozen=True)
 class PlanSettings:
     """What every plan here reads of the run: its settings, the data's, the rank, the batch columns the
-    objective trains on, and the rank's decode CPUs (0: decided per epoch, `data_cpus_per_worker`)."""
+    objective trains on, and the rank's decode CPUs (None: decided per epoch, `data_cpus_per_worker`)."""
 
     config: TrainConfig
     data_config: DataConfig
     me: Rank
     columns: tuple[str, ...]
-    data_cpus: float
+    data_cpus: float | None
 
 
 class StreamPlan:
@@ -308,9 +308,7 @@ def plan_for(
     columns: tuple[str, ...],
 ) -> DataPlan:
     """The run's plan from the driver's ``loop_config``: its ``sources`` mixed, or its ``shards``."""
-    settings = PlanSettings(
-        config, data_config, me, tuple(columns), float(loop_config["data_cpus_per_worker"])
-    )
+    settings = PlanSettings(config, data_config, me, tuple(columns), loop_config["data_cpus_per_worker"])
     mixture = Mixture.from_loop_config(loop_config, config.run.source_exhausted)
     return (
         OneSource(list(loop_config["shards"]), settings)

@@ -21,10 +21,10 @@ from tests.train.test_sources import SOURCES
 PIPELINE = Path(__file__).resolve().parents[2] / "pipeline"
 
 
-def plan(data: dict):
+def plan(data: dict, data_cpus: float | None = 1.0):
     config = tiny_config(micro_batch_size=4)
     me = Rank(0, 1, torch.device("cpu"), None, accum=2)
-    loop_config = {**data, "data_cpus_per_worker": 1.0}
+    loop_config = {**data, "data_cpus_per_worker": data_cpus}
     return plan_for(loop_config, config, config.data_for(8), me, ("patches", "label")), config
 
 
@@ -36,6 +36,12 @@ def test_a_plain_data_is_one_source_with_the_stream_and_position_of_one():
     position = one.position()
     assert isinstance(position, EpochPosition) and position.shards == SHARDS
     assert one.metrics(None, None) == {}  # no collective, nothing in the metrics rows
+
+
+def test_a_plan_takes_the_drivers_data_cpus_or_none():
+    """None (no --data-cpus-per-worker): the rank's share is decided per epoch, as the driver hands it."""
+    for data_cpus in (None, 3.0):
+        assert plan({"shards": SHARDS}, data_cpus)[0].data_cpus == data_cpus
 
 
 def test_sources_are_mixed_with_a_position_per_source():
