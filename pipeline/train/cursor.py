@@ -44,7 +44,7 @@ from pipeline.data.config import DataConfig
 from pipeline.data.shards import dataset_root, shard_name
 from pipeline.train.position import EpochPosition
 from pipeline.train.source_position import SourcesPosition
-from pipeline.train.state import gather_bad_samples
+from pipeline.train.state import TrainState, gather_bad_samples
 
 T = TypeVar("T")
 Position = EpochPosition | SourcesPosition
@@ -164,7 +164,7 @@ class EpochCursor:
     @classmethod
     def resume(
         cls,
-        state: Any,
+        state: TrainState,
         rank: int,
         world: int,
         micro_batch_size: int,
@@ -267,7 +267,7 @@ class EpochCursor:
         if self.samples is not None:
             self.samples = self.samples.fresh()
 
-    def save_into(self, state: Any, group: dist.ProcessGroup | None) -> None:
+    def save_into(self, state: TrainState, group: dist.ProcessGroup | None) -> None:
         """Collective: the `TrainState` fields a checkpoint holds of every rank's cursor."""
         state.epoch_position = self.position()
         state.epoch_consumed = {} if self.samples is None else self.samples.gathered(group)

@@ -34,8 +34,7 @@ from pipeline.data.config import DataConfig
 from pipeline.linear_probe import LinearProbe, fit_linear_probe
 from pipeline.train.config import TrainConfig
 from pipeline.train.metrics import log_line
-from pipeline.train.resources import data_cpus_per_worker
-from pipeline.train.state import agree_on_error
+from pipeline.train.state import Rank, agree_on_error
 
 # Fields of the pretrained model that fine-tuning changes; every other field is the weights' own. The
 # regularization fields are the fine-tuning run's own settings (--drop-path-rate, --dropout).
@@ -162,21 +161,26 @@ def _fit_rows(rows: list[tuple[np.ndarray, np.ndarray]], num_classes: int) -> tu
     return probe, len(y), float(np.mean(probe.predict(x) == y))
 
 
-def probe_head_in_run(trainer: Any) -> None:
-    """Collective: `fit_probe_head` over a `pipeline.train.loop.Trainer`'s first training images, up to
-    `PROBE_IMAGES` (each rank the first of its slice of the shards), with the evaluation crop at the
-    run's image size; rank 0 logs it."""
+def probe_head_in_run(
+    model: nn.Module,
+    shards: list[str],
+    config: TrainConfig,
+    patch_size: int,
+    me: Rank,
+    idle: torch.Tensor,
+    *,
+    data_cpus: float,
+) -> None:
+    """Collective: `fit_probe_head` over the run's first training images, up to `PROBE_IMAGES` (each rank
+    the first of its slice of ``shards``), with the evaluation crop at the run's image size; rank 0 logs it."""
     start = time.perf_counter()
-    t, config = trainer, trainer.config
-    eval_config = eval_data_config(config, t.model_config.patch_size)
-    cpus = t.data_cpus or data_cpus_per_worker(config, t.world, t.rank, 0)
-    batches = eval_batches(t.shards[t.rank :: t.world], eval_config, config.optim.micro_batch_size, cpus)
-    limit = -(-PROBE_IMAGES // t.world)
-    idle = t.objective.idle_batch(t.device)[0]
+    eval_config = eval_data_config(config, patch_size)
+    batches = eval_batches(shards[me.rank :: me.world], eval_config, config.optim.micro_batch_size, data_cpus)
+    limit = -(-PROBE_IMAGES // me.world)
     probe, images, accuracy = fit_probe_head(
-        t.model, _first(batches, limit), idle, t.device, t.group, config.arch.num_classes
+        model, _first(batches, limit), idle, me.device, me.group, config.arch.num_classes
     )
-    if t.rank == 0:
+    if me.rank == 0:
         note = "" if probe.converged else " (L-BFGS stopped before converging)"
         log_line(
             f"head: a linear probe fit on {images} training images at {config.data.image_size} px (eval crop) "
@@ -244,25 +248,28 @@ def evaluate(
         model.train(training)
 
 
-def evaluate_in_run(trainer: Any) -> float:
-    """Collective: the training loop's evaluation (a `pipeline.train.loop.Trainer`'s): top-1 accuracy
-    over its evaluation shards, each rank its slice, with the evaluation crop; rank 0 logs it. Its time
-    is not training time: the metrics window starts later by as much. A data error on any rank raises
-    RuntimeError with that rank's line on every rank."""
+def evaluate_in_run(
+    model: nn.Module,
+    shards: list[str],
+    config: TrainConfig,
+    patch_size: int,
+    me: Rank,
+    idle: torch.Tensor,
+    *,
+    step: int,
+    data_cpus: float,
+) -> tuple[float, float]:
+    """Collective: the training loop's evaluation at ``step``: (top-1 accuracy over the evaluation
+    ``shards``, each rank its slice, with the evaluation crop; its seconds, which are not training time).
+    Rank 0 logs it. A data error on any rank raises RuntimeError with that rank's line on every rank."""
     start = time.perf_counter()
-    t, config = trainer, trainer.config
-    eval_config = eval_data_config(config, t.model_config.patch_size)
-    cpus = t.data_cpus or data_cpus_per_worker(config, t.world, t.rank, t.state.epoch)
-    batches = eval_batches(t.eval_shards[t.rank :: t.world], eval_config, config.optim.micro_batch_size, cpus)
-    idle = t.objective.idle_batch(t.device)[0]
-    accuracy, seen = evaluate(t.model, batches, idle, t.device, t.group)
+    eval_config = eval_data_config(config, patch_size)
+    batches = eval_batches(shards[me.rank :: me.world], eval_config, config.optim.micro_batch_size, data_cpus)
+    accuracy, seen = evaluate(model, batches, idle, me.device, me.group)
     seconds = time.perf_counter() - start
-    t.window.start += seconds
-    if t.rank == 0:
-        log_line(
-            f"step {t.state.step}: eval accuracy {100 * accuracy:.2f}% on {seen} images ({seconds:.0f} s)"
-        )
-    return accuracy
+    if me.rank == 0:
+        log_line(f"step {step}: eval accuracy {100 * accuracy:.2f}% on {seen} images ({seconds:.0f} s)")
+    return accuracy, seconds
 
 
 def _evaluate(

@@ -3,11 +3,22 @@
     train_loop_per_worker -> Trainer(set up, resume) -> train(): epochs -> steps -> report / checkpoint
                                                       -> finish(): every rank's bad samples, the export
 
+What the loop holds besides the model, its optimizer step and the run's state, each a narrow interface:
+
+- ``me``, a `pipeline.train.state.Rank`: rank, world size, device, the agreements' CPU group and the
+  micro-batches per step, fixed at set-up;
+- ``plan``, a `pipeline.train.dataplan.DataPlan`: everything the loop asks of its data, the same for a
+  plain ``--data`` (`OneSource`) and a mixture (`MixedSources`): an epoch's step inputs, the empty position
+  by sample its checkpoints record, its streams' fingerprint and what its metrics rows add;
+- ``cursor``, a `pipeline.train.cursor.EpochCursor`: where this rank stands in the epoch;
+- ``checkpointer``, a `pipeline.train.saver.Checkpointer`: save, wait, the longest save; the preemption
+  check (`pipeline.train.preemption.checkpoint_and_stop`) saves with it too.
+
 Data: each epoch has one shard order, a pure function of (seed, epoch). Rank r streams
 `order[r::world]` through its own Ray Data pipeline (read -> decode -> crop -> patchify), so which
 sample lands on which rank at which step is deterministic. (Ray's `get_dataset_shard` balances
 blocks across workers on demand, which is neither reproducible nor resumable mid-epoch; that is why
-the split is done here.)
+the split is done here.) Mixed sources: `pipeline.train.dataplan`.
 
 Resume at the sample: a checkpoint holds how many micro-batches each rank has taken from its stream
 this epoch. A run resumed at the same world size and micro-batch size rebuilds the same streams,
@@ -23,7 +34,8 @@ A preemption notice on any rank rides on the same agreement: every rank checkpoi
 boundary and stops, and Ray Train restarts the run from there (`pipeline.train.preemption`).
 
 The GPU is not kept waiting on the host: the next steps' input is built on a background thread
-(`pipeline.train.prefetch`), which starts the next epoch's pipeline as soon as this one's runs dry, the ranks' agreements go through a CPU group, and loss and accuracy
+(`pipeline.train.prefetch`), which starts the next epoch's pipeline as soon as this one's runs dry, the
+ranks' agreements go through a CPU group, and loss and accuracy
 stay on the device until a log line is due, as do the counts of skipped steps: with fused AdamW a
 step waits for nothing (`pipeline.train.step`); other AdamW kernels read the gradient norm back.
 """
@@ -38,26 +50,24 @@ import torch.distributed as dist
 
 from pipeline import dcp
 from pipeline.data.bad_samples import BadSamples
-from pipeline.data.config import shard_order
-from pipeline.data.dataset import micro_batches
-from pipeline.data.shards import dataset_root
-from pipeline.train import checkpoint, finetune, lease, mfu, preemption, sinks, sources, stacks
+from pipeline.train import checkpoint, finetune, lease, mfu, preemption, sinks, stacks
 from pipeline.train.config import worker_config
 from pipeline.train.cursor import EpochCursor
+from pipeline.train.dataplan import StepInputs, plan_for
 from pipeline.train.ema import WeightEMA
 from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
 from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import objective_for
 from pipeline.train.optim import optimizer_kernels
-from pipeline.train.prefetch import Prefetcher, StepInput
+from pipeline.train.prefetch import StepInput
 from pipeline.train.resources import data_cpus_per_worker
-from pipeline.train.saver import Saver
+from pipeline.train.saver import Checkpointer, Saver, WeightsNotFinite
 from pipeline.train.session import RaySession
 from pipeline.train.state import (
+    Rank,
     StepAgreement,
     TrainState,
     agree_on_step,
-    agree_weights_are_finite,
     control_group,
     gather_bad_samples,
 )
@@ -85,8 +95,7 @@ class Trainer:
 
     def __init__(self, loop_config: dict[str, Any], session: RaySession):
         self.config = config = worker_config(loop_config)
-        self.shards: list[str] = loop_config["shards"]
-        self.mixture = sources.Mixture.from_loop_config(loop_config, config.run.source_exhausted)  # or None
+        self.shards: list[str] = loop_config["shards"]  # every source's, for the log lines
         self.data_cpus: float = loop_config["data_cpus_per_worker"]
         self.session = session
         self.rank, self.world, self.device = session.rank, session.world, session.device
@@ -97,15 +106,14 @@ class Trainer:
         self.objective = objective_for(config)  # loss, batch columns, FLOPs, what final/ holds
         self.data_config = config.data_for(self.model_config.patch_size)
         self.accum = config.optim.batch_size // (config.optim.micro_batch_size * self.world)
+        self.me = Rank(self.rank, self.world, self.device, control_group(), self.accum)
+        self.plan = plan_for(loop_config, config, self.data_config, self.me, self.objective.columns)
         self.model = build_model(config, self.device)
         self.step_fn = TrainStep(self.model, config, self.device, self.objective)
         decay = config.optim.ema_decay  # the EMA of the weights (`pipeline.train.ema`), or None
         self.ema = None if decay is None else WeightEMA(self.model, decay, config.optim.ema_every)
-        self.group = control_group()  # before resume: --head-init probe agrees on its batches with it
+        self.group = self.me.group  # before resume: --head-init probe agrees on its batches with it
         self.state = self.resume()
-        self.saver = Saver(
-            session, self.model, self.step_fn.optimizer, self.ema, asynchronous=config.run.async_checkpoint
-        )
         # Where this rank stands in the epoch, and its bad-sample counts as of the last step's input.
         # The data thread counts into a copy of its own, so samples it read ahead for steps that never
         # ran (the run stopped) are not counted.
@@ -113,18 +121,22 @@ class Trainer:
         self.skipped = SkippedSteps(self.device)
         log = None if self.rank else MetricsLog(config.run_dir, self.state.step, watch=True)
         self.log = None if log is None else sinks.attach(log, config)
-        self.saved_config = {
+        saved_config = {
             "train": config.to_dict(),
             "model_config": self.model_config.to_dict(),
             "data": self.data_config.to_dict(),
             **self.objective.checkpoint_meta(),
         }
+        saver = Saver(
+            session, self.model, self.step_fn.optimizer, self.ema, asynchronous=config.run.async_checkpoint
+        )
+        self.checkpointer = Checkpointer(saver, self.me, self.model, saved_config)
         self.peak_tflops, peak_note = mfu.peak_tflops(self.device)
         self.flops_per_image = self.objective.flops_per_image()
         self.last_metrics: dict[str, Any] = {}
         self.first_step, self.run_start = self.state.step, time.perf_counter()
         self.window = MetricsWindow(self.device)
-        self.upcoming: tuple[int, Prefetcher] | None = None  # the next epoch's input, started ahead
+        self.upcoming: tuple[int, StepInputs] | None = None  # the next epoch's input, started ahead
         self.preemption = preemption.PreemptionWatcher(self.rank, self.world, first_step=self.state.step)
         self.announce(peak_note)
 
@@ -138,7 +150,11 @@ class Trainer:
                     state = finetune.pretrained_state(self.config, self.model_config)
                     finetune.load_pretrained(self.model, state)
                     if self.config.arch.head_init == "probe":
-                        finetune.probe_head_in_run(self)
+                        cpus = self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, 0)
+                        finetune.probe_head_in_run(
+                            self.model, self.shards, self.config, self.model_config.patch_size, self.me,
+                            self.objective.idle_batch(self.device)[0], data_cpus=cpus,
+                        )  # fmt: skip
                     if self.ema is not None:
                         self.ema.reset()  # the EMA starts from the pretrained weights
                 return TrainState(seed=self.config.run.seed)
@@ -157,13 +173,12 @@ class Trainer:
 
     def resume_cursor(self) -> EpochCursor:
         """This rank's place in the epoch: the start, or what the checkpoint resumed from holds."""
-        stream = sources.stream_fingerprint(self)  # of the shards, or of the mixed sources
+        stream, position = self.plan.fingerprint, self.plan.position()
         layout = (self.rank, self.world, self.config.optim.micro_batch_size, stream, self.data_config)
-        by_sample = {"shards": self.shards} if self.mixture is None else {"position": sources.position(self)}
         if self.resumed_from is None:
-            return EpochCursor.start(*layout, **by_sample)
+            return EpochCursor.start(*layout, position=position)
         done = self.state.step >= self.config.last_step
-        cursor, note = EpochCursor.resume(self.state, *layout, schedule_done=done, **by_sample)
+        cursor, note = EpochCursor.resume(self.state, *layout, schedule_done=done, position=position)
         if self.rank == 0:
             where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step}"
             log_line(f"{where} (epoch {self.state.epoch})" + (f": {note}" if note else ""))
@@ -218,7 +233,7 @@ class Trainer:
                         "workers; use more data or a smaller --batch-size"
                     )
                 if agreement.preempted:  # a checkpoint of the steps so far, then Ray Train restarts the run
-                    preemption.checkpoint_and_stop(self)
+                    self.checkpoint_and_stop()
                 if agreement.epoch_over:
                     break
                 self.train_step(data, step_input, agreement)
@@ -229,39 +244,12 @@ class Trainer:
         state.epoch += 1
         self.cursor.next_epoch()
 
-    def epoch_input(self, ahead: BadSamples | None = None) -> Prefetcher:
+    def epoch_input(self, ahead: BadSamples | None = None) -> StepInputs:
         """This rank's steps of input for the current epoch, after the micro-batches it has taken; or,
         given ``ahead`` (the counts this epoch's stream ended with), the next epoch's from its start."""
-        if self.mixture:  # sources mixed by weight, each place drawn by step (`pipeline.train.sources`)
-            return sources.epoch_input(self, ahead)
         epoch = self.state.epoch + (ahead is not None)
-        order = shard_order(self.shards, self.config.run.seed, epoch)
-        shards, skip = self.cursor.deal(order, ahead=ahead is not None)
-        counts = self.cursor.replay_counts() if ahead is None else ahead
-        stream = micro_batches(
-            shards,
-            self.data_config,
-            epoch=epoch,
-            rank=self.rank,
-            size=self.config.optim.micro_batch_size,
-            bad_samples=counts,
-            data_cpus=self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, epoch),
-            root=dataset_root(self.shards),
-            **skip,  # an elastic epoch's consumed samples, passed over (`EpochCursor.deal`)
-        )
-        return self.prefetcher(stream, epoch, counts, ahead=ahead is not None)
-
-    def prefetcher(self, stream: Any, epoch: int, counts: BadSamples, *, ahead: bool) -> Prefetcher:
-        """``epoch``'s steps of input from ``stream``, after the micro-batches taken (none ``ahead``)."""
-        return Prefetcher(
-            stream if ahead else self.cursor.skip(stream),
-            accum=self.accum,
-            columns=self.objective.columns,
-            bad_samples=counts,
-            pin=self.device.type == "cuda",
-            depth=self.config.speed.prefetch_steps,
-            on_dry=lambda final: self.start_next_epoch(epoch, final),
-        )
+        on_dry = lambda final: self.start_next_epoch(epoch, final)  # noqa: E731
+        return self.plan.epoch_input(epoch, self.cursor, ahead=ahead, on_dry=on_dry)
 
     def start_next_epoch(self, epoch: int, final: BadSamples) -> None:
         """On the data thread, when this rank's stream of ``epoch`` has run dry: the next epoch's input
@@ -269,7 +257,7 @@ class Trainer:
         if epoch == self.state.epoch and self.state.step + 1 < self.config.last_step:
             self.upcoming = (epoch + 1, self.epoch_input(ahead=final))
 
-    def next_step_input(self, data: Prefetcher) -> tuple[StepInput, StepAgreement]:
+    def next_step_input(self, data: StepInputs) -> tuple[StepInput, StepAgreement]:
         """Collective: this rank's input for the next step, and what all ranks agree on."""
         wait_start = time.perf_counter()
         step_input = data.next()
@@ -280,7 +268,7 @@ class Trainer:
             self.cursor.saw(step_input.bad_samples, step_input.counted)
         return step_input, agreement
 
-    def train_step(self, data: Prefetcher, step_input: StepInput, agreement: StepAgreement) -> None:
+    def train_step(self, data: StepInputs, step_input: StepInput, agreement: StepAgreement) -> None:
         self.cursor.took(self.accum, step_input.bad_samples, step_input.consumed)  # places: same on all
         micro_batches = step_input.to_device(self.device)
         data.release(step_input)
@@ -302,11 +290,19 @@ class Trainer:
             self.report(stats, save=save, eval_accuracy=self.evaluate() if evaluate else None)
 
     def evaluate(self) -> float:
-        """Collective: top-1 accuracy over the evaluation shards (`finetune.evaluate_in_run`)."""
+        """Collective: top-1 accuracy over the evaluation shards (`finetune.evaluate_in_run`); its time
+        is not training time: the metrics window starts later by as much."""
+        cpus = self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch)
+        idle = self.objective.idle_batch(self.device)[0]
         try:
-            return finetune.evaluate_in_run(self)
+            accuracy, seconds = finetune.evaluate_in_run(
+                self.model, self.eval_shards, self.config, self.model_config.patch_size, self.me, idle,
+                step=self.state.step, data_cpus=cpus,
+            )  # fmt: skip
         except RuntimeError as e:  # every rank raises alike, with the failing rank's message
             raise StopRun(str(e)) from e
+        self.window.start += seconds
+        return accuracy
 
     # --- report and checkpoint -------------------------------------------------------------------
     def report(self, stats: StepStats, *, save: bool, eval_accuracy: float | None = None) -> None:
@@ -329,7 +325,7 @@ class Trainer:
         )
         if eval_accuracy is not None:
             metrics["eval_accuracy"] = eval_accuracy
-        metrics.update(sources.metrics(self))  # collective: where a mixed run is in each source
+        metrics.update(self.plan.metrics(self.cursor.counts, self.group))  # mixed: where it is in each source
         if save:
             # The history is stored before the checkpoint can register: a run killed after it keeps the row.
             # That is the checkpoint's one write to an object store: its stall reaches it at the next flush.
@@ -347,28 +343,38 @@ class Trainer:
         self.window = self.window.following()
 
     def save_checkpoint(self, metrics: dict[str, Any]) -> None:
-        """Collective: every rank saves its shards and hands them to Ray Train with the metrics
-        (`pipeline.train.saver`: written beside training unless --no-async-checkpoint); the seconds
-        training waited become the row's ``checkpoint_stall_s``.
-
-        Weights that are not finite are never saved: the run stops instead, and its latest checkpoint
-        stays the one to resume from.
-        """
-        started = time.perf_counter()
-        if not agree_weights_are_finite(self.model, self.device):
+        """Collective: a checkpoint with these metrics (`Checkpointer.save`); the seconds training waited
+        become the row's ``checkpoint_stall_s``. Weights that are not finite stop the run instead."""
+        try:
+            metrics["checkpoint_stall_s"] = self.checkpointer.save(self.state, self.cursor, metrics)
+        except WeightsNotFinite as e:
             raise StopRun(
-                f"the weights hold NaN or inf at step {self.state.step} and were not saved; resume from "
-                "the last checkpoint with a lower --lr or a smaller --grad-clip"
-            )
-        self.cursor.save_into(self.state, self.group)
-        self.saver.start(dict(metrics), self.state.to_dict(), self.saved_config)
-        metrics["checkpoint_stall_s"] = time.perf_counter() - started
+                f"{e} and were not saved; resume from the last checkpoint with a lower --lr or a smaller --grad-clip"
+            ) from e
+
+    def checkpoint_and_stop(self) -> None:
+        """Collective, on a preemption notice: `pipeline.train.preemption.checkpoint_and_stop`."""
+        step, resumed = self.state.step, self.resumed_from
+
+        def save() -> None:
+            if self.last_metrics.get("step") == step:  # logged at this step: the same row goes with it
+                if self.log is not None:
+                    self.log.flush()
+                self.save_checkpoint(self.last_metrics)
+            else:
+                self.report(self.last_stats, save=True)
+
+        preemption.checkpoint_and_stop(
+            self.preemption, self.me, step, self.checkpointer, save,
+            held=step % self.config.run.checkpoint_every == 0 or (resumed or {}).get("step") == step,
+            max_failures=self.config.run.max_failures,
+        )  # fmt: skip
 
     # --- finish ----------------------------------------------------------------------------------
     def finish(self, error: str) -> dict[str, Any]:
         """Collective: the last checkpoint in storage; merge every rank's bad samples; export the model
         unless the run failed."""
-        self.saver.close()
+        self.checkpointer.close()
         merged = BadSamples.from_config(self.data_config)
         for counts in gather_bad_samples(self.cursor.counts, self.group):
             merged.merge(counts)

@@ -51,6 +51,8 @@ import torch.distributed as dist
 
 from pipeline import compat, dcp
 from pipeline.train.metrics import log_line
+from pipeline.train.saver import Checkpointer
+from pipeline.train.state import Rank
 
 POLL_SECONDS = 2.0  # between two reads of Ray's notice: a drain gives minutes, a step may take ms
 TEST_HOOK = "VITRAY_TEST_PREEMPT_AT_STEP"
@@ -246,20 +248,26 @@ def agree_on_plan(notice: Notice | None, save_seconds: float, group: dist.Proces
     return decide(every)
 
 
-def checkpoint_and_stop(trainer: Any) -> NoReturn:
+def checkpoint_and_stop(
+    watcher: PreemptionWatcher,
+    me: Rank,
+    step: int,
+    checkpointer: Checkpointer,
+    save: Callable[[], None],
+    *,
+    held: bool,
+    max_failures: int,
+) -> NoReturn:
     """Collective, at the step boundary where the ranks agreed that one of them has a notice: a normal
-    checkpoint of this step (unless one holds it already, or the deadline leaves no time), one log
-    line from rank 0, then `Preempted` on every rank. ``trainer``: this rank's
-    `pipeline.train.loop.Trainer`."""
-    watcher, step, config = trainer.preemption, trainer.state.step, trainer.config
-    # What a save takes, start to storage (an asynchronous one returns before): the saver's record.
-    plan = agree_on_plan(watcher.notice(step), trainer.saver.longest_seconds, trainer.group)
+    checkpoint of ``step`` (``save``, the loop's; none where one holds the step already, ``held``, or the
+    deadline leaves no time), one log line from rank 0, then `Preempted` on every rank."""
+    # What a save takes, start to storage (an asynchronous one returns before): the checkpointer's record.
+    plan = agree_on_plan(watcher.notice(step), checkpointer.longest_seconds, me.group)
     name = dcp.checkpoint_name(step)
-    resumed_here = trainer.resumed_from is not None and trainer.resumed_from["step"] == step
     source = "it"
     if step == 0:
         done, source = "no step trained yet", "the start"
-    elif step % config.run.checkpoint_every == 0 or resumed_here:
+    elif held:
         done = f"{name} holds this step already"
     elif not plan.save:
         done = (
@@ -269,15 +277,10 @@ def checkpoint_and_stop(trainer: Any) -> NoReturn:
         source = "its latest checkpoint"
     else:
         start = time.perf_counter()
-        if trainer.last_metrics.get("step") == step:  # logged at this step: the same row goes with it
-            if trainer.log is not None:
-                trainer.log.flush()
-            trainer.save_checkpoint(trainer.last_metrics)
-        else:
-            trainer.report(trainer.last_stats, save=True)
-        trainer.saver.wait()  # written and uploaded before the restart
+        save()
+        checkpointer.wait()  # written and uploaded before the restart
         done = f"{name} saved in {time.perf_counter() - start:.1f} s"
-    trainer.saver.wait()  # a save still in flight (this step's own, or the one before) completes first
+    checkpointer.wait()  # a save still in flight (this step's own, or the one before) completes first
     # Ray Train registers a checkpoint only from a report its controller took before this rank raised.
     if not compat.wait_for_ray_train_reports(REPORTS_TIMEOUT_S):
         done += (
@@ -286,8 +289,8 @@ def checkpoint_and_stop(trainer: Any) -> NoReturn:
         )
     line = (
         f"preempted at step {step} ({plan.why}): {done}; Ray Train restarts the run from {source} "
-        f"within --max-failures {config.run.max_failures}, or run the same command again"
+        f"within --max-failures {max_failures}, or run the same command again"
     )
-    if trainer.rank == 0:
+    if me.rank == 0:
         log_line(line)
     raise Preempted(line)

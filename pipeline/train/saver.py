@@ -4,6 +4,10 @@
     saver.start(metrics, train_state, config)                           # collective, at a checkpoint step
     saver.close()                                                       # at the end: the last save whole
 
+`Checkpointer` is what the loop and the preemption check save with: a checkpoint of the run's state as
+of its step (the weights checked finite, every rank's cursor gathered, then `Saver.start`), `wait` for
+the save in flight, and `longest_seconds`, the longest a save took.
+
 Design notes
 ------------
 - Synchronous (``--no-async-checkpoint``): DCP writes every rank's shards into a temporary directory,
@@ -45,12 +49,50 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from pipeline import dcp
 from pipeline.train import checkpoint
+from pipeline.train.cursor import EpochCursor
 from pipeline.train.ema import WeightEMA
+from pipeline.train.state import Rank, TrainState, agree_weights_are_finite
 
 # A test hook, unset in real runs: "STEP:SECONDS" holds the background write of checkpoint STEP for
 # SECONDS on every rank, so that a test can kill a run while that save is in flight
 # (tests/system/test_async_checkpoint.py). The synchronous path ignores it.
 WRITE_DELAY_ENV = "VITRAY_TEST_CHECKPOINT_WRITE_DELAY"
+
+
+class WeightsNotFinite(Exception):
+    """The weights hold NaN or inf on some rank (every rank raises alike): nothing was saved."""
+
+
+class Checkpointer:
+    """One rank's checkpoints of the run: `save`, `wait`, `longest_seconds`, `close`."""
+
+    def __init__(self, saver: Saver, me: Rank, model: nn.Module, saved_config: dict[str, Any]):
+        self.saver, self.me, self.model, self.saved_config = saver, me, model, saved_config
+
+    def save(self, state: TrainState, cursor: EpochCursor, metrics: dict[str, Any]) -> float:
+        """Collective: every rank saves its shards of ``state``'s step, with every rank's ``cursor``, and
+        hands them to Ray Train with ``metrics``; returns the seconds training waited. Weights that are
+        not finite are never saved: `WeightsNotFinite`, and the latest checkpoint stays the one to
+        resume from."""
+        started = time.perf_counter()
+        if not agree_weights_are_finite(self.model, self.me.device):
+            raise WeightsNotFinite(f"the weights hold NaN or inf at step {state.step}")
+        cursor.save_into(state, self.me.group)
+        self.saver.start(dict(metrics), state.to_dict(), self.saved_config)
+        return time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Until the save in flight is written and in storage; raises its error."""
+        self.saver.wait()
+
+    @property
+    def longest_seconds(self) -> float:
+        """The longest any save of this attempt took, start to storage."""
+        return self.saver.longest_seconds
+
+    def close(self) -> None:
+        """The last save written and in storage."""
+        self.saver.close()
 
 
 class Saver:

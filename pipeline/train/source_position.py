@@ -1,6 +1,6 @@
 """`SourcesPosition`: what the current epoch of a mixed run has consumed, per source and per pass, by sample.
 
-A mixed run (`pipeline.train.sources`) reads each source in passes: pass p of a source has its own shard
+A mixed run (`pipeline.train.dataplan.MixedSources`) reads each source in passes: pass p of a source has its own shard
 order (`pipeline.data.mixture.pass_epoch`), and a cycled source's sample comes again in its next pass. So
 a sample of a mixed epoch is named by its source, its pass and, within that pass, as one source's sample
 is (`pipeline.train.position.EpochPosition`: shard and index in the shard's tar order). The mixed stream

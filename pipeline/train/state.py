@@ -1,6 +1,6 @@
-"""What a training run carries across checkpoints, and what the ranks agree on at each step.
+"""What a rank is, what a training run carries across checkpoints, and what the ranks agree on at each step.
 
-`TrainState` is the part of a checkpoint that is not model or optimizer state (`train_state.json`).
+`Rank` is one worker's place in the run, fixed at set-up. `TrainState` is the part of a checkpoint that is not model or optimizer state (`train_state.json`).
 The agreements are the loop's collectives, each named by what the ranks settle: how many samples the
 step holds (none: the epoch is over), the first data error, whether some rank has a preemption notice,
 every rank's bad-sample counts. `agree_on_error` is the one
@@ -19,6 +19,18 @@ import torch
 import torch.distributed as dist
 
 from pipeline.data.bad_samples import BadSamples
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One worker's place in the run, fixed once the process group is up: what the data plan, the
+    checkpointer, evaluation and the preemption check need of it."""
+
+    rank: int
+    world: int
+    device: torch.device
+    group: dist.ProcessGroup | None  # `control_group()`: the agreements' CPU group (None: the default)
+    accum: int  # micro-batches per optimizer step on each rank
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import dcp
-from pipeline.train import loop
+from pipeline.train import dataplan, loop
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import format_summary, read_metrics
 from pipeline.train.model import init_distributed, model_config
@@ -78,7 +78,7 @@ def train(cfg: TrainConfig, session: UploadingSession) -> dict:
 def train_and_kill(out: str) -> None:
     """The killed run, in a subprocess of its own: 8 steps from scratch, killed inside checkpoint 8's copy."""
     _, _, device = init_distributed()
-    loop.micro_batches = fake_micro_batches
+    dataplan.micro_batches = fake_micro_batches
     session = UploadingSession(device, Path(out), kill_in=(dcp.checkpoint_name(8), SHARD_FILE))
     train(config(Path(out)), session)
 
@@ -98,7 +98,7 @@ def killed_and_straight(world, tmp_path_factory):
         [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loop, "micro_batches", fake_micro_batches)
+        mp.setattr(dataplan, "micro_batches", fake_micro_batches)
         summary = train(config(straight), UploadingSession(world, straight))
     output, _ = process.communicate(timeout=240)
     assert process.returncode == -signal.SIGKILL, output[-3000:]
@@ -120,7 +120,7 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_
     # Row 8 is stored before its save (without the save's stall): the kill inside the save left rows 2 to 8.
     assert [r["step"] for r in read_metrics(str(killed))] == [2, 4, 6, 8]
 
-    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     session = UploadingSession(world, killed)
     summary = train(config(killed), session)  # the same run, started again
 
@@ -188,7 +188,7 @@ def test_a_run_killed_after_its_last_checkpoint_run_again_exports_and_says_so(
     _, straight = killed_and_straight
     run = tmp_path / "run"
     shutil.copytree(straight, run, ignore=shutil.ignore_patterns("final"))
-    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     session = UploadingSession(world, run)
     summary = train(config(run), session)
     assert summary["error"] == "" and summary["resumed_from"]["step"] == 8 and session.reports == []

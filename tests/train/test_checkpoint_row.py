@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from pipeline import storage
-from pipeline.train import loop
+from pipeline.train import dataplan, loop
 from pipeline.train.metrics import METRICS_FILE, MetricsLog
 from tests.train.test_loop import config, fake_micro_batches, run
 
@@ -32,7 +32,7 @@ def test_a_checkpoints_row_is_stored_once_and_before_its_save_on_an_object_store
         events.append(("save", self.state.step))
         real_save(self, metrics)
 
-    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     monkeypatch.setattr(storage, "write_text", write_text)
     monkeypatch.setattr(loop.Trainer, "save_checkpoint", save_checkpoint)
     monkeypatch.setattr(loop, "MetricsLog", lambda run_dir, resume_step=0: MetricsLog(store, resume_step))

@@ -115,14 +115,14 @@ def _run(rank: int, world: int, root: str, runs: list[tuple[str, dict]], mixed=N
     (epoch, keys of every rank, bad samples counted on every rank, and per source) to
     ``root``/<name>.json. ``mixed``: (sources, sizes, corrupt) of a mixed run over a `stand_in`
     whose keys end with ``@`` and the epoch number their pass reads with, else the shards of `SIZES`."""
-    from pipeline.train import loop, sources
+    from pipeline.train import dataplan, loop
 
     # This process is the test's own.
     if mixed is None:
-        loop.micro_batches, data = indexed_micro_batches, {"shards": list(SIZES)}
+        dataplan.micro_batches, data = indexed_micro_batches, {"shards": list(SIZES)}
     else:
         mix, sizes, corrupt = mixed
-        sources.micro_batches = stand_in(sizes, corrupt, tag=lambda epoch: f"@{epoch}")
+        dataplan.micro_batches = stand_in(sizes, corrupt, tag=lambda epoch: f"@{epoch}")
         data = {"shards": [url for s in mix for url in s["shards"]], "sources": mix}
     steps: list = []
     real = loop.Trainer.train_step
@@ -215,9 +215,9 @@ def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(t
 def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(world, monkeypatch, tmp_path, capsys):
     """One worker, batch 8: 7 steps an epoch. Stopped at step 3 with micro-batches of 4, resumed with
     micro-batches of 2: epoch 0 still trains every good sample once, and counts each bad one once."""
-    from pipeline.train import loop
+    from pipeline.train import dataplan, loop
 
-    monkeypatch.setattr(loop, "micro_batches", indexed_micro_batches)
+    monkeypatch.setattr(dataplan, "micro_batches", indexed_micro_batches)
     steps: list = []
     real = loop.Trainer.train_step
 

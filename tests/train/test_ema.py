@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from pipeline import dcp
 from pipeline.model_source import load_model_source
-from pipeline.train import loop
+from pipeline.train import dataplan, loop
 from pipeline.train.ema import WeightEMA
 from pipeline.train.model import build_model
 from pipeline.train.step import TrainStep
@@ -29,7 +29,7 @@ from tests.train.test_loop import SHARDS, LocalSession, config, fake_micro_batch
 
 @pytest.fixture
 def fake_data(monkeypatch):
-    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
 
 
 def export(out: Path, name: str = "final_ema") -> dict[str, torch.Tensor]:
@@ -123,7 +123,7 @@ EMA = {"ema_decay": 0.9, "ema_every": 3}  # updates at steps 3 and 6: the stop a
 
 def two_rank_runs(rank: int, root: str) -> None:
     """A straight 8-step run, and the same run stopped at step 5 (mid-epoch) and resumed."""
-    loop.micro_batches = fake_micro_batches
+    dataplan.micro_batches = fake_micro_batches
     root_dir = Path(root)
     world = 2
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
 from pipeline.data.masking import mask_batch
-from pipeline.train import lease, loop
+from pipeline.train import dataplan, lease, loop
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import model_config
 from pipeline.train.state import TrainState
@@ -93,7 +93,7 @@ class LocalSession:
 
 @pytest.fixture
 def fake_data(monkeypatch):
-    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
 
 
 def patch_nan_loss(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
@@ -140,7 +140,7 @@ def straight_and_resumed(world, tmp_path_factory):
     step 1's loss is NaN (skipped), so a skipped-step count has to carry over the resume too."""
     root = tmp_path_factory.mktemp("loop")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loop, "micro_batches", fake_micro_batches)
+        mp.setattr(dataplan, "micro_batches", fake_micro_batches)
         patch_nan_loss(mp, {1})
         straight = config(root / "straight")
         runs = {"straight": run(straight, world)}
@@ -419,7 +419,7 @@ def test_the_next_epochs_input_starts_while_the_last_steps_of_this_one_train(wor
         events.append(("step", self.state.epoch, self.state.step))
         return real(self, data, step_input, agreement)
 
-    monkeypatch.setattr(loop, "micro_batches", micro_batches)
+    monkeypatch.setattr(dataplan, "micro_batches", micro_batches)
     monkeypatch.setattr(loop.Trainer, "train_step", train_step)
     taken = record_keys(monkeypatch)
     ahead = config(tmp_path / "ahead", prefetch_steps=2, max_steps=12, checkpoint_every=12)

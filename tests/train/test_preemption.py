@@ -168,7 +168,7 @@ def test_one_ranks_notice_is_every_ranks_in_the_steps_agreement():
 @pytest.fixture
 def fake_data(monkeypatch):
     tests = loop_tests()
-    monkeypatch.setattr(tests.loop, "micro_batches", tests.fake_micro_batches)
+    monkeypatch.setattr(tests.dataplan, "micro_batches", tests.fake_micro_batches)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def straight(world, tmp_path_factory):
     out = tmp_path_factory.mktemp("preemption") / "straight"
     tests = loop_tests()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tests.loop, "micro_batches", tests.fake_micro_batches)
+        mp.setattr(tests.dataplan, "micro_batches", tests.fake_micro_batches)
         summary, _ = tests.run(tests.config(out, log_every=1), world)
     assert summary["metrics"]["step"] == 8
     return tests.weights(tests.config(out), 8)

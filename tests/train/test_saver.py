@@ -34,12 +34,12 @@ CHECKPOINT_FILES = (dcp.TRAIN_STATE, dcp.CONFIG, "__0_0.distcp")
 @pytest.fixture(scope="module")
 def sync_and_async(world, tmp_path_factory):
     """The same 8-step run saved synchronously and asynchronously."""
-    from pipeline.train import loop
+    from pipeline.train import dataplan
 
     root = tmp_path_factory.mktemp("saver")
     runs = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loop, "micro_batches", fake_micro_batches)
+        mp.setattr(dataplan, "micro_batches", fake_micro_batches)
         for mode in (False, True):
             cfg = config(root / f"async-{mode}", async_checkpoint=mode)
             runs[mode] = (cfg, *run(cfg, world))
@@ -96,9 +96,9 @@ def test_the_stall_of_each_checkpoint_is_in_its_log_line_and_metrics_row(sync_an
 
 
 def test_the_log_line_says_what_a_checkpoint_stalled(world, tmp_path, capsys, monkeypatch):
-    from pipeline.train import loop
+    from pipeline.train import dataplan
 
-    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     run(config(tmp_path / "run", max_steps=4), world)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(lines) == 2 and "checkpoint stall" not in lines[0]
@@ -211,9 +211,9 @@ class BackgroundSession(LocalSession):
 def test_a_preemption_at_a_checkpoint_step_stops_only_once_that_save_is_in_storage(
     world, monkeypatch, tmp_path
 ):
-    from pipeline.train import loop, preemption
+    from pipeline.train import dataplan, loop, preemption
 
-    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     monkeypatch.setenv(preemption.TEST_HOOK, "4")  # a notice at step 4, whose save is then in flight
     cfg = config(tmp_path / "run")
     session = BackgroundSession(world, Path(cfg.run.out))

@@ -19,7 +19,7 @@ import pytest
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
 from pipeline.data.shards import ShardError
-from pipeline.train import driver, loop, sources
+from pipeline.train import dataplan, driver, loop
 from pipeline.train.metrics import format_line
 from pipeline.train.presets import PRESETS
 from tests.train.test_loop import LocalSession, assert_same_weights, config, record_keys
@@ -55,8 +55,7 @@ def fake_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, d
 
 @pytest.fixture
 def mixed_data(monkeypatch):
-    monkeypatch.setattr(sources, "micro_batches", fake_micro_batches)
-    monkeypatch.setattr(loop, "micro_batches", None)  # a mixed run never reads the plain stream
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
 
 
 def run(cfg, device, mix=SOURCES):
@@ -182,13 +181,13 @@ def test_the_next_epochs_mixed_input_starts_ahead_and_trains_what_input_built_in
 ):
     taken = record_keys(monkeypatch)
     started = []
-    real = sources.epoch_input
+    real = loop.Trainer.epoch_input
 
     def epoch_input(trainer, ahead=None):
         started.append((trainer.state.epoch, ahead is not None))
         return real(trainer, ahead)
 
-    monkeypatch.setattr(sources, "epoch_input", epoch_input)
+    monkeypatch.setattr(loop.Trainer, "epoch_input", epoch_input)
     run(config(tmp_path / "ahead", max_steps=12, prefetch_steps=3), world)
     assert (0, True) in started  # epoch 1's input started during epoch 0's last steps
     ahead, _ = list(taken), taken.clear()
@@ -200,12 +199,12 @@ def test_the_next_epochs_mixed_input_starts_ahead_and_trains_what_input_built_in
 
 
 def test_the_deal_type_says_what_the_cursor_deals():
-    """`sources.Deal` stands for `EpochCursor.deal`: the same parameters, defaults and return type."""
+    """`dataplan.Deal` stands for `EpochCursor.deal`: the same parameters, defaults and return type."""
     import inspect
 
     from pipeline.train.cursor import EpochCursor
 
     deal = inspect.signature(EpochCursor.deal)
-    typed = inspect.signature(sources.Deal.__call__)
+    typed = inspect.signature(dataplan.Deal.__call__)
     assert list(deal.parameters.values())[1:] == list(typed.parameters.values())[1:]
     assert deal.return_annotation == typed.return_annotation

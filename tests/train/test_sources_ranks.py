@@ -32,9 +32,9 @@ def config(out: Path, **changes):
 def _runs(rank: int, root: str) -> None:
     """A straight run, then the same run stopped at `STOP` and resumed; rank 0 writes every step's keys
     of each rank, the summaries and the last metrics rows to ``root``/runs.json."""
-    from pipeline.train import loop, sources
+    from pipeline.train import dataplan, loop
 
-    sources.micro_batches = fake_micro_batches  # this process is the test's own
+    dataplan.micro_batches = fake_micro_batches  # this process is the test's own
     steps: list[list[str]] = []
     real = loop.Trainer.train_step
 
