@@ -260,16 +260,17 @@ class MetricsLog:
 
 
 SLOW = 0.15  # a window this far under the run's median says what the training thread was doing
+BASELINE = 3  # earlier windows (after the first) before a median is one: a run of a few is no baseline
 
 
 def slow_window(row: dict[str, Any], rates: list[float], window: stacks.Window) -> str:
     """One line for a window more than `SLOW` under the median of ``rates`` (the earlier windows
-    after the first; this row's rate is added to them), saying where the training thread was
+    after the first, `BASELINE` of them at least; this row's rate is added to them), saying where the training thread was
     (`pipeline.train.stacks.summary`); "" for the others."""
     rate = row.get("images_per_s") or 0.0
     median = statistics.median(rates) if rates else rate
     rates.append(rate)
-    if rate >= (1 - SLOW) * median:
+    if len(rates) <= BASELINE or rate >= (1 - SLOW) * median:
         return ""
     return (
         f"step {row['step']}: {rate:,.0f} img/s, {100 * (1 - rate / median):.0f}% under the run's median "

@@ -35,7 +35,9 @@ def test_a_checkpoints_row_is_stored_once_and_before_its_save_on_an_object_store
     monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     monkeypatch.setattr(storage, "write_text", write_text)
     monkeypatch.setattr(loop.Trainer, "save_checkpoint", save_checkpoint)
-    monkeypatch.setattr(loop, "MetricsLog", lambda run_dir, resume_step=0: MetricsLog(store, resume_step))
+    monkeypatch.setattr(
+        loop, "MetricsLog", lambda run_dir, resume_step=0, **kw: MetricsLog(store, resume_step, **kw)
+    )
 
     summary, _ = run(config(tmp_path / "run"), world)
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 import vit
 from pipeline.linear_probe import fit_linear_probe
-from pipeline.train import finetune, loop, presets
+from pipeline.train import dataplan, finetune, presets
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model
 from tests.configs import tiny_config
@@ -105,7 +105,7 @@ def fake_eval_batches(shards, config, size, data_cpus) -> Iterator[dict[str, np.
 @pytest.fixture
 def probe_calls(monkeypatch) -> list[int]:
     """Fakes for the training and the probe's data; the number of probe fits, per run, as they happen."""
-    monkeypatch.setattr(loop, "micro_batches", fake_micro_batches)
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     monkeypatch.setattr(finetune, "eval_batches", fake_eval_batches)
     calls: list[int] = []
     real = finetune.fit_probe_head

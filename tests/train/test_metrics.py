@@ -169,6 +169,17 @@ def test_a_window_well_under_the_runs_median_says_where_the_training_thread_was(
     assert "test_metrics.py:waiting_for_something_slow" in line
 
 
+def test_a_slow_window_among_the_first_few_is_not_judged(tmp_path, capsys):
+    """A median of one or two windows is no baseline: the window after a run's first checkpoint, which
+    holds its save, is not 'under the run's median' of the window before it."""
+    log = MetricsLog(str(tmp_path), watch=True)
+    for step, rate in ((2, 20.0), (4, 200.0), (5, 23.0), (6, 30.0)):  # the first: the start
+        log.append({**row(step), "images_per_s": rate}, flush=False)
+    assert capsys.readouterr().out == ""
+    log.append({**row(8), "images_per_s": 20.0}, flush=False)  # three earlier windows: now judged
+    assert capsys.readouterr().out.startswith("step 8: 20 img/s, ")
+
+
 def test_the_summary_of_a_window_gives_each_parts_share():
     window = stacks.Window(None, 0.0)
     window.parts.update({"data wait": 8, "step": 1, "other": 1})
