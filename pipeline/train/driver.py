@@ -337,10 +337,11 @@ def train(config: TrainConfig, args: argparse.Namespace) -> int:
     note = eval_note(config)
     if note:
         print(note, flush=True)
-    held = run_lease.acquire(config.run_dir)  # one line while another live run holds --out
+    run_lease.check_free(config.run_dir)  # one line, before Ray, while another live run holds --out
+    local = cli.connect_ray(args, needed_cpus=local_cpus_needed(config))
+    check_cluster(config, local_ray=local)  # may refuse --out: nothing is written there before it
+    held = run_lease.acquire(config.run_dir)  # taken (a run that started meanwhile: refused alike)
     try:
-        local = cli.connect_ray(args, needed_cpus=local_cpus_needed(config))
-        check_cluster(config, local_ray=local)
         cli.start_work()
         held.keep_renewed()
         summary = fit(config, shards, eval_shards, sources, lease=held.run)

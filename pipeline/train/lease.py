@@ -115,6 +115,14 @@ class Lease:
             storage.remove(self.run_dir.join(LEASE))
 
 
+def check_free(run_dir: storage.Location | str) -> None:
+    """`LeaseHeldError` (one line, naming the holder) while another live run holds ``run_dir``; writes
+    nothing, so a run refused later, by the cluster's checks, leaves no trace in ``--out``."""
+    current = read(run_dir)
+    if current is not None and is_live(current):
+        raise _held(storage.as_location(run_dir), current)
+
+
 def acquire(run_dir: storage.Location | str) -> Lease:
     """This run's lease on ``run_dir``: a `LeaseHeldError` (one line, naming the holder) while another
     live run holds it; a dead run's is taken over."""

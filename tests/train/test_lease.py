@@ -87,3 +87,15 @@ def test_the_driver_renews_its_lease_until_it_releases_it(tmp_path, monkeypatch)
     assert lease.read(run_dir)["renewed"] > first
     held.release()
     assert lease.read(run_dir) is None
+
+
+def test_checking_that_out_is_free_writes_nothing_and_refuses_a_live_holder(tmp_path):
+    """The driver's check before Ray: a run that the cluster's checks then refuse leaves no trace."""
+    fresh = tmp_path / "fresh"
+    lease.check_free(str(fresh))
+    assert not fresh.exists()
+    held = lease.acquire(str(tmp_path / "held"))
+    with pytest.raises(lease.LeaseHeldError, match=f"run {held.run} "):
+        lease.check_free(str(tmp_path / "held"))
+    held.release()
+    lease.check_free(str(tmp_path / "held"))
