@@ -29,7 +29,7 @@ FLAGS = {
     "--train-interpolation", "--eval-interpolation", "--jpeg-draft", "--no-jpeg-draft", "--reducing-gap",
     "--image-keys", "--label-key", "--shuffle-buffer", "--max-bad-fraction", "--max-lost-shards", "--bad-grace-samples",
     "--max-image-pixels", "--storage-options", "--block-rows", "--block-bytes", "--read-concurrency",
-    "--read-attempts", "--read-backoff-s",
+    "--read-attempts", "--read-backoff-s", "--decode-nodes",
     # optim
     "--optimizer", "--momentum", "--batch-size", "--micro-batch-size", "--lr", "--min-lr", "--weight-decay",
     "--betas", "--warmup-steps", "--max-steps", "--lr-schedule", "--grad-clip", "--max-skipped-steps",
