@@ -76,6 +76,11 @@ class DataPlan(Protocol):
         """An empty position by sample of an epoch (the cursor's, and its checkpoints' record)."""
         ...
 
+    def cpus(self, epoch: int) -> float:
+        """This rank's decode CPUs in ``epoch``: its data plane's, and any other pipeline it runs then
+        (the fine-tuning evaluation, the probe head's images)."""
+        ...
+
     def epoch_input(
         self,
         epoch: int,
@@ -227,6 +232,7 @@ class StreamPlan:
         self.columns, self.data_cpus = settings.columns, settings.data_cpus
 
     def cpus(self, epoch: int) -> float:
+        """`DataPlan.cpus`: the run's --data-cpus-per-worker, else `data_cpus_per_worker`'s share."""
         return self.data_cpus or data_cpus_per_worker(self.config, self.me.world, self.me.rank, epoch)
 
     def epoch_input(

@@ -60,7 +60,6 @@ from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import objective_for
 from pipeline.train.optim import optimizer_kernels
 from pipeline.train.prefetch import StepInput
-from pipeline.train.resources import data_cpus_per_worker
 from pipeline.train.saver import Checkpointer, Saver, WeightsNotFinite
 from pipeline.train.session import RaySession
 from pipeline.train.state import (
@@ -96,7 +95,6 @@ class Trainer:
     def __init__(self, loop_config: dict[str, Any], session: RaySession):
         self.config = config = worker_config(loop_config)
         self.shards: list[str] = loop_config["shards"]  # every source's, for the log lines
-        self.data_cpus: float = loop_config["data_cpus_per_worker"]
         self.session = session
         self.rank, self.world, self.device = session.rank, session.world, session.device
         stacks.start(self.rank)  # with VITRAY_SAMPLE_STACKS only
@@ -150,10 +148,9 @@ class Trainer:
                     state = finetune.pretrained_state(self.config, self.model_config)
                     finetune.load_pretrained(self.model, state)
                     if self.config.arch.head_init == "probe":
-                        cpus = self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, 0)
                         finetune.probe_head_in_run(
                             self.model, self.shards, self.config, self.model_config.patch_size, self.me,
-                            self.objective.idle_batch(self.device)[0], data_cpus=cpus,
+                            self.objective.idle_batch(self.device)[0], data_cpus=self.plan.cpus(0),
                         )  # fmt: skip
                     if self.ema is not None:
                         self.ema.reset()  # the EMA starts from the pretrained weights
@@ -292,7 +289,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Collective: top-1 accuracy over the evaluation shards (`finetune.evaluate_in_run`); its time
         is not training time: the metrics window starts later by as much."""
-        cpus = self.data_cpus or data_cpus_per_worker(self.config, self.world, self.rank, self.state.epoch)
+        cpus = self.plan.cpus(self.state.epoch)
         idle = self.objective.idle_batch(self.device)[0]
         try:
             accuracy, seconds = finetune.evaluate_in_run(

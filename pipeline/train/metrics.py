@@ -264,9 +264,9 @@ BASELINE = 3  # earlier windows (after the first) before a median is one: a run 
 
 
 def slow_window(row: dict[str, Any], rates: list[float], window: stacks.Window) -> str:
-    """One line for a window more than `SLOW` under the median of ``rates`` (the earlier windows
-    after the first, `BASELINE` of them at least; this row's rate is added to them), saying where the training thread was
-    (`pipeline.train.stacks.summary`); "" for the others."""
+    """One line for a window more than `SLOW` under the median of ``rates`` (the earlier windows after
+    the first, `BASELINE` of them at least; this row's rate is added to them), saying where the training
+    thread was (`pipeline.train.stacks.summary`); "" for the others."""
     rate = row.get("images_per_s") or 0.0
     median = statistics.median(rates) if rates else rate
     rates.append(rate)
