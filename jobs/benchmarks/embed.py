@@ -12,7 +12,8 @@
 (b) naive loop: one process reads each shard (`pipeline.data.rows.read_shard`), decodes it with the job's
     eval transform (`pipeline.data.decode.preprocess_batch`), embeds in batches of ``--batch-size`` and
     writes one Parquet file per shard with pyarrow: what one would write without Ray;
-(c) the job: `pipeline.embed.job.prepare` + `run`, the function ``jobs/embed.py`` runs, on a local Ray.
+(c) the job: `pipeline.embed.job.prepare` + `run`, the function ``jobs/embed.py`` runs, on a local Ray
+    (``--decode gpu``: its images decoded by nvJPEG on the model actor's GPU).
     Its rate is taken between the first and the last shard commit ("steady", after the model actor
     has started) and over the whole run ("end to end", actor start included).
 
@@ -76,6 +77,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="CPUs (torch threads) per actor (default: all cores / --concurrency)",
     )
     p.add_argument("--ray-cpus", type=int, help="logical CPUs of the local Ray (default: actors' + 1)")
+    p.add_argument(
+        "--decode",
+        default="cpu",
+        choices=["cpu", "gpu"],
+        help="where the job decodes: its --decode (gpu: nvJPEG on the actor's GPU; default: %(default)s)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="runs of each configuration (default: %(default)s)")
     p.add_argument(
         "--iters", type=int, default=10, help="forwards timed for the model-only rate (default: %(default)s)"
@@ -286,6 +293,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             use_gpu=device.type == "cuda",
             label_key=None,
             overwrite=True,
+            decode=args.decode,
         )
         job_run(job_config.replace(data=shards[0]))  # Ray's worker processes started, untimed
         runs.update({"job steady": [], "job end to end": []})

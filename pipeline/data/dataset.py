@@ -4,6 +4,8 @@
                                    (with ``decode_nodes``: only on the Ray nodes that carry that label)
                                 -> map_batches(preprocess_batch), fused into the read task
                                 -> rows {key, url, patches uint8 (N, P*P*C), label int64, error}
+                                   (``encoded``, evaluation: vet_batch instead, the images left encoded
+                                   for a GPU to decode; `pipeline.embed.device_decode`)
                                 -> (training with mask_ratio) map_batches(mask_batch), fused too:
                                    patches -> {visible, masked, ids_shuffle}
                                 -> iter_batches: seeded local shuffle, bad rows counted and removed
@@ -29,7 +31,7 @@ import numpy as np
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig, shuffle_seed
 from pipeline.data.consumed import Consumed
-from pipeline.data.decode import preprocess_batch
+from pipeline.data.decode import preprocess_batch, vet_batch
 from pipeline.data.masking import mask_batch
 from pipeline.data.rows import raise_lost_shard
 from pipeline.data.shards import ShardError, dataset_root, open_shard
@@ -49,6 +51,7 @@ def build_dataset(
     epoch: int = 0,
     root: str | None = None,
     skip: dict[str, Consumed] | None = None,
+    encoded: bool = False,
 ) -> ray.data.Dataset:
     """A streaming dataset of patch rows over ``shards`` in the given order, one read task per shard.
 
@@ -62,6 +65,8 @@ def build_dataset(
     With ``config.mask_ratio`` and ``train``, `pipeline.data.masking.mask_batch` replaces ``patches``
     by ``visible``, ``masked`` and ``ids_shuffle`` (evaluation datasets are never masked).
     ``skip`` (shard URL -> `Consumed`): samples the read stage passes over, before decoding them.
+    ``encoded`` (evaluation only): the images stay encoded, their headers vetted (`decode.vet_batch`:
+    rows keep ``image`` bytes and gain ``device``), for a consumer that decodes them on its GPU.
     """
     import ray.data
 
@@ -71,6 +76,8 @@ def build_dataset(
         raise ShardError(
             "no shards to read; pass at least one shard URL (see pipeline.data.shards.expand_shards)"
         )
+    if encoded and train:
+        raise ValueError("encoded rows are for evaluation: training crops are drawn where images decode")
     root = dataset_root(shards) if root is None else root
     source = TarShardDatasource(
         [config.location(url) for url in shards],
@@ -86,12 +93,17 @@ def build_dataset(
     ds = ray.data.read_datasource(
         source, override_num_blocks=len(shards), concurrency=config.read_concurrency, label_selector=where
     )
+    stage, kwargs = (
+        (vet_batch, {"config": config})
+        if encoded
+        else (preprocess_batch, {"config": config, "train": train, "epoch": epoch, "root": root})
+    )
     ds = ds.map_batches(
-        preprocess_batch,
+        stage,
         batch_size=None,  # whole read blocks: keeps Read->MapBatches fused (a batch_size would split them)
         batch_format="numpy",
         zero_copy_batch=True,
-        fn_kwargs={"config": config, "train": train, "epoch": epoch, "root": root},
+        fn_kwargs=kwargs,
         label_selector=where,
     )
     if train and config.mask_ratio is not None:

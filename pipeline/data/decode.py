@@ -26,7 +26,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageFile, UnidentifiedImageError
+from PIL import Image, ImageFile, JpegImagePlugin, UnidentifiedImageError
 
 from pipeline.data.augment import rand_augment
 from pipeline.data.config import INTERPOLATIONS, DataConfig, sample_seed
@@ -169,6 +169,64 @@ def transform_image(data: bytes, config: DataConfig, *, train: bool, rng: random
     return pixels[:, ::-1] if flip else pixels
 
 
+def decode_sample(
+    data: bytes, config: DataConfig, *, train: bool, rng: random.Random | None
+) -> tuple[np.ndarray | None, str]:
+    """One image through `transform_image`: ``(pixels, "")``, or ``(None, reason)`` for its error row."""
+    try:
+        return transform_image(data, config, train=train, rng=rng), ""
+    except ImageError as e:
+        return None, str(e)
+    except Exception as e:  # any other decoder failure is this sample's, not the job's
+        return None, f"undecodable image: {type(e).__name__}: {str(e)[:160]}"
+
+
+def pin_pil(config: DataConfig) -> None:
+    """PIL's settings are process-global; pin the two that decide what counts as a bad image."""
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    Image.MAX_IMAGE_PIXELS = config.max_image_pixels
+
+
+def device_decodable(im: Image.Image) -> bool:
+    """Whether a GPU's JPEG decoder (nvJPEG) takes this vetted image: a sequential (baseline or
+    extended) JPEG, gray or YCbCr, at 4:4:4, 4:2:2 or 4:2:0. Everything else (PNG and the other
+    formats, progressive JPEGs, CMYK, Adobe RGB-coded, rarer subsamplings) decodes on a CPU."""
+    if im.format != "JPEG" or im.mode not in ("RGB", "L"):
+        return False
+    if im.info.get("progressive") or im.info.get("progression") or im.info.get("adobe_transform") == 0:
+        return False
+    return im.mode == "L" or JpegImagePlugin.get_sampling(im) in (0, 1, 2)
+
+
+def vet_batch(batch: dict[str, Any], *, config: DataConfig) -> dict[str, np.ndarray]:
+    """Read rows -> the same rows with each image's header vetted, for a consumer that decodes the
+    images itself (the embedding job's ``--decode gpu``). The checks are `open_image`'s (format, pixel
+    count): a sample that fails them becomes an error row here, as in `preprocess_batch`; the bytes go
+    on unchanged, and ``device`` (bool) says whether a GPU's JPEG decoder takes the image
+    (`device_decodable`, and the stream ends with its end-of-image marker).
+    """
+    pin_pil(config)
+    images, errors = batch["image"], batch["error"]
+    device = np.zeros(len(images), bool)
+    out_errors = np.empty(len(images), dtype=object)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        for i in range(len(images)):
+            error = errors[i]
+            if not error:
+                try:
+                    im = open_image(images[i], config.max_image_pixels)
+                    # A stream without its end marker is truncated, which a GPU decoder may not say:
+                    # the CPU path names it (its error row) or, for mere trailing bytes, decodes it.
+                    device[i] = device_decodable(im) and images[i].rstrip(b"\0").endswith(b"\xff\xd9")
+                except ImageError as e:
+                    error = str(e)
+                except Exception as e:  # a header PIL cannot parse is this sample's, not the job's
+                    error = f"undecodable image: {type(e).__name__}: {str(e)[:160]}"
+            out_errors[i] = error.replace("\n", " ")
+    return {**batch, "error": out_errors, "device": device}
+
+
 def preprocess_batch(
     batch: dict[str, Any], *, config: DataConfig, train: bool, epoch: int, root: str = ""
 ) -> dict[str, np.ndarray]:
@@ -179,9 +237,7 @@ def preprocess_batch(
     Out: ``key``, ``url``, ``patches`` uint8 ``(B, N, P*P*3)``, ``label`` int64 ``(B,)``, ``error``,
     and ``index`` and ``shard_size`` as they came in.
     """
-    # PIL settings are process-global; pin the two that decide what counts as a bad image.
-    ImageFile.LOAD_TRUNCATED_IMAGES = False
-    Image.MAX_IMAGE_PIXELS = config.max_image_pixels
+    pin_pil(config)
     keys, urls, images, errors = batch["key"], batch["url"], batch["image"], batch["error"]
     size = config.image_size
     pixels = np.zeros((len(keys), size, size, 3), np.uint8)  # (B, H, W, C); error rows stay zero
@@ -194,12 +250,9 @@ def preprocess_batch(
             if not error:
                 name = shard_name(urls[i], root)
                 rng = random.Random(sample_seed(config.seed, epoch, name, keys[i])) if train else None
-                try:
-                    pixels[i] = transform_image(images[i], config, train=train, rng=rng)
-                except ImageError as e:
-                    error = str(e)
-                except Exception as e:  # any other decoder failure is this sample's, not the job's
-                    error = f"undecodable image: {type(e).__name__}: {str(e)[:160]}"
+                decoded, error = decode_sample(images[i], config, train=train, rng=rng)
+                if decoded is not None:
+                    pixels[i] = decoded
             out_errors[i] = error.replace("\n", " ")
     return {
         "key": keys,

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 import vit
+from pipeline.data.config import DataConfig
+from pipeline.embed.device_decode import decode_rows
 from pipeline.model_source import unpack_state_dict
 
 
@@ -75,7 +77,8 @@ def embed_rows(
 ) -> dict[str, np.ndarray]:
     """Patch rows -> embedding rows; error rows pass through with zero embeddings and no compute.
 
-    In: ``key``, ``url``, ``patches`` uint8 ``(B, N, P*P*C)``, ``label`` int64, ``error`` str.
+    In: ``key``, ``url``, ``patches`` uint8 ``(B, N, P*P*C)`` (numpy, or a tensor already on the
+    device: `pipeline.embed.device_decode`), ``label`` int64, ``error`` str.
     Out: ``key``, ``url``, ``embedding`` float32 ``(B, D)``, ``label``, ``error``. Good rows go through
     the model in chunks of ``batch_size``, each padded to exactly ``batch_size`` rows (fixed shapes),
     in the model's own weight dtype; embeddings come out as float32.
@@ -86,10 +89,14 @@ def embed_rows(
     dim = embedding_dim(model.config, "pre_logits" if pre_logits else "cls")
     out = np.zeros((len(errors), dim), np.float32)
     if good.size:
-        patches = np.asarray(batch["patches"])[good]  # (G, N, P*P*C)
+        patches = batch["patches"]
+        if isinstance(patches, torch.Tensor):
+            patches = patches[torch.from_numpy(good).to(patches.device)]  # (G, N, P*P*C)
+        else:
+            patches = torch.from_numpy(np.asarray(patches)[good])
         with torch.inference_mode():
             for lo in range(0, len(good), batch_size):
-                chunk = torch.from_numpy(patches[lo : lo + batch_size])
+                chunk = patches[lo : lo + batch_size]
                 n = len(chunk)
                 if n < batch_size:
                     chunk = torch.cat([chunk, chunk.new_zeros((batch_size - n, *chunk.shape[1:]))])
@@ -105,7 +112,8 @@ def embed_rows(
 
 
 class Embedder:
-    """Ray Data callable class: loads the model once per actor, then maps batches with `embed_rows`."""
+    """Ray Data callable class: loads the model once per actor, then maps batches with `embed_rows`.
+    With ``decode_config`` (``--decode gpu``) its batches are encoded rows, decoded on its device first."""
 
     def __init__(
         self,
@@ -116,6 +124,7 @@ class Embedder:
         batch_size: int,
         use_gpu: bool,
         threads: int,
+        decode_config: DataConfig | None = None,
     ):
         import ray
 
@@ -132,8 +141,12 @@ class Embedder:
             compile=use_gpu,  # the first batch waits for compilation (tens of seconds for ViT-H)
         )
         self.pre_logits, self.batch_size = pre_logits, batch_size
+        self.decode_config = decode_config
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.decode_config is not None:  # encoded rows: decoded here (`pipeline.embed.device_decode`)
+            patches, errors = decode_rows(batch, self.decode_config, self.device)
+            batch = {**batch, "patches": patches, "error": errors}
         return embed_rows(
             self.model, batch, pre_logits=self.pre_logits, batch_size=self.batch_size, device=self.device
         )

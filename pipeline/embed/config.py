@@ -15,6 +15,7 @@ from pipeline.storage import Location
 
 EMBEDDINGS = ("cls", "pre_logits")
 DTYPES = ("float32", "float16")  # how the embedding column is stored
+DECODERS = ("cpu", "gpu")  # where images decode (`pipeline.embed.device_decode`)
 CPU_BATCH_SIZE, GPU_BATCH_SIZE = 64, 256  # default images per forward
 # What `--label-key auto` means: the training run's label key, else this.
 DEFAULT_LABEL_KEY = "cls"
@@ -84,6 +85,13 @@ class EmbedConfig:
         None, settings.help_of(DataConfig.__dataclass_fields__["decode_nodes"]), metavar="KEY=VALUE"
     )
 
+    decode: str = setting(
+        "cpu",
+        "where images decode: cpu (Ray Data's read tasks), or gpu (JPEGs by nvJPEG on the model actor's "
+        "GPU, other images on its CPUs; needs --gpu's device and torchvision)",
+        choices=DECODERS,
+    )
+
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""
         for name in ("data", "weights", "out"):
@@ -99,6 +107,8 @@ class EmbedConfig:
             or self.cpus_per_actor <= 0
         ):
             raise ValueError("--batch-size, --concurrency and --cpus-per-actor must be positive")
+        if self.decode not in DECODERS:
+            raise ValueError(f"--decode must be one of {', '.join(DECODERS)}, got {self.decode!r}")
         DataConfig(decode_nodes=self.decode_nodes)  # its one-line refusal, before the weights load
 
     def forward_batch_size(self) -> int:

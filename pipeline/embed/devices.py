@@ -13,10 +13,12 @@ import os
 from pipeline.embed.config import EmbedConfig
 
 
-def compute_identity(use_gpu: bool) -> dict[str, str]:
-    """Device and precision of the embeddings (the actor runs bf16 autocast on CUDA, fp32 on CPU). Part
-    of the output's identity: CPU fp32 and GPU bf16 rows differ, so they never mix in one --out."""
-    return {"device": "cuda", "precision": "bf16"} if use_gpu else {"device": "cpu", "precision": "fp32"}
+def compute_identity(use_gpu: bool, decode: str = "cpu") -> dict[str, str]:
+    """Device and precision of the embeddings (the actor runs bf16 autocast on CUDA, fp32 on CPU), and
+    where images decoded when not on CPU (``--decode gpu``: other pixels within decoder tolerance). Part
+    of the output's identity: rows computed differently never mix in one --out."""
+    device = {"device": "cuda", "precision": "bf16"} if use_gpu else {"device": "cpu", "precision": "fp32"}
+    return device if decode == "cpu" else {**device, "decode": decode}
 
 
 def choose_device(config: EmbedConfig, *, gpu: bool, cpu: bool, local: bool) -> EmbedConfig | None:

@@ -2,6 +2,8 @@
 
     shards -> build_dataset(train=False): read + decode + eval crop + patchify, CPU tasks (one per shard)
            -> map_batches(Embedder): actors that load the model once; uint8 patches (B, N, P*P*C) -> (B, D)
+              (``--decode gpu``: the read tasks vet the images and leave them encoded, and the actors
+              decode and crop them on their GPU first: `pipeline.embed.device_decode`)
            -> driver: rows of one shard collected until the next shard's rows arrive (the dataset keeps
               input order), then written whole, committed, and recorded in the manifest (pipeline.embed.output)
 
@@ -36,7 +38,7 @@ from pipeline.data.config import DataConfig
 from pipeline.data.dataset import build_dataset, check_shards
 from pipeline.data.mixture import parse_sources
 from pipeline.data.shards import expand_shards
-from pipeline.embed import identity
+from pipeline.embed import device_decode, identity
 from pipeline.embed.actor import Embedder, actor_memory, embedding_dim
 from pipeline.embed.config import DEFAULT_LABEL_KEY, EmbedConfig
 from pipeline.embed.devices import compute_identity
@@ -145,6 +147,22 @@ def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
     )
 
 
+def check_device_decode(config: EmbedConfig, data_config: DataConfig) -> None:
+    """``--decode gpu`` refused in one line where it cannot run: no GPU for the model, a resize filter it
+    does not compute (nearest), no torchvision decoder."""
+    if not config.use_gpu:
+        raise ValueError(
+            "--decode gpu decodes on the model actors' GPUs, and this run's model runs on CPU: pass --gpu "
+            "(on a GPU cluster or machine), or --decode cpu"
+        )
+    if data_config.eval_interpolation not in device_decode.FILTERS:
+        raise ValueError(
+            f"--decode gpu resizes with {', '.join(device_decode.FILTERS)}; this model's eval transform "
+            f"uses {data_config.eval_interpolation}: pass --interpolation bicubic, or --decode cpu"
+        )
+    device_decode.check_available()
+
+
 def prepare(config: EmbedConfig) -> EmbedPlan:
     """Every check that needs no cluster, in the order that fails cheapest first; raises ValueError."""
     config.validate()
@@ -168,6 +186,8 @@ def prepare(config: EmbedConfig) -> EmbedPlan:
             f"{source.config.head} head, whose pre-logits are the [CLS] embedding: use --embedding cls"
         )
     data_config = eval_data_config(source, config)
+    if config.decode == "gpu":
+        check_device_decode(config, data_config)
     check_shards(shards, data_config)
     header = {  # through JSON and back, so that it compares equal to one read from a manifest
         "format": FORMAT,
@@ -178,7 +198,7 @@ def prepare(config: EmbedConfig) -> EmbedPlan:
         "dim": embedding_dim(source.config, config.embedding),
         "image_size": source.config.image_size,
         "preprocessing": data_config.to_dict(),
-        "compute": compute_identity(config.use_gpu),
+        "compute": compute_identity(config.use_gpu, config.decode),
         "output": config.output_options(),
     }
     header = json.loads(json.dumps(header))
@@ -201,7 +221,8 @@ def run(plan: EmbedPlan, *, on_commit: Callable[[str, dict], None] | None = None
         import ray
 
         weights = ray.put(pack_state_dict(plan.source.state_dict))
-        ds = build_dataset(plan.work.pending, plan.data_config, train=False)
+        gpu_decode = config.decode == "gpu"
+        ds = build_dataset(plan.work.pending, plan.data_config, train=False, encoded=gpu_decode)
         ds = ds.map_batches(
             Embedder,
             fn_constructor_kwargs={
@@ -213,6 +234,7 @@ def run(plan: EmbedPlan, *, on_commit: Callable[[str, dict], None] | None = None
                 "batch_size": config.forward_batch_size(),
                 "use_gpu": config.use_gpu,
                 "threads": max(1, int(config.cpus_per_actor)),
+                "decode_config": plan.data_config if gpu_decode else None,
             },
             batch_size=config.forward_batch_size(),
             batch_format="numpy",
