@@ -1,5 +1,6 @@
 """A pretraining job SIGKILLed while an asynchronous checkpoint is in flight, run again: it resumes from
-the checkpoint before it, exactly, and ends with the weights of a straight run saved synchronously.
+the checkpoint before it, exactly, and ends with the history and the weights of a straight run saved
+synchronously (the system tests' straight run, `tests/system/conftest.py`).
 
 The jobs run as on a cluster: `jobs/pretrain.py --address` of the tests' shared local Ray. The killed job's driver is SIGKILLed; Ray ends the job's workers with it (checked).
 The save in flight is made certain by the saver's test hook (`pipeline.train.saver.WRITE_DELAY_ENV`):
@@ -29,6 +30,7 @@ from safetensors.torch import load_file
 from pipeline import dcp
 from pipeline.train.driver import read_metrics
 from pipeline.train.saver import WRITE_DELAY_ENV
+from tests.system.conftest import TRAINING
 from tests.system.test_pretrain import train_workers
 from tests.train.test_loop import untimed
 
@@ -36,12 +38,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def command(address: str, shards: list[str], out: Path, *extra: str) -> list[str]:
+def command(address: str, shards: list[str], out: Path) -> list[str]:
     return [
         sys.executable, str(ROOT / "jobs" / "pretrain.py"), "--address", address, "--data", ",".join(shards), "--out", str(out),
-        "--cpu", "--num-classes", "4", "--batch-size", "16", "--micro-batch-size", "8", "--max-steps", "12",
-        "--checkpoint-every", "4", "--log-every", "2", "--warmup-steps", "2", "--shuffle-buffer", "16",
-        "--keep-checkpoints", "5", *extra,
+        *TRAINING, "--checkpoint-every", "4", "--log-every", "2", "--keep-checkpoints", "5",
     ]  # fmt: skip
 
 
@@ -64,18 +64,16 @@ def logged(out: Path) -> list[int]:
         return []
 
 
-def test_a_job_killed_with_a_save_in_flight_resumes_from_the_checkpoint_before_exactly(ray_session, tmp_path):
-    from pipeline.data.synthetic import write_synthetic_shards
-
+def test_a_job_killed_with_a_save_in_flight_resumes_from_the_checkpoint_before_exactly(
+    ray_session, straight_run, tmp_path
+):
     address = ray_session.get_runtime_context().gcs_address
 
-    shards = write_synthetic_shards(
-        tmp_path / "shards", 64, samples_per_shard=16, image_size=32, num_classes=4
-    )
+    shards, straight = straight_run.shards, straight_run.out
     env = dict(os.environ)
     # The hook reaches the job's workers as `ray job submit --runtime-env-json` would pass it.
     held = {"runtime_env": {"env_vars": {WRITE_DELAY_ENV: "8:600"}}}
-    killed, straight = tmp_path / "killed", tmp_path / "straight"
+    killed = tmp_path / "killed"
 
     started = time.monotonic()
     log = (tmp_path / "killed.log").open("w")
@@ -116,15 +114,6 @@ def test_a_job_killed_with_a_save_in_flight_resumes_from_the_checkpoint_before_e
     resumed = re.findall(r"resumed from (\S+) at step (\d+)", again.stdout)
     assert [(Path(where).name, int(step)) for where, step in resumed] == [(dcp.checkpoint_name(4), 4)]
     assert "finished at step 12:" in again.stdout
-
-    sync = subprocess.run(
-        command(address, shards.urls, straight, "--no-async-checkpoint"),
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert sync.returncode == 0, (sync.stdout + sync.stderr)[-3000:]
     seconds = time.monotonic() - started
 
     # One history, the straight run's; every checkpoint complete; the straight run's weights.
@@ -136,4 +125,4 @@ def test_a_job_killed_with_a_save_in_flight_resumes_from_the_checkpoint_before_e
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    print(f"three jobs in {seconds:.0f} s")
+    print(f"two jobs in {seconds:.0f} s")

@@ -15,6 +15,7 @@ import pytest
 
 from pipeline import storage
 from pipeline.embed.output import RECORDS
+from tests.job_scripts import run_without_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBED = ROOT / "jobs" / "embed.py"
@@ -30,6 +31,7 @@ FLAGS = {
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The job as its own process, as a user runs it."""
     return subprocess.run(
         [sys.executable, str(EMBED), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
@@ -60,7 +62,7 @@ def test_help_documents_every_option():
 def test_bad_input_fails_before_ray_in_one_line(synthetic_shards, tiny_export, tmp_path, args, message):
     base = {"--data": synthetic_shards.dir, "--weights": tiny_export, "--out": str(tmp_path / "out")}
     base.update(dict(zip(args[::2], args[1::2], strict=True)))
-    result = run(*[x for kv in base.items() for x in kv])
+    result = run_without_ray("embed", *[x for kv in base.items() for x in kv])  # the job in this process
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -4,7 +4,8 @@ connection, in turn; 12 faults in the first run); its driver and the local Ray i
 once a checkpoint is registered (checkpoint 8's write held meanwhile by the saver's test hook, so that
 the kill lands mid-run), and the same command is run again. In the second run every 2nd request
 for a checkpoint's files fails: the restore's reads of the checkpoint it resumes from, then its saves.
-The run ends with the weights of the same command run straight on a local disk.
+The run ends with the weights of the same command run straight on a local disk (the system tests'
+straight run, `tests/system/conftest.py`).
 
 The first run reaches the store through the environment (AWS_*); the second through `--storage-options`
 alone, no AWS_* variable set: its shards, marker, metrics, checkpoints (Ray Train's storage too, which
@@ -37,10 +38,9 @@ from safetensors.torch import load_file
 import vit
 from pipeline import dcp
 from pipeline.storage import Location
-from pipeline.train import presets
-from pipeline.train.driver import fit
 from pipeline.train.saver import WRITE_DELAY_ENV
 from tests.flaky_s3 import FAULTS, FlakyS3
+from tests.system.conftest import TRAINING
 
 ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN = ROOT / "jobs" / "pretrain.py"
@@ -62,12 +62,8 @@ def process_group_gone(pgid: int, timeout: float = 30) -> bool:
     return False
 
 
-def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(ray_session, tmp_path):
-    from pipeline.data.synthetic import write_synthetic_shards
-
-    shards = write_synthetic_shards(
-        tmp_path / "shards", 64, samples_per_shard=16, image_size=32, num_classes=4
-    )
+def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(straight_run, tmp_path):
+    shards = straight_run.shards
     s3 = FlakyS3(period=4, max_faults=12, seconds=600).start()  # 12 more for the second run
     try:
         credentials = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
@@ -100,9 +96,7 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
         def pretrain(data: str, out: str) -> list[str]:
             return [
                 sys.executable, str(PRETRAIN), "--data", f"{data}/train-{{000000..000003}}.tar", "--out", out,
-                "--cpu", "--num-classes", "4", "--batch-size", "16", "--micro-batch-size", "8",
-                "--max-steps", "12", "--checkpoint-every", "4", "--log-every", "2", "--warmup-steps", "2",
-                "--shuffle-buffer", "16", "--keep-checkpoints", "5",
+                *TRAINING, "--checkpoint-every", "4", "--log-every", "2", "--keep-checkpoints", "5",
             ]  # fmt: skip
 
         args = pretrain(f"s3://{BUCKET}/shards", f"s3://{RUN}")
@@ -195,12 +189,8 @@ def test_a_killed_driver_run_again_over_failing_s3_finishes_from_its_checkpoint(
     finally:
         s3.stop()
 
-    # The same command, run straight on a local disk, ends with the same weights, bit for bit: the job's
-    # own config, run on the tests' shared Ray (a job of its own would only add a Ray start).
-    straight = tmp_path / "straight"
-    fit(presets.resolve(presets.pretrain_parser().parse_args(pretrain(str(shards.dir), str(straight))[2:])),
-        shards.urls)  # fmt: skip
-    healthy = load_file(straight / "final" / "weights.safetensors")
+    # The same command, run straight on a local disk, ends with the same weights, bit for bit.
+    healthy = load_file(straight_run.out / "final" / "weights.safetensors")
     assert healthy.keys() == weights.keys()
     for key in healthy:
         assert torch.equal(healthy[key], weights[key]), f"{key} differs from the run on a healthy store"

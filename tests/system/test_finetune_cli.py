@@ -8,19 +8,26 @@ import sys
 from pathlib import Path
 
 from pipeline.train.config import TrainConfig
+from tests.job_scripts import run_without_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 FINETUNE = ROOT / "jobs" / "finetune.py"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
+    """The job as its own process, as a user runs it."""
     return subprocess.run(
         [sys.executable, str(FINETUNE), *args], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
 
 
+def run_here(*args: str) -> subprocess.CompletedProcess:
+    """The job in this process, Ray out of reach: for the checks before any cluster work."""
+    return run_without_ray("finetune", *args)
+
+
 def test_the_default_is_the_papers_finetuning_recipe_and_flags_override_it():
-    result = run(
+    result = run_here(
         "--weights", "w", "--data", "d", "--out", "o", "--image-size", "48", "--randaug-ops", "2",
         "--print-config",
     )  # fmt: skip
@@ -46,5 +53,5 @@ def test_weights_that_are_not_there_fail_in_one_line(tmp_path):
 
 
 def test_weights_are_required():
-    result = run("--data", "d", "--out", "o")
+    result = run_here("--data", "d", "--out", "o")
     assert result.returncode == 2 and "--weights" in result.stderr

@@ -4,7 +4,8 @@ One run of `jobs/pretrain.py` (2 CPU workers, 12 steps, a checkpoint every 8, a 
 preempted twice: one of its workers gets a SIGTERM once step 2 is logged, and, after Ray Train restarted
 the run, its last rank gets a drain notice at step 9 (the test hook `VITRAY_TEST_PREEMPT_AT_STEP`). Each
 time the run checkpoints at the next step boundary and says so in one line, Ray Train restarts it from
-that checkpoint, and it ends with the weights of the same run uninterrupted. Beside it, on Ray Train
+that checkpoint, and it ends with the weights of the same run uninterrupted (the system tests' straight
+run, `tests/system/conftest.py`, which logs and checkpoints at its own pace). Beside it, on Ray Train
 workers: the notice Ray Train hands a worker, and a SIGTERM to it, reach the watcher.
 
 Arithmetic: 4 shards x 16 samples, 2 workers x micro-batch 8, batch 16 -> 4 steps an epoch, 12 steps
@@ -27,9 +28,9 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import dcp
-from pipeline.train import presets
-from pipeline.train.driver import fit, read_metrics
+from pipeline.train.driver import read_metrics
 from pipeline.train.preemption import TEST_HOOK
+from tests.system.conftest import TRAINING
 
 ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN = ROOT / "jobs" / "pretrain.py"
@@ -38,10 +39,8 @@ pytestmark = pytest.mark.slow
 
 def args(shards, out: Path) -> list[str]:
     return [
-        "--data", ",".join(shards.urls), "--out", str(out), "--cpu", "--num-classes", "4",
-        "--batch-size", "16", "--micro-batch-size", "8", "--max-steps", "12", "--checkpoint-every", "8",
-        "--log-every", "1", "--warmup-steps", "2", "--shuffle-buffer", "16", "--keep-checkpoints", "5",
-        "--max-failures", "3",
+        "--data", ",".join(shards.urls), "--out", str(out), *TRAINING, "--checkpoint-every", "8",
+        "--log-every", "1", "--keep-checkpoints", "5", "--max-failures", "3",
     ]  # fmt: skip
 
 
@@ -77,17 +76,11 @@ def logged_steps(out: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def preempted_run(ray_session, tmp_path_factory):
+def preempted_run(straight_run, tmp_path_factory):
     """(the straight run's final weights, the preempted run's dir, its output, the step logged when the
     SIGTERM was sent)."""
-    from pipeline.data.synthetic import write_synthetic_shards
-
+    shards, straight = straight_run.shards, straight_run.out
     root = tmp_path_factory.mktemp("preemption")
-    shards = write_synthetic_shards(root / "shards", 64, samples_per_shard=16, image_size=32, num_classes=4)
-    # The same run uninterrupted: the job's own config, on the tests' shared Ray.
-    straight = root / "straight"
-    fit(presets.resolve(presets.pretrain_parser().parse_args(args(shards, straight))), shards.urls)
-
     out = root / "run"
     log_path = root / "run.log"
     with log_path.open("w") as log:

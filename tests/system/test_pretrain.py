@@ -1,8 +1,9 @@
 """Pretraining under Ray Train: 2 CPU workers (gloo, FSDP2), a tiny ViT, synthetic shards.
 
-Arithmetic the resume test relies on: 4 shards x 16 samples, 2 workers x micro-batch 8, batch 16
+Arithmetic the resume tests rely on: 4 shards x 16 samples, 2 workers x micro-batch 8, batch 16
 -> every rank reads 2 shards (32 samples) an epoch = exactly 4 steps, so step 6 is the middle of
-epoch 1.
+epoch 1. The runs resumed are `jobs/pretrain.py`'s config, 12 steps, and end with the weights of the
+system tests' straight run (`tests/system/conftest.py`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import dcp
-from pipeline.train import checkpoint
+from pipeline.train import checkpoint, presets
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import fit, read_metrics
 from tests.configs import tiny_config
+from tests.system.conftest import TRAINING
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -45,6 +47,13 @@ def config(shards, out: Path, **changes) -> TrainConfig:
         data=",".join(shards.urls), out=str(out), batch_size=16, num_workers=2, max_steps=8, log_every=2,
         checkpoint_every=4, keep_checkpoints=5, shuffle_buffer=16, max_failures=0,
     ).replace(**changes)  # fmt: skip
+
+
+def job_config(urls: list[str], out: Path, *flags: str) -> TrainConfig:
+    """`jobs/pretrain.py`'s config for the straight run's training over ``urls``, with ``flags``."""
+    args = ["--data", ",".join(urls), "--out", str(out), *TRAINING, "--log-every", "2", "--keep-checkpoints", "5",
+            *flags]  # fmt: skip
+    return presets.resolve(presets.pretrain_parser().parse_args(args))
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -86,16 +95,13 @@ def registered(out: Path, step: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def killed_run(ray_session, shards, tmp_path_factory):
-    """An uninterrupted 16-step run, and the same run with a worker SIGKILLed once checkpoint 6 (the
-    middle of epoch 1) is registered: (straight run dir, killed run dir, its summary, the victim)."""
-    root = tmp_path_factory.mktemp("killed")
-    changes = {"max_steps": 16, "checkpoint_every": 2, "log_every": 2}
-    straight = root / "straight"
-    fit(config(shards, straight, **changes), shards.urls)
-
-    out = root / "run"
-    cfg = config(shards, out, max_failures=2, **changes)
+def killed_run(straight_run, tmp_path_factory):
+    """The system tests' straight run, and the same run with a checkpoint every 2 and a worker SIGKILLed
+    once checkpoint 6 (the middle of epoch 1) is registered: (straight run dir, killed run dir, its
+    summary, the victim)."""
+    shards, straight = straight_run.shards, straight_run.out
+    out = tmp_path_factory.mktemp("killed") / "run"
+    cfg = job_config(shards.urls, out, "--checkpoint-every", "2", "--max-failures", "2")
     result: dict = {}
 
     def run() -> None:
@@ -123,7 +129,7 @@ def test_a_killed_worker_is_replaced_and_the_run_resumes_mid_epoch_as_if_never_s
     """The new worker group resumes from a checkpoint at or after 6, mid-epoch (4 steps an epoch),
     re-reads what each rank had taken, and ends with the uninterrupted run's weights."""
     straight, out, summary, victim = killed_run
-    assert summary["metrics"]["step"] == 16
+    assert summary["metrics"]["step"] == 12
     assert victim not in train_workers()
 
     # The last attempt resumed (the worker's "resumed from ... at step N" line) from a complete
@@ -135,7 +141,7 @@ def test_a_killed_worker_is_replaced_and_the_run_resumes_mid_epoch_as_if_never_s
     )
     assert resumed["checkpoint"].rstrip("/").endswith(dcp.checkpoint_name(resumed["step"]))
     steps = [r["step"] for r in read_metrics(str(out))]
-    assert steps == list(range(2, 17, 2))  # one history: the rows after the resumed step were rewritten
+    assert steps == list(range(2, 13, 2))  # one history: the rows after the resumed step were rewritten
 
     a, b = final_weights(straight), final_weights(out)
     assert a.keys() == b.keys()
@@ -144,13 +150,12 @@ def test_a_killed_worker_is_replaced_and_the_run_resumes_mid_epoch_as_if_never_s
 
 
 def test_shards_moved_to_another_directory_between_a_stop_and_its_resume_train_on_at_the_sample(
-    killed_run, shards, tmp_path
+    straight_run, tmp_path
 ):
     """Seeds and the stream's fingerprint come from the shards' names within their dataset, not
     where they lie: a copy trains like the original, and a run stopped mid-epoch and resumed after its
     data moved goes on at the sample, ending with the uninterrupted run's weights."""
-    straight = killed_run[0]
-    changes = {"max_steps": 16, "checkpoint_every": 2, "log_every": 2}
+    shards, straight = straight_run.shards, straight_run.out
     here, there = tmp_path / "copy", tmp_path / "moved" / "elsewhere"
     shutil.copytree(shards.dir, here)
 
@@ -159,35 +164,34 @@ def test_shards_moved_to_another_directory_between_a_stop_and_its_resume_train_o
 
     out = tmp_path / "run"
     urls = moved_to(here)
-    fit(config(shards, out, data=",".join(urls), stop_at_step=6, **changes), urls)
+    fit(job_config(urls, out, "--checkpoint-every", "2", "--stop-at-step", "6"), urls)
     there.parent.mkdir()
     shutil.move(here, there)
     urls = moved_to(there)
-    summary = fit(config(shards, out, data=",".join(urls), **changes), urls)
-    assert summary["resumed_from"]["step"] == 6 and summary["metrics"]["step"] == 16
+    summary = fit(job_config(urls, out, "--checkpoint-every", "2"), urls)
+    assert summary["resumed_from"]["step"] == 6 and summary["metrics"]["step"] == 12
     a, b = final_weights(straight), final_weights(out)
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs from the run on the original shards"
 
 
-def test_two_worker_checkpoint_loads_in_one_process(killed_run, shards):
+def test_two_worker_checkpoint_loads_in_one_process(killed_run):
     _, out, _, _ = killed_run
-    exported = final_weights(out)  # step 16, as checkpoint 16 holds it
+    exported = final_weights(out)  # step 12, as checkpoint 12 holds it
     # In a subprocess: a world of one (gloo, FSDP2 over 1 rank) loads the 2-rank DCP checkpoint and
     # must hold exactly what the 2-worker run exported at the same step.
     code = f"""
 import torch
 from pipeline.train import checkpoint
 from pipeline.train.config import TrainConfig
-from tests.configs import tiny_config
 from pipeline.train.model import build_model, init_distributed
 from pipeline.train.step import TrainStep
 _, world, device = init_distributed()
 assert world == 1
-cfg = TrainConfig.from_dict({config(shards, out, num_workers=1).to_dict()!r})
+cfg = TrainConfig.from_dict({job_config([], out).replace(num_workers=1).to_dict()!r})
 model = build_model(cfg.replace(seed=123), device)
-state = checkpoint.load({str(out / dcp.checkpoint_name(16))!r}, model, TrainStep(model, cfg, device).optimizer)
-assert state["step"] == 16, state
+state = checkpoint.load({str(out / dcp.checkpoint_name(12))!r}, model, TrainStep(model, cfg, device).optimizer)
+assert state["step"] == 12, state
 for name, value in model.state_dict().items():
     full = value.full_tensor() if hasattr(value, "full_tensor") else value
     torch.save(full, {str(out.parent)!r} + "/" + name + ".pt")

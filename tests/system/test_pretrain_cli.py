@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.train.config import TrainConfig
-from tests.job_scripts import load_job
+from tests.job_scripts import load_job, run_without_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN = ROOT / "jobs" / "pretrain.py"
@@ -48,9 +48,15 @@ FLAGS = {
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The job as its own process, as a user runs it."""
     return subprocess.run(
         [sys.executable, str(PRETRAIN), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
+
+
+def run_here(*args: str) -> subprocess.CompletedProcess:
+    """The job in this process, Ray out of reach: for the checks before any cluster work."""
+    return run_without_ray("pretrain", *args)
 
 
 def test_help_lists_exactly_the_frozen_flags():
@@ -61,7 +67,7 @@ def test_help_lists_exactly_the_frozen_flags():
 
 
 def test_flags_override_the_preset():
-    result = run(
+    result = run_here(
         "--preset", "vit_h14_224", "--data", "x", "--out", "y", "--lr", "0.5", "--cpu",
         "--objective", "mae", "--label-key", "none", "--print-config",
     )  # fmt: skip
@@ -77,7 +83,7 @@ def test_flags_override_the_preset():
 
 
 def test_augmentation_flags_reach_the_data_stage():
-    result = run(
+    result = run_here(
         "--data", "x", "--out", "y", "--crop-scale", "0.25,0.9", "--crop-ratio", "0.5,2", "--no-hflip",
         "--randaug-ops", "2", "--randaug-magnitude", "10", "--print-config",
     )  # fmt: skip
@@ -88,7 +94,7 @@ def test_augmentation_flags_reach_the_data_stage():
     assert (data.randaug_ops, data.randaug_magnitude) == (2, 10.0)  # AugReg's randaug(2, 10)
     # Left out, they keep the preset's values: the paper's crop and flips, no RandAugment.
     default = TrainConfig.from_dict(
-        json.loads(run("--data", "x", "--out", "y", "--print-config").stdout)
+        json.loads(run_here("--data", "x", "--out", "y", "--print-config").stdout)
     ).data
     assert (default.scale, default.ratio, default.hflip) == ((0.08, 1.0), (0.75, 4 / 3), True)
     assert default.randaug_ops == 0
@@ -106,7 +112,7 @@ def test_augmentation_flags_reach_the_data_stage():
     ],
 )
 def test_bad_configuration_fails_at_once_with_one_line(synthetic_shards, tmp_path, args, message):
-    result = run(
+    result = run_here(
         "--preset", "tiny", "--data", str(synthetic_shards.dir), "--out", str(tmp_path / "run"), *args
     )
     assert result.returncode == 2
@@ -152,7 +158,7 @@ def test_unlabeled_shards_fail_at_once_with_one_line(tmp_path):
     (tmp_path / "shards").mkdir()
     for n in range(2):
         (tmp_path / "shards" / f"train-{n:06d}.tar").write_bytes(tar_bytes(members))
-    result = run("--preset", "tiny", "--data", str(tmp_path / "shards"), "--out", str(tmp_path / "run"))
+    result = run_here("--preset", "tiny", "--data", str(tmp_path / "shards"), "--out", str(tmp_path / "run"))
     assert result.returncode == 2
     assert "carries no label member .cls" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
