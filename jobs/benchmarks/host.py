@@ -86,7 +86,26 @@ def wait_step_class() -> type:
             self.wait_s = float(ms) / 1000
             self.out = open(Path(directory) / f"steps-{os.getpid()}.tsv", "a", buffering=1)  # noqa: SIM115
             self.zero = torch.zeros((), device=self.device)
+            self.first_update()
             self.last = time.time()  # when the last wait ended
+
+        def first_update(self) -> None:
+            """The optimizer's state as a real first step leaves it (its moments, its step count), from an
+            update at learning rate 0 that changes no weight. Without it the first checkpoint would make
+            that state: DCP's state dict runs an optimizer step when the optimizer has none, through
+            DTensor's first (uncached) sharding propagation, seconds of host time that a real run spends
+            in its first step, not at its first save."""
+            import torch
+
+            rates = [group["lr"] for group in self.optimizer.param_groups]
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            for group, lr in zip(self.optimizer.param_groups, rates, strict=True):
+                group["lr"] = lr
 
         def __call__(self, step: int, micro_batches: list, global_count: int, micro_steps: int | None = None):
             started = time.time()
