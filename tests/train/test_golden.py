@@ -9,8 +9,8 @@
   A run resumed from that recorded state (the form older checkpoints hold) must go on with the same
   keys at the same steps and end with the same weights.
 
-The keys and the resume are checked with each ``--data-process``: the pipeline inline, and in a feeder
-process (`pipeline.train.feeder`, on the tests' shared local Ray).
+The keys and the resume are checked with each ``--data-process`` (``data_process``, tests/train/conftest.py):
+the pipeline inline, and in a feeder process.
 
 Record them again (only on purpose, when the numerics are meant to change) with
 ``python -m tests.train.test_golden`` and say why in the commit.
@@ -155,14 +155,6 @@ def keys_run_now(kind: str, device: torch.device, out: Path, data_process: str =
 @pytest.fixture(scope="module")
 def golden() -> dict[str, Any]:
     return json.loads(GOLDEN.read_text())
-
-
-@pytest.fixture(params=["inline", "feeder"])
-def data_process(request) -> str:
-    """Where the rank's pipeline runs: the feeder's is an actor of the shared local Ray."""
-    if request.param == "feeder":
-        request.getfixturevalue("ray_session")
-    return request.param
 
 
 def test_the_tiny_presets_first_30_losses_are_the_recorded_ones(world, golden, tmp_path):
