@@ -137,6 +137,19 @@ class FedInput(StepInput):
         return copied
 
 
+@dataclass(frozen=True)
+class DeviceCopies:
+    """On CUDA, what every epoch's inputs copy to the device with: the pinned buffers (allocated once,
+    as page-locking memory takes a driver-wide lock) and the copy stream; on CPU, neither."""
+
+    pool: PinnedPool | None = None
+    stream: Any = None  # torch.cuda.Stream
+
+    @classmethod
+    def on(cls, device: torch.device) -> DeviceCopies:
+        return cls(PinnedPool(), torch.cuda.Stream(device)) if device.type == "cuda" else cls()
+
+
 class FeederInputs:
     """An epoch's step inputs from the rank's feeder (`pipeline.train.dataplan.StepInputs`)."""
 
@@ -148,16 +161,14 @@ class FeederInputs:
         rank: int,
         columns: tuple[str, ...],
         in_flight: int,
-        device: torch.device,
+        copies: DeviceCopies,
         on_dry: Callable[[BadSamples], None],
     ):
         self.feeder, self.epoch, self.rank, self.columns = feeder, epoch, rank, columns
         self.in_flight, self.on_dry = max(in_flight, 1), on_dry
+        self.pool, self.copy_stream = copies.pool, copies.stream
         self.pending: deque[Any] = deque()
         self.final: BadSamples | None = None  # the stream's final counts, once it has run dry
-        cuda = device.type == "cuda"
-        self.pool = PinnedPool() if cuda else None
-        self.copy_stream = torch.cuda.Stream(device) if cuda else None
 
     def next(self) -> StepInput:
         """The next step's input; an empty one once the stream has run dry (as `Prefetcher.next`)."""
@@ -223,6 +234,7 @@ class FeederPlan:
         self.inline, self.me, self.depth = inline, me, depth
         self.fingerprint = inline.fingerprint
         self.feeder: Any = None  # the actor, started with the first epoch's input
+        self.copies = DeviceCopies.on(me.device)
 
     def position(self) -> Position:
         return self.inline.position()
@@ -248,7 +260,7 @@ class FeederPlan:
         self.feeder.open.remote(epoch, snapshot, None if ahead is None else ahead.to_dict())
         return FeederInputs(
             self.feeder, epoch, rank=self.me.rank, columns=self.inline.columns, in_flight=self.depth,
-            device=self.me.device, on_dry=on_dry,
+            copies=self.copies, on_dry=on_dry,
         )  # fmt: skip
 
     def start(self) -> Any:

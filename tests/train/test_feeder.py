@@ -19,7 +19,7 @@ import torch
 
 from pipeline.data.bad_samples import BadSamples
 from pipeline.train import feeder, loop
-from pipeline.train.feeder import FeederInputs, FeederPlan
+from pipeline.train.feeder import DeviceCopies, FeederInputs, FeederPlan
 from tests.train import test_golden
 from tests.train.test_golden import data_of, keys_config, record_keys, run, stream_of, use_stream
 
@@ -79,7 +79,7 @@ def step_arrays() -> dict[str, np.ndarray]:
 def test_a_replys_arrays_become_the_steps_tensors_which_the_step_may_write():
     arrays = step_arrays()
     inputs = FeederInputs(
-        None, 0, rank=0, columns=("patches", "label"), in_flight=1, device=torch.device("cpu"), on_dry=print
+        None, 0, rank=0, columns=("patches", "label"), in_flight=1, copies=DeviceCopies(), on_dry=print
     )
     fed = inputs.step_input(reply(arrays))
     assert fed.samples == 8 and len(fed.micro_batches) == 2
@@ -92,13 +92,14 @@ def test_a_replys_arrays_become_the_steps_tensors_which_the_step_may_write():
 
 
 @pytest.mark.gpu
-def test_on_cuda_a_fed_step_reaches_the_device_through_reused_pinned_buffers_on_a_copy_stream():
+def test_on_cuda_fed_steps_reach_the_device_through_pinned_buffers_reused_across_epochs_on_a_copy_stream():
     device = torch.device("cuda")
-    inputs = FeederInputs(
-        None, 0, rank=0, columns=("patches", "label"), in_flight=1, device=device, on_dry=print
-    )
+    copies = DeviceCopies.on(device)  # one for the run: every epoch's inputs copy with it
     pinned = []
-    for _ in range(3):
+    for epoch in range(3):
+        inputs = FeederInputs(
+            None, epoch, rank=0, columns=("patches", "label"), in_flight=1, copies=copies, on_dry=print
+        )
         arrays = step_arrays()
         fed = inputs.step_input(reply(arrays))
         assert all(t.is_pinned() for mb in fed.micro_batches for t in mb)
@@ -109,7 +110,7 @@ def test_on_cuda_a_fed_step_reaches_the_device_through_reused_pinned_buffers_on_
             assert patches.device.type == "cuda"
             assert torch.equal(patches.cpu(), torch.from_numpy(arrays["patches"].copy()))
             assert torch.equal(label.cpu(), torch.from_numpy(arrays["label"].copy()))
-    assert pinned[1] == pinned[2]  # the buffers of a step come back for a later one
+    assert pinned[0] == pinned[1] == pinned[2]  # allocated once, for the steps of every epoch
 
 
 class Silent:
@@ -127,7 +128,7 @@ def test_a_feeder_silent_past_the_bound_fails_its_rank_instead_of_hanging(ray_se
     monkeypatch.setattr(feeder, "WAIT_S", 2.0)
     silent = ray.remote(Silent).remote()
     inputs = FeederInputs(
-        silent, 0, rank=3, columns=("patches", "label"), in_flight=2, device=torch.device("cpu"), on_dry=print
+        silent, 0, rank=3, columns=("patches", "label"), in_flight=2, copies=DeviceCopies(), on_dry=print
     )
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="the data feeder of worker 3 sent no step input in 2 s"):
