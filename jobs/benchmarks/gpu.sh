@@ -10,7 +10,8 @@
 # micro-batches of 128), test-gpu (`make test-gpu`'s
 # tests; what needs Ray is skipped without it). With Ray installed: shards, then curve-bf16 and
 # curve-fp8 (the loss curves of --fp8 against bf16), job-b16 (the real job, one GPU, the config of
-# b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling), ckpt-h14
+# b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling; job-b16-feeder:
+# with --data-process feeder, each worker's pipeline in a process of its own), ckpt-h14
 # (the training stall of ViT-H/14 checkpoints, sync and async), embed-job, embed-job-b16 (the
 # embedding job against the model alone; embed-job-b16-nvjpeg: with --decode gpu), learn-5k,
 # learn-5k-s4 and learn-full (BENCHMARKS
@@ -98,6 +99,7 @@ for item in "$@"; do
     b16-step) run "$item" "${bench[@]}" train --model vit_b16 --micro-batch-size 128 --accum 2 \
         --configs compile-model --warmup 5 --iters 20 --json "$out/b16-step.json" ;;  # job-b16's 256 in 2
     job-b16) TORCH_LOGS=recompiles curve "$item" --compile-scope model ;;
+    job-b16-feeder) curve "$item" --compile-scope model --data-process feeder ;;  # its pipeline in a feeder
     job-b16-stacks)  # the same with the training thread sampled: where each window's time went
         VITRAY_SAMPLE_STACKS="$out" curve "$item" --compile-scope model
         "$py" jobs/benchmarks/stacks.py "$out/stacks-rank0.tsv" >"$out/$item-windows.txt" && cat "$out/$item-windows.txt" ;;

@@ -52,6 +52,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--model", default="vit_ti16", help="built but never stepped (its optimizer is checkpointed)"
     )
     p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument(
+        "--data-process", choices=("inline", "feeder"), default="inline",
+        help="where the rank's pipeline runs (the job's --data-process)",
+    )  # fmt: skip
     p.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2, help="logical CPUs of the local Ray")
     p.add_argument("--no-py-spy", action="store_true", help="do not sample the GIL holder with py-spy")
     p.add_argument("--json", help="also write the figures to this JSON file")
@@ -82,7 +86,26 @@ def wait_step_class() -> type:
             self.wait_s = float(ms) / 1000
             self.out = open(Path(directory) / f"steps-{os.getpid()}.tsv", "a", buffering=1)  # noqa: SIM115
             self.zero = torch.zeros((), device=self.device)
+            self.first_update()
             self.last = time.time()  # when the last wait ended
+
+        def first_update(self) -> None:
+            """The optimizer's state as a real first step leaves it (its moments, its step count), from an
+            update at learning rate 0 that changes no weight. Without it the first checkpoint would make
+            that state: DCP's state dict runs an optimizer step when the optimizer has none, through
+            DTensor's first (uncached) sharding propagation, seconds of host time that a real run spends
+            in its first step, not at its first save."""
+            import torch
+
+            rates = [group["lr"] for group in self.optimizer.param_groups]
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            for group, lr in zip(self.optimizer.param_groups, rates, strict=True):
+                group["lr"] = lr
 
         def __call__(self, step: int, micro_batches: list, global_count: int, micro_steps: int | None = None):
             started = time.time()
@@ -217,6 +240,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         model=args.model, image_size=args.image_size, num_classes=10, batch_size=args.batch_size,
         micro_batch_size=args.micro_batch_size, num_workers=1, use_gpu=False, max_steps=args.steps, warmup_steps=1,
         checkpoint_every=args.checkpoint_every, log_every=args.log_every, keep_checkpoints=1,
+        data_process=args.data_process,
         max_failures=0, shards=",".join(shards.urls), out=str(scratch / "run"),
     )  # fmt: skip
     spy = None if args.no_py_spy else _start_py_spy(record, scratch / "gil.txt", args)
@@ -241,7 +265,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     title = (
         f"host beside a {args.step_ms:g} ms device-shaped step: batch {args.batch_size} "
         f"({args.micro_batch_size} a micro-batch), {args.source_size}px JPEGs cropped to {args.image_size}px, "
-        f"{args.num_cpus} CPUs; ideal {1000 / args.step_ms:.1f} steps/s"
+        f"{args.num_cpus} CPUs, data process {args.data_process}; ideal {1000 / args.step_ms:.1f} steps/s"
     )
     if later:
         title += f"; windows after the first: {min(later):.1%} to {max(later):.1%} of ideal"

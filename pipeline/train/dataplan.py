@@ -8,7 +8,8 @@ fingerprint of its streams, and the entry its metrics rows add.
 Both hand the loop step inputs through a `pipeline.train.prefetch.Prefetcher` built over the rank's
 stream of micro-batches, after those the rank has taken (`pipeline.train.cursor.EpochCursor`); when the
 stream runs dry, the loop's ``on_dry`` starts the next epoch's input while this one's last steps train.
-Another implementation (a feeder process per rank, say) hands out the same `StepInputs` from elsewhere.
+`pipeline.train.feeder` hands out the same `StepInputs` from a process of the rank's own (``--data-process
+feeder``).
 
 One source. Each epoch has one shard order, a pure function of (seed, epoch); rank r streams
 ``order[r::world]`` through its own Ray Data pipeline (`pipeline.data.dataset.micro_batches`). Its
@@ -98,6 +99,10 @@ class DataPlan(Protocol):
         """Collective where the plan has one: what its metrics rows add ({} for none)."""
         ...
 
+    def close(self) -> None:
+        """The run is over (or failed): stop what the plan started beside the epochs' inputs."""
+        ...
+
 
 class Deal(Protocol):
     """`pipeline.train.cursor.EpochCursor.deal`: this rank's shards of a shard ``order`` (here: of source
@@ -155,11 +160,13 @@ class Mixture:
         data_cpus: float,
         deal: Deal | None = None,
         dealt: SourcesPosition | None = None,
+        read: Callable[..., Iterator[Batch]] = micro_batches,
     ) -> Iterator[Batch]:
         """This rank's mixed micro-batches of ``epoch``; every source counts into ``counts`` (its
         ``sources`` entry per source). The rank's decode CPUs are shared by the sources' pipelines in
         proportion to their weights. ``deal`` gives the rank's shards of each pass (else
-        ``order[rank::world]``); ``dealt``: the position an elastic epoch goes on from (module doc)."""
+        ``order[rank::world]``); ``dealt``: the position an elastic epoch goes on from (module doc); ``read``:
+        a source's stream of one pass (`micro_batches`)."""
         seed = data_config.seed
         cpus = [max(data_cpus * share, min(data_cpus, 1.0)) for share in shares(self.weights).tolist()]
 
@@ -171,7 +178,7 @@ class Mixture:
                 key = pass_epoch(epoch, passes)
                 order = shard_order(shards, seed, key)
                 mine, skip = deal(order, part=(source, passes)) if deal else (order[rank::world], {})
-                return micro_batches(
+                return read(
                     mine, data_config, epoch=key, rank=rank, size=size,
                     bad_samples=counts, data_cpus=cpus, root=root, **skip,
                 )  # fmt: skip
@@ -230,6 +237,9 @@ class StreamPlan:
     def __init__(self, settings: PlanSettings):
         self.config, self.data_config, self.me = settings.config, settings.data_config, settings.me
         self.columns, self.data_cpus = settings.columns, settings.data_cpus
+        # The stream of one pass of shards, as found when the plan is made: a plan handed to a feeder
+        # process (`pipeline.train.feeder`) reads with the same function there.
+        self.read = micro_batches
 
     def cpus(self, epoch: int) -> float:
         """`DataPlan.cpus`: the run's --data-cpus-per-worker, else `data_cpus_per_worker`'s share."""
@@ -258,6 +268,9 @@ class StreamPlan:
     def stream(self, epoch: int, cursor: EpochCursor, counts: BadSamples, *, ahead: bool) -> Iterator[Batch]:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Nothing runs beside the epochs' inputs, which the loop closes."""
+
 
 class OneSource(StreamPlan):
     """A plain ``--data``: the shards of one dataset (module docstring)."""
@@ -273,7 +286,7 @@ class OneSource(StreamPlan):
     def stream(self, epoch: int, cursor: EpochCursor, counts: BadSamples, *, ahead: bool) -> Iterator[Batch]:
         order = shard_order(self.shards, self.config.run.seed, epoch)
         shards, skip = cursor.deal(order, ahead=ahead)
-        return micro_batches(
+        return self.read(
             shards, self.data_config, epoch=epoch, rank=self.me.rank, size=self.config.optim.micro_batch_size,
             bad_samples=counts, data_cpus=self.cpus(epoch), root=dataset_root(self.shards),
             **skip,  # an elastic epoch's consumed samples, passed over (`EpochCursor.deal`)
@@ -300,7 +313,7 @@ class MixedSources(StreamPlan):
         return self.mixture.stream(
             self.data_config, epoch, me.rank, me.world, me.accum, self.config.optim.micro_batch_size,
             counts=counts, data_cpus=self.cpus(epoch),
-            deal=cursor.deal if elastic else None, dealt=cursor.dealt if elastic else None,
+            deal=cursor.deal if elastic else None, dealt=cursor.dealt if elastic else None, read=self.read,
         )  # fmt: skip
 
     def metrics(self, counts: BadSamples, group: dist.ProcessGroup | None) -> dict[str, Any]:

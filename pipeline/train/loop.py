@@ -8,8 +8,9 @@ What the loop holds besides the model, its optimizer step and the run's state, e
 - ``me``, a `pipeline.train.state.Rank`: rank, world size, device, the agreements' CPU group and the
   micro-batches per step, fixed at set-up;
 - ``plan``, a `pipeline.train.dataplan.DataPlan`: everything the loop asks of its data, the same for a
-  plain ``--data`` (`OneSource`) and a mixture (`MixedSources`): an epoch's step inputs, the empty position
-  by sample its checkpoints record, its streams' fingerprint and what its metrics rows add;
+  plain ``--data`` (`OneSource`) and a mixture (`MixedSources`), its pipeline in the training process or
+  in a feeder process (`pipeline.train.feeder`): an epoch's step inputs, the empty position by sample its
+  checkpoints record, its streams' fingerprint and what its metrics rows add;
 - ``cursor``, a `pipeline.train.cursor.EpochCursor`: where this rank stands in the epoch;
 - ``checkpointer``, a `pipeline.train.saver.Checkpointer`: save, wait, the longest save; the preemption
   check (`pipeline.train.preemption.checkpoint_and_stop`) saves with it too.
@@ -53,8 +54,9 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.train import checkpoint, finetune, lease, mfu, preemption, sinks, stacks
 from pipeline.train.config import worker_config
 from pipeline.train.cursor import EpochCursor
-from pipeline.train.dataplan import StepInputs, plan_for
+from pipeline.train.dataplan import StepInputs
 from pipeline.train.ema import WeightEMA
+from pipeline.train.feeder import feeder_plan_for
 from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
 from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import objective_for
@@ -105,7 +107,8 @@ class Trainer:
         self.data_config = config.data_for(self.model_config.patch_size)
         self.accum = config.optim.batch_size // (config.optim.micro_batch_size * self.world)
         self.me = Rank(self.rank, self.world, self.device, control_group(), self.accum)
-        self.plan = plan_for(loop_config, config, self.data_config, self.me, self.objective.columns)
+        columns = self.objective.columns
+        self.plan = feeder_plan_for(loop_config, config, self.data_config, self.me, columns)
         self.model = build_model(config, self.device)
         self.step_fn = TrainStep(self.model, config, self.device, self.objective)
         decay = config.optim.ema_decay  # the EMA of the weights (`pipeline.train.ema`), or None
@@ -211,6 +214,7 @@ class Trainer:
             self.preemption.close()
             if self.upcoming is not None:  # started ahead for an epoch the run did not reach
                 self.upcoming[1].close()
+            self.plan.close()
         return self.finish(error)
 
     def train_epoch(self) -> None:

@@ -24,6 +24,7 @@ OBJECTIVES = ("supervised", "mae")  # pipeline.train.objective has one class for
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("cosine", "linear")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DATA_PROCESSES = ("inline", "feeder")  # pipeline.train.feeder runs the second
 HEAD_INITS = ("zero", "probe")  # pipeline.train.finetune starts the new head from one of them
 
 
@@ -250,12 +251,18 @@ class SpeedConfig:
         "steps of input built ahead on a background thread, hence the steps the next epoch's "
         "pipeline starts ahead (0: built by the step)",
     )
+    data_process: str = setting(
+        "inline", "where each worker's data pipeline runs: inline (a thread of the training process) or "
+        "feeder (a process of its own on the worker's node, step inputs through shared memory)",
+        choices=DATA_PROCESSES,
+    )  # fmt: skip
 
     def validate(self) -> None:
         _one_of(self, "ac_mode", ("full", "alternate", "ops"))
         _one_of(self, "compile_scope", ("blocks", "model"))
         _one_of(self, "optimizer_impl", ("auto", "fused", "foreach", "for-loop"))
         _at_least(self, ("prefetch_steps",), minimum=0)
+        _one_of(self, "data_process", DATA_PROCESSES)
         if self.fp8 and importlib.util.find_spec("torchao") is None:
             raise ValueError("--fp8 needs the torchao package: pip install 'vitray[fp8]'")
 

@@ -36,7 +36,7 @@ FLAGS = {
     "--layer-decay", "--ema-decay", "--ema-every",
     # speed
     "--activation-checkpointing", "--no-activation-checkpointing", "--ac-mode", "--compile", "--no-compile",
-    "--compile-scope", "--optimizer-impl", "--fp8", "--no-fp8", "--prefetch-steps",
+    "--compile-scope", "--optimizer-impl", "--fp8", "--no-fp8", "--prefetch-steps", "--data-process",
     # cluster
     "--num-workers", "--use-gpu", "--no-use-gpu", "--cpu", "--cpus-per-worker", "--placement-strategy",
     "--data-cpus-per-worker", "--shard-group-size", "--shared-out", "--no-shared-out",

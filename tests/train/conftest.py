@@ -30,3 +30,12 @@ def collector_as_it_was():
     gc.unfreeze()
     if enabled:
         gc.enable()
+
+
+@pytest.fixture(params=["inline", "feeder"])
+def data_process(request) -> str:
+    """Where a run's pipeline runs (``--data-process``), for the tests of exact resume run with both: a
+    feeder is an actor of the tests' shared local Ray (`pipeline.train.feeder`)."""
+    if request.param == "feeder":
+        request.getfixturevalue("ray_session")
+    return request.param

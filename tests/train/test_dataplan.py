@@ -11,6 +11,7 @@ import torch
 
 from pipeline.train.cursor import stream_fingerprint
 from pipeline.train.dataplan import MixedSources, OneSource, plan_for
+from pipeline.train.feeder import FeederPlan, feeder_plan_for
 from pipeline.train.position import EpochPosition
 from pipeline.train.source_position import SourcesPosition
 from pipeline.train.state import Rank
@@ -42,6 +43,25 @@ def test_a_plan_takes_the_drivers_data_cpus_or_none():
     """None (no --data-cpus-per-worker): the rank's share is decided per epoch, as the driver hands it."""
     for data_cpus in (None, 3.0):
         assert plan({"shards": SHARDS}, data_cpus)[0].data_cpus == data_cpus
+
+
+def test_with_data_process_feeder_the_plan_is_the_same_plan_in_a_feeder():
+    """What the loop reads of a plan beside its step inputs is the inline plan's; its feeder starts with
+    the first epoch's input, not before (`tests.train.test_feeder` runs one)."""
+    config = tiny_config(micro_batch_size=4)
+    me = Rank(0, 1, torch.device("cpu"), None, accum=2)
+    urls = [url for s in SOURCES for url in s["shards"]]
+    for data, kind in (({"shards": SHARDS}, OneSource), ({"shards": urls, "sources": SOURCES}, MixedSources)):
+        loop_config = {**data, "data_cpus_per_worker": 1.0}
+        inline = plan_for(loop_config, config, config.data_for(8), me, ("patches", "label"))
+        assert isinstance(feeder_plan_for(loop_config, config, config.data_for(8), me, ("patches",)), kind)
+        fed = feeder_plan_for(
+            loop_config, config.replace(data_process="feeder"), config.data_for(8), me, ("patches", "label")
+        )
+        assert isinstance(fed, FeederPlan) and isinstance(fed.inline, kind) and fed.feeder is None
+        assert fed.fingerprint == inline.fingerprint and fed.cpus(0) == inline.cpus(0) == 1.0
+        assert type(fed.position()) is type(inline.position())
+        fed.close()  # nothing started: nothing to stop
 
 
 def test_sources_are_mixed_with_a_position_per_source():

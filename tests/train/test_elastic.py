@@ -110,12 +110,20 @@ def config(out: Path, world: int, **changes):
     ).replace(**changes)  # fmt: skip
 
 
-def _run(rank: int, world: int, root: str, runs: list[tuple[str, dict]], mixed=None) -> None:
+def _run(
+    rank: int, world: int, root: str, runs: list[tuple[str, dict]], mixed=None, ray_address: str | None = None
+) -> None:
     """Each of ``runs`` (name, config changes) in turn on ``world`` ranks; rank 0 writes every step's
     (epoch, keys of every rank, bad samples counted on every rank, and per source) to
     ``root``/<name>.json. ``mixed``: (sources, sizes, corrupt) of a mixed run over a `stand_in`
-    whose keys end with ``@`` and the epoch number their pass reads with, else the shards of `SIZES`."""
+    whose keys end with ``@`` and the epoch number their pass reads with, else the shards of `SIZES`.
+    ``ray_address``: the Ray each rank joins, for runs whose pipeline is in a feeder (``data_process``)."""
     from pipeline.train import dataplan, loop
+
+    if ray_address is not None:
+        import ray
+
+        ray.init(address=ray_address, log_to_driver=False)
 
     # This process is the test's own.
     if mixed is None:
@@ -177,14 +185,21 @@ def bad_at_epoch_ends(*records: dict, per_source: bool = False) -> dict[int, Any
     return {step[0]: step[3] if per_source else step[2] for step in ends}
 
 
-@pytest.mark.slow  # 4 ranks then 2, then 2 ranks then 3: about a minute of CPU
-@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 3)])
-def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(tmp_path, before, after):
-    stop = {"dir": "stopped", "stop_at_step": 2}
-    spawn(_run, before, str(tmp_path), [("straight", {}), ("stopped", dict(stop))], world_size=before)
-    spawn(
-        _run, after, str(tmp_path), [("resumed", {"dir": "stopped", "num_workers": after})], world_size=after
-    )
+@pytest.mark.slow  # 4 ranks then 2, then 2 ranks then 3: about a minute of CPU (each feeder: more)
+@pytest.mark.parametrize(
+    ("before", "after", "data_process"), [(4, 2, "inline"), (2, 3, "inline"), (2, 3, "feeder")]
+)
+def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(
+    request, tmp_path, before, after, data_process
+):
+    address = None
+    if data_process == "feeder":  # every rank's feeder an actor of the shared local Ray
+        address = request.getfixturevalue("ray_session").get_runtime_context().gcs_address
+    stop = {"dir": "stopped", "stop_at_step": 2, "data_process": data_process}
+    straight = ("straight", {"data_process": data_process})
+    spawn(_run, before, str(tmp_path), [straight, ("stopped", dict(stop))], None, address, world_size=before)
+    resumed = ("resumed", {"dir": "stopped", "num_workers": after, "data_process": data_process})
+    spawn(_run, after, str(tmp_path), [resumed], None, address, world_size=after)
     read = {
         name: json.loads((tmp_path / f"{name}.json").read_text())
         for name in ("straight", "stopped", "resumed")
@@ -212,7 +227,9 @@ def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(t
     assert all(ends[e] == len(CORRUPT) * (e + 1) for e in complete), ends
 
 
-def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(world, monkeypatch, tmp_path, capsys):
+def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(
+    world, monkeypatch, tmp_path, capsys, data_process
+):
     """One worker, batch 8: 7 steps an epoch. Stopped at step 3 with micro-batches of 4, resumed with
     micro-batches of 2: epoch 0 still trains every good sample once, and counts each bad one once."""
     from pipeline.train import dataplan, loop
@@ -226,7 +243,9 @@ def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(world, monkeypat
         return real(self, data, step_input, agreement)
 
     monkeypatch.setattr(loop.Trainer, "train_step", train_step)
-    stopped = config(tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=9, stop_at_step=3)
+    stopped = config(
+        tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=9, stop_at_step=3, data_process=data_process
+    )
     for cfg in (stopped, stopped.replace(stop_at_step=None, micro_batch_size=2)):
         session = LocalSession(torch.device("cpu"), Path(cfg.run.out))
         loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}

@@ -9,6 +9,9 @@
   A run resumed from that recorded state (the form older checkpoints hold) must go on with the same
   keys at the same steps and end with the same weights.
 
+The keys and the resume are checked with each ``--data-process`` (``data_process``, tests/train/conftest.py):
+the pipeline inline, and in a feeder process.
+
 Record them again (only on purpose, when the numerics are meant to change) with
 ``python -m tests.train.test_golden`` and say why in the commit.
 """
@@ -138,12 +141,12 @@ def losses_now(device: torch.device, out: Path) -> list[float]:
     return [row["loss"] for row in reports]
 
 
-def keys_run_now(kind: str, device: torch.device, out: Path) -> dict[str, Any]:
+def keys_run_now(kind: str, device: torch.device, out: Path, data_process: str = "inline") -> dict[str, Any]:
     """The keys per step, the final weights' sha and the state of the checkpoint at `MIDWAY`."""
     with pytest.MonkeyPatch.context() as mp:
         use_stream(mp, stream_of(kind))
         taken = record_keys(mp)
-        cfg = keys_config(kind, out)
+        cfg = keys_config(kind, out).replace(data_process=data_process)
         run(cfg, device, data_of(kind))
     state = json.loads((out / dcp.checkpoint_name(MIDWAY[kind]) / "train_state.json").read_text())
     return {"keys": taken, "weights_sha256": weights_sha(cfg, cfg.optim.max_steps), "midway_state": state}
@@ -163,22 +166,22 @@ def test_the_tiny_presets_first_30_losses_are_the_recorded_ones(world, golden, t
 
 @pytest.mark.parametrize("kind", ["plain", "mixed"])
 def test_a_run_trains_the_recorded_keys_per_step_and_ends_with_the_recorded_weights(
-    world, golden, tmp_path, kind
+    world, golden, tmp_path, kind, data_process
 ):
-    now = keys_run_now(kind, world, tmp_path / "run")
+    now = keys_run_now(kind, world, tmp_path / "run", data_process)
     assert now["keys"] == golden[kind]["keys"]
     assert now["weights_sha256"] == golden[kind]["weights_sha256"]
 
 
 @pytest.mark.parametrize("kind", ["plain", "mixed"])
 def test_a_checkpoint_in_the_recorded_form_resumes_with_the_recorded_keys_and_weights(
-    world, golden, tmp_path, kind
+    world, golden, tmp_path, kind, data_process
 ):
     """The checkpoint taken mid-epoch, its `TrainState` replaced by the recorded one (what the loop wrote
     when it was recorded), resumes at the sample: the recorded keys of the steps after it, the same weights."""
     midway, recorded = MIDWAY[kind], golden[kind]
     out = tmp_path / "run"
-    cfg = keys_config(kind, out).replace(stop_at_step=midway)
+    cfg = keys_config(kind, out).replace(stop_at_step=midway, data_process=data_process)
     with pytest.MonkeyPatch.context() as mp:
         use_stream(mp, stream_of(kind))
         run(cfg, world, data_of(kind))

@@ -1,0 +1,296 @@
+"""The data plane in a process of its own (``--data-process feeder``): each rank's pipeline runs in a
+feeder, a Ray actor on the rank's node, and the training process only copies finished step inputs to
+the device and steps.
+
+    training process (rank r)                          feeder (an actor on rank r's node, no GPU)
+    FeederPlan.epoch_input --- open(epoch, cursor) --> the rank's own plan (`pipeline.train.dataplan`):
+    FeederInputs.next <------- next(epoch) ----------- Ray Data's executor, the shuffle buffer, rebatch,
+      uint8 patches, labels, keys (the object store)   bad samples, the position's columns (`Prefetcher`)
+
+Why inline costs the step. Inline, the streaming executor's scheduling thread, the shuffle buffer, the
+rebatching and the bad-sample accounting run on threads of the training process and take the
+interpreter lock from the training thread whenever they run (BENCHMARKS.md, "The host beside a
+device-shaped step"). In a feeder they take another process's lock.
+
+Why an actor and not a subprocess. The pipeline is Ray Data's, which needs a process connected to the
+cluster to drive its tasks: an actor is one, placed by Ray on the node named here
+(``NodeAffinitySchedulingStrategy``, not soft: its arrays must reach the rank through the node's own
+shared memory), owned by the training worker (it dies with it; `FeederPlan.close` kills it at the end of
+the run), and its replies travel through the node's object store: an array above Ray's inline limit is
+written once into shared memory and ``ray.get`` maps it into the training process without a copy. A
+subprocess would need a connection of its own to the cluster (a Ray worker's fork is not one), a
+shared-memory protocol of its own and a cleanup of its own.
+
+Exact resume. The feeder holds a copy of the rank's plan (its `pipeline.train.state.Rank` without the
+device or the process group) and builds each epoch's step inputs as the inline plan does, from a copy
+of the cursor taken when the epoch's input is opened: what a stream reads of the cursor (the micro-batches
+taken, an elastic epoch's deal, the counts a re-read starts from) is fixed for the epoch. So the same keys
+reach the same steps as inline, at the same and at another world size. The training process keeps the
+cursor, the agreements and the checkpoints; the feeder has none of them.
+
+Head start. The feeder's `Prefetcher` builds ``--prefetch-steps`` ahead, and the training process keeps as
+many ``next`` calls in flight (at least one), so a step's arrays are in shared memory before it asks.
+When the feeder's stream runs dry, its final counts ride on its next reply, and the loop's ``on_dry``
+opens the next epoch on the same feeder while this epoch's last steps train.
+
+Device copies. On CUDA a step's arrays are copied into reused pinned buffers (`PinnedPool`) and from
+there to the device on a CUDA stream of the training process's own, which the step's stream waits for.
+
+A dead feeder is a failed rank, never a hang: every wait on it is bounded. A feeder that died (killed, out
+of memory) raises in the training process at its next wait; one silent for `WAIT_S` raises too. The rank
+fails and Ray Train restarts the run from its last checkpoint, as for any failed rank (``--max-failures``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from pipeline.data.bad_samples import BadSamples
+from pipeline.data.config import DataConfig
+from pipeline.train.config import TrainConfig
+from pipeline.train.cursor import EpochCursor, Position
+from pipeline.train.dataplan import DataPlan, StepInputs, plan_for
+from pipeline.train.prefetch import PinnedPool, StepInput
+from pipeline.train.state import Rank
+
+# The longest a rank waits for one reply of its feeder. A reply is a step's input, which a feeder
+# builds ahead: a wait this long is a feeder that is stuck, whose rank is failed rather than left to
+# hang the run. Far above the slowest first input of an epoch seen (a new pipeline: seconds).
+WAIT_S = 600.0
+
+
+class Feeder:
+    """The actor: a rank's plan, and the step inputs of each epoch opened on it (`Prefetcher`s)."""
+
+    def __init__(self, plan: DataPlan):
+        logging.getLogger("ray.data").setLevel(logging.WARNING)  # as in the training process
+        self.plan = plan
+        self.inputs: dict[int, StepInputs] = {}
+        self.dry: dict[int, dict[str, Any]] = {}  # an epoch's final counts, until a reply carries them
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def open(self, epoch: int, cursor: EpochCursor, ahead: dict[str, Any] | None) -> None:
+        """Start ``epoch``'s step inputs (`DataPlan.epoch_input`, with ``cursor`` as the rank's was)."""
+
+        def on_dry(final: BadSamples) -> None:
+            self.dry[epoch] = final.to_dict()
+
+        counts = None if ahead is None else BadSamples.from_dict(ahead)
+        self.inputs[epoch] = self.plan.epoch_input(epoch, cursor, ahead=counts, on_dry=on_dry)
+
+    def next(self, epoch: int) -> dict[str, Any]:
+        """The next step input of ``epoch`` as arrays (one dict of columns a micro-batch), and the
+        epoch's final counts once its stream has run dry (``dry``, once)."""
+        step_input = self.inputs[epoch].next()
+        columns = self.plan.columns
+        return {
+            "micro_batches": [
+                {c: t.numpy() for c, t in zip(columns, mb, strict=True)} for mb in step_input.micro_batches
+            ],
+            "keys": step_input.keys,
+            "samples": step_input.samples,
+            "ran_dry": step_input.ran_dry,
+            "error": step_input.error,
+            "bad_samples": step_input.bad_samples.to_dict(),
+            "consumed": step_input.consumed,
+            "counted": step_input.counted,
+            "dry": self.dry.pop(epoch, None),
+        }
+
+    def close(self, epoch: int) -> None:
+        inputs = self.inputs.pop(epoch, None)
+        if inputs is not None:
+            inputs.close()
+
+
+@dataclass
+class FedInput(StepInput):
+    """A step input from a feeder: on CUDA its pinned micro-batches go to the device on ``copy_stream``."""
+
+    copy_stream: Any = None  # torch.cuda.Stream
+
+    def to_device(self, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+        if device.type != "cuda" or self.copy_stream is None:
+            return self.micro_batches
+        current = torch.cuda.current_stream(device)
+        with torch.cuda.stream(self.copy_stream):
+            copied = [tuple(t.to(device, non_blocking=True) for t in mb) for mb in self.micro_batches]
+        current.wait_stream(self.copy_stream)
+        for mb in copied:
+            for t in mb:
+                t.record_stream(current)  # made on the copy stream, used (and freed) on the step's
+        return copied
+
+
+@dataclass(frozen=True)
+class DeviceCopies:
+    """On CUDA, what every epoch's inputs copy to the device with: the pinned buffers (allocated once,
+    as page-locking memory takes a driver-wide lock) and the copy stream; on CPU, neither."""
+
+    pool: PinnedPool | None = None
+    stream: Any = None  # torch.cuda.Stream
+
+    @classmethod
+    def on(cls, device: torch.device) -> DeviceCopies:
+        return cls(PinnedPool(), torch.cuda.Stream(device)) if device.type == "cuda" else cls()
+
+
+class FeederInputs:
+    """An epoch's step inputs from the rank's feeder (`pipeline.train.dataplan.StepInputs`)."""
+
+    def __init__(
+        self,
+        feeder: Any,
+        epoch: int,
+        *,
+        rank: int,
+        columns: tuple[str, ...],
+        in_flight: int,
+        copies: DeviceCopies,
+        on_dry: Callable[[BadSamples], None],
+    ):
+        self.feeder, self.epoch, self.rank, self.columns = feeder, epoch, rank, columns
+        self.in_flight, self.on_dry = max(in_flight, 1), on_dry
+        self.pool, self.copy_stream = copies.pool, copies.stream
+        self.pending: deque[Any] = deque()
+        self.final: BadSamples | None = None  # the stream's final counts, once it has run dry
+
+    def next(self) -> StepInput:
+        """The next step's input; an empty one once the stream has run dry (as `Prefetcher.next`)."""
+        if self.final is not None:
+            return StepInput([], [], 0, True, "", BadSamples.from_dict(self.final.to_dict()))
+        while len(self.pending) < self.in_flight:
+            self.pending.append(self.feeder.next.remote(self.epoch))
+        reply = self.wait(self.pending.popleft())
+        if reply["dry"] is not None and self.on_dry is not None:
+            on_dry, self.on_dry = self.on_dry, None
+            on_dry(BadSamples.from_dict(reply["dry"]))
+        step_input = self.step_input(reply)
+        if step_input.ran_dry:
+            self.final, self.pending = step_input.bad_samples, deque()  # replies in flight: empty ones
+        return step_input
+
+    def wait(self, ref: Any) -> dict[str, Any]:
+        try:
+            return ray.get(ref, timeout=WAIT_S)
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(
+                f"the data feeder of worker {self.rank} died ({str(e).splitlines()[0]}); the run restarts "
+                "from its last checkpoint where --max-failures allows"
+            ) from e
+        except ray.exceptions.GetTimeoutError as e:
+            raise RuntimeError(
+                f"the data feeder of worker {self.rank} sent no step input in {WAIT_S:g} s; the run restarts "
+                "from its last checkpoint where --max-failures allows"
+            ) from e
+
+    def step_input(self, reply: dict[str, Any]) -> FedInput:
+        batches = reply["micro_batches"]
+        if self.pool is not None:
+            buffers = [self.pool.take(b, self.columns) for b in batches]
+            tensors = [tuple(buf[c] for c in self.columns) for buf in buffers]
+        else:
+            buffers = []
+            # Arrays mapped from the object store are read-only, which torch must not wrap.
+            tensors = [tuple(torch.from_numpy(np.array(b[c])) for c in self.columns) for b in batches]
+        return FedInput(
+            micro_batches=tensors, keys=reply["keys"], samples=reply["samples"], ran_dry=reply["ran_dry"],
+            error=reply["error"], bad_samples=BadSamples.from_dict(reply["bad_samples"]), buffers=buffers,
+            consumed=reply["consumed"], counted=reply["counted"], copy_stream=self.copy_stream,
+        )  # fmt: skip
+
+    def release(self, step_input: StepInput) -> None:
+        """After `StepInput.to_device`: its pinned buffers may be refilled once the copies are done."""
+        if self.pool is not None:
+            self.pool.give_back(step_input.buffers)
+
+    def close(self) -> None:
+        """Stop the epoch's pipeline in the feeder (not waited for: its next call waits behind it)."""
+        self.pending.clear()
+        with contextlib.suppress(ray.exceptions.RayActorError):  # died: its next wait says so
+            self.feeder.close.remote(self.epoch)
+
+
+class FeederPlan:
+    """The rank's plan with its pipeline in a feeder (module docstring); what the loop asks of the plan
+    beside the step inputs (position, fingerprint, decode CPUs, metrics) is the inline plan's."""
+
+    def __init__(self, inline: DataPlan, me: Rank, depth: int):
+        self.inline, self.me, self.depth = inline, me, depth
+        self.fingerprint = inline.fingerprint
+        self.feeder: Any = None  # the actor, started with the first epoch's input
+        self.copies = DeviceCopies.on(me.device)
+
+    def position(self) -> Position:
+        return self.inline.position()
+
+    def cpus(self, epoch: int) -> float:
+        return self.inline.cpus(epoch)
+
+    def metrics(self, counts: BadSamples, group: dist.ProcessGroup | None) -> dict[str, Any]:
+        return self.inline.metrics(counts, group)
+
+    def epoch_input(
+        self,
+        epoch: int,
+        cursor: EpochCursor,
+        *,
+        ahead: BadSamples | None,
+        on_dry: Callable[[BadSamples], None],
+    ) -> StepInputs:
+        if self.feeder is None:
+            self.feeder = self.start()
+        # What the stream reads of the cursor, not the samples it has consumed (large, and not read).
+        snapshot = replace(cursor, samples=None)
+        self.feeder.open.remote(epoch, snapshot, None if ahead is None else ahead.to_dict())
+        return FeederInputs(
+            self.feeder, epoch, rank=self.me.rank, columns=self.inline.columns, in_flight=self.depth,
+            copies=self.copies, on_dry=on_dry,
+        )  # fmt: skip
+
+    def start(self) -> Any:
+        """The feeder actor on this node, holding a copy of the plan without the device or the group."""
+        plan = copy.copy(self.inline)
+        plan.me = Rank(self.me.rank, self.me.world, torch.device("cpu"), None, self.me.accum)
+        here = ray.get_runtime_context().get_node_id()
+        actor = ray.remote(Feeder).options(
+            num_cpus=0,  # its pipeline's tasks reserve the decode CPUs; the feeder drives them
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            max_restarts=0,  # a restarted feeder would not know where its stream stood
+        )
+        return actor.remote(plan)
+
+    def close(self) -> None:
+        """Stop the feeder (the run is over or failed)."""
+        if self.feeder is not None:
+            ray.kill(self.feeder)
+            self.feeder = None
+
+
+def feeder_plan_for(
+    loop_config: dict[str, Any],
+    config: TrainConfig,
+    data_config: DataConfig,
+    me: Rank,
+    columns: tuple[str, ...],
+) -> DataPlan:
+    """`pipeline.train.dataplan.plan_for`, its pipeline in a feeder with ``--data-process feeder``."""
+    plan = plan_for(loop_config, config, data_config, me, columns)
+    if config.speed.data_process != "feeder":
+        return plan
+    return FeederPlan(plan, me, config.speed.prefetch_steps)

@@ -1,0 +1,138 @@
+"""The data plane in a feeder process (`pipeline.train.feeder`): a feeder killed mid-epoch fails its rank
+at once, and the run resumed from its last checkpoint trains the keys a straight run trains at the same
+steps (the recorded ones of `tests.train.test_golden`, which `test_golden` checks with the feeder on too).
+The worker loop runs in this process (gloo, one rank), its feeder an actor of the shared local Ray.
+And what the training process does with a feeder's reply: the step's tensors, on CUDA through pinned
+buffers reused and a copy stream of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from pipeline.data.bad_samples import BadSamples
+from pipeline.train import feeder, loop
+from pipeline.train.feeder import DeviceCopies, FeederInputs, FeederPlan
+from tests.train import test_golden
+from tests.train.test_golden import data_of, keys_config, record_keys, run, stream_of, use_stream
+
+KILL_AT = 4  # before the fifth step: epoch 1 (4 steps an epoch), checkpoints every 3 steps
+
+
+def test_a_feeder_killed_mid_epoch_fails_its_rank_and_the_run_resumes_with_the_same_keys(
+    world, tmp_path, ray_session
+):
+    recorded = json.loads(test_golden.GOLDEN.read_text())["plain"]["keys"]
+    cfg = keys_config("plain", tmp_path / "run").replace(data_process="feeder", checkpoint_every=3)
+    killed: dict[str, float] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        use_stream(mp, stream_of("plain"))
+        real = loop.Trainer.train_step
+
+        def train_step(self, data, step_input, agreement):
+            if self.state.step == KILL_AT and not killed:
+                assert isinstance(self.plan, FeederPlan)
+                pid = ray.get(self.plan.feeder.pid.remote())
+                assert pid != os.getpid()
+                os.kill(pid, signal.SIGKILL)
+                killed["at"] = time.monotonic()
+            return real(self, data, step_input, agreement)
+
+        mp.setattr(loop.Trainer, "train_step", train_step)
+        with pytest.raises(RuntimeError, match="the data feeder of worker 0 died"):
+            run(cfg, world, data_of("plain"))
+        assert time.monotonic() - killed["at"] < 60  # a failed rank, not a hang
+    with pytest.MonkeyPatch.context() as mp:
+        use_stream(mp, stream_of("plain"))
+        taken = record_keys(mp)
+        summary = run(cfg, world, data_of("plain"))["summary"]
+    resumed = summary["resumed_from"]["step"]
+    assert resumed in (3, 6)  # a checkpoint inside an epoch: the resume re-reads part of it
+    assert taken == recorded[resumed:]
+
+
+def reply(columns: dict[str, np.ndarray], micro_batches: int = 2) -> dict:
+    """A feeder's reply (`Feeder.next`) of ``micro_batches`` copies of ``columns``, read-only as arrays
+    mapped from the object store are."""
+    for array in columns.values():
+        array.flags.writeable = False
+    keys = [f"k{i}" for i in range(len(columns["label"]))]
+    return {
+        "micro_batches": [dict(columns) for _ in range(micro_batches)], "keys": keys * micro_batches,
+        "samples": len(keys) * micro_batches, "ran_dry": False, "error": "",
+        "bad_samples": BadSamples().to_dict(), "consumed": [], "counted": [], "dry": None,
+    }  # fmt: skip
+
+
+def step_arrays() -> dict[str, np.ndarray]:
+    g = np.random.default_rng(0)
+    return {"patches": g.integers(0, 256, (4, 16, 48), dtype=np.uint8), "label": g.integers(0, 10, 4)}
+
+
+def test_a_replys_arrays_become_the_steps_tensors_which_the_step_may_write():
+    arrays = step_arrays()
+    inputs = FeederInputs(
+        None, 0, rank=0, columns=("patches", "label"), in_flight=1, copies=DeviceCopies(), on_dry=print
+    )
+    fed = inputs.step_input(reply(arrays))
+    assert fed.samples == 8 and len(fed.micro_batches) == 2
+    for patches, label in fed.micro_batches:
+        assert np.array_equal(patches.numpy(), arrays["patches"]) and np.array_equal(
+            label.numpy(), arrays["label"]
+        )
+        patches[0, 0, 0] = 1  # a copy: the object store's arrays are read-only
+    assert fed.to_device(torch.device("cpu")) is fed.micro_batches
+
+
+@pytest.mark.gpu
+def test_on_cuda_fed_steps_reach_the_device_through_pinned_buffers_reused_across_epochs_on_a_copy_stream():
+    device = torch.device("cuda")
+    copies = DeviceCopies.on(device)  # one for the run: every epoch's inputs copy with it
+    pinned = []
+    for epoch in range(3):
+        inputs = FeederInputs(
+            None, epoch, rank=0, columns=("patches", "label"), in_flight=1, copies=copies, on_dry=print
+        )
+        arrays = step_arrays()
+        fed = inputs.step_input(reply(arrays))
+        assert all(t.is_pinned() for mb in fed.micro_batches for t in mb)
+        pinned.append({t.data_ptr() for mb in fed.micro_batches for t in mb})
+        on_device = fed.to_device(device)
+        inputs.release(fed)
+        for patches, label in on_device:
+            assert patches.device.type == "cuda"
+            assert torch.equal(patches.cpu(), torch.from_numpy(arrays["patches"].copy()))
+            assert torch.equal(label.cpu(), torch.from_numpy(arrays["label"].copy()))
+    assert pinned[0] == pinned[1] == pinned[2]  # allocated once, for the steps of every epoch
+
+
+class Silent:
+    """A feeder that never answers."""
+
+    def next(self, epoch: int) -> dict:
+        time.sleep(120)
+        return {}
+
+    def close(self, epoch: int) -> None:
+        pass
+
+
+def test_a_feeder_silent_past_the_bound_fails_its_rank_instead_of_hanging(ray_session, monkeypatch):
+    monkeypatch.setattr(feeder, "WAIT_S", 2.0)
+    silent = ray.remote(Silent).remote()
+    inputs = FeederInputs(
+        silent, 0, rank=3, columns=("patches", "label"), in_flight=2, copies=DeviceCopies(), on_dry=print
+    )
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="the data feeder of worker 3 sent no step input in 2 s"):
+        inputs.next()
+    assert time.monotonic() - started < 30
+    inputs.close()
+    ray.kill(silent)
