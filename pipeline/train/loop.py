@@ -281,7 +281,9 @@ class Trainer:
         step_input = data.next()
         self.window.data_wait += time.perf_counter() - wait_start
         i, notice = step_input, self.preemption.notice(self.state.step)
+        agreed = time.perf_counter()
         agreement = agree_on_step(i.samples, i.ran_dry, i.error, self.group, preempted=notice is not None)
+        self.window.sync_wait += time.perf_counter() - agreed  # a rank ahead waits here for the others
         if agreement.error or not agreement.preempted:  # a preemption's checkpoint precedes this input
             self.cursor.saw(step_input.bad_samples, step_input.counted)
         return step_input, agreement
