@@ -125,14 +125,15 @@ class TrainConfig:
         failing = [n for n in cluster.world_sizes if self.accumulation(n) is None]
         if not failing:
             return
-        unit = micro * math.lcm(*cluster.world_sizes)
         works = [n for n in cluster.world_sizes if self.accumulation(n) is not None]
+        unit = micro * math.lcm(*cluster.world_sizes)  # the smallest batch that splits at every size
         raise ValueError(
-            f"--batch-size {batch} with --micro-batch-size {micro} does not split over "
-            f"{', '.join(map(str, failing))} worker(s) of --num-workers {shown_workers(cluster.num_workers)}"
-            f"{' (it does over ' + ', '.join(map(str, works)) + ')' if works else ''}; an elastic run keeps "
-            f"the global batch at every size: pick a multiple of {unit} (e.g. {unit}, {2 * unit}), or a "
-            "narrower range"
+            f"--batch-size {batch} with --micro-batch-size {micro} does not split over {_listed(failing)} "
+            f"worker(s) of --num-workers {shown_workers(cluster.num_workers)}"
+            + (f" (it does over {_listed(works)})" if works else "")
+            + "; an elastic run keeps the global batch at every size: "
+            + (f"pick a multiple of {unit} (e.g. {unit}, {2 * unit}), or " if unit <= 64 * batch else "")
+            + "narrow the range to sizes that split it"
         )
 
     def replace(self, **changes: Any) -> TrainConfig:
@@ -164,6 +165,12 @@ class TrainConfig:
                 f"TrainConfig version {version} has unknown field(s) {', '.join(sorted(unknown))}"
             )
         return nested
+
+
+def _listed(numbers: list[int], most: int = 6) -> str:
+    """``2, 3, 5`` or, past ``most`` numbers, ``65, 66, 67, 68, 69, 70, ... (52 in all)``."""
+    shown = ", ".join(map(str, numbers[:most]))
+    return shown if len(numbers) <= most else f"{shown}, ... ({len(numbers)} in all)"
 
 
 def worker_config(loop_config: dict[str, Any]) -> TrainConfig:

@@ -48,9 +48,17 @@ def test_a_batch_that_some_size_of_the_range_cannot_split_is_refused_with_the_si
     assert "\n" not in message
     assert "--batch-size 48 with --micro-batch-size 8 does not split over 4 worker(s)" in message
     assert "(it does over 2, 3)" in message
-    assert "pick a multiple of 96 (e.g. 96, 192)" in message  # 8 x lcm(2, 3, 4)
+    assert "pick a multiple of 96 (e.g. 96, 192), or narrow the range" in message  # 8 x lcm(2, 3, 4)
     config.replace(batch_size=96).validate()  # the size it names works at every size
     assert [config.replace(batch_size=96).accumulation(n) for n in (2, 3, 4)] == [6, 4, 3]
+    # A wide range: the sizes listed in short, and no batch of astronomical size suggested.
+    wide = tiny_config(num_workers=(64, 128), micro_batch_size=32, batch_size=4096)
+    with pytest.raises(ValueError) as refused:
+        wide.validate()
+    message = str(refused.value)
+    assert "does not split over 65, 66, 67, 68, 69, 70, ... (63 in all) worker(s)" in message, message
+    assert "(it does over 64, 128); " in message and "pick a multiple" not in message
+    assert message.endswith("narrow the range to sizes that split it")
     # A fixed group keeps its message.
     with pytest.raises(ValueError, match="is not a multiple of --micro-batch-size x --num-workers = 32"):
         tiny_config(num_workers=4, micro_batch_size=8, batch_size=48).validate()
