@@ -16,6 +16,7 @@ configs of older runs, version 1, still load).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,6 +31,7 @@ from pipeline.train.sections import (
     RunConfig,
     SpeedConfig,
     TaskConfig,
+    shown_workers,
 )
 
 # DataConfig fields that TrainConfig sets from its other sections: no flags of a training job.
@@ -80,9 +82,12 @@ class TrainConfig:
         """The data section with the model's patch size: what the data pipeline runs with."""
         return dataclasses.replace(self.data, patch_size=patch_size)
 
-    @property
-    def world_batch_per_micro_step(self) -> int:
-        return self.optim.micro_batch_size * self.cluster.num_workers
+    def accumulation(self, world: int) -> int | None:
+        """Micro-batches per step on each of ``world`` workers: the global ``--batch-size`` over
+        ``--micro-batch-size`` x ``world``, or None where that does not divide it. An elastic run keeps
+        the global batch through a resize: the accumulation follows the world size."""
+        steps, rest = divmod(self.optim.batch_size, self.optim.micro_batch_size * world)
+        return None if rest or not steps else steps
 
     @property
     def last_step(self) -> int:
@@ -94,11 +99,7 @@ class TrainConfig:
         self.run.validate()
         for section in (self.arch, self.task, self.optim, self.speed, self.cluster):
             section.validate()
-        if self.optim.batch_size % self.world_batch_per_micro_step:
-            raise ValueError(
-                f"--batch-size {self.optim.batch_size} is not a multiple of --micro-batch-size x --num-workers "
-                f"= {self.world_batch_per_micro_step}; pick a batch size divisible by it"
-            )
+        self.check_batch()
         if self.speed.fp8 and not self.cluster.use_gpu:
             raise ValueError("--fp8 needs GPUs (compute capability 8.9+, e.g. H100); drop --fp8 or --cpu")
         if self.task.objective == "supervised" and self.data.label_key is None:
@@ -108,6 +109,32 @@ class TrainConfig:
             )
         if self.task.objective != "supervised" and (self.arch.weights or self.run.eval_shards):
             raise ValueError("fine-tuning and --eval-data are supervised; drop --objective mae")
+
+    def check_batch(self) -> None:
+        """A one-line ValueError for a global batch that some world size of ``--num-workers`` cannot
+        split into micro-batches: for a range, refused at the start, with the batch sizes that work at
+        every size, rather than found at the first resize."""
+        cluster, micro, batch = self.cluster, self.optim.micro_batch_size, self.optim.batch_size
+        if isinstance(cluster.num_workers, int):
+            if self.accumulation(cluster.num_workers) is None:
+                raise ValueError(
+                    f"--batch-size {batch} is not a multiple of --micro-batch-size x --num-workers "
+                    f"= {micro * cluster.num_workers}; pick a batch size divisible by it"
+                )
+            return
+        failing = [n for n in cluster.world_sizes if self.accumulation(n) is None]
+        if not failing:
+            return
+        works = [n for n in cluster.world_sizes if self.accumulation(n) is not None]
+        unit = micro * math.lcm(*cluster.world_sizes)  # the smallest batch that splits at every size
+        raise ValueError(
+            f"--batch-size {batch} with --micro-batch-size {micro} does not split over {_listed(failing)} "
+            f"worker(s) of --num-workers {shown_workers(cluster.num_workers)}"
+            + (f" (it does over {_listed(works)})" if works else "")
+            + "; an elastic run keeps the global batch at every size: "
+            + (f"pick a multiple of {unit} (e.g. {unit}, {2 * unit}), or " if unit <= 64 * batch else "")
+            + "narrow the range to sizes that split it"
+        )
 
     def replace(self, **changes: Any) -> TrainConfig:
         """This config with settings replaced by field name, whatever section holds them."""
@@ -138,6 +165,12 @@ class TrainConfig:
                 f"TrainConfig version {version} has unknown field(s) {', '.join(sorted(unknown))}"
             )
         return nested
+
+
+def _listed(numbers: list[int], most: int = 6) -> str:
+    """``2, 3, 5`` or, past ``most`` numbers, ``65, 66, 67, 68, 69, 70, ... (52 in all)``."""
+    shown = ", ".join(map(str, numbers[:most]))
+    return shown if len(numbers) <= most else f"{shown}, ... ({len(numbers)} in all)"
 
 
 def worker_config(loop_config: dict[str, Any]) -> TrainConfig:

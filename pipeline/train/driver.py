@@ -106,11 +106,12 @@ def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] |
     if mixed:
         check_disjoint({source["name"]: source["shards"] for source in expanded})
     check_resumable(config)
+    workers = config.cluster.max_workers  # an elastic run's every size: its largest
     for source in expanded:
-        if len(source["shards"]) < config.cluster.num_workers:
+        if len(source["shards"]) < workers:
             of = f" of source {source['name']}" if mixed else ""
             raise ValueError(
-                f"{len(source['shards'])} shard(s){of} for {config.cluster.num_workers} workers: every "
+                f"{len(source['shards'])} shard(s){of} for {workers} workers: every "
                 "worker needs at least one; write more, smaller shards (jobs/make_shards.py "
                 "--samples-per-shard) or use fewer --num-workers"
             )
@@ -190,11 +191,10 @@ def eval_note(config: TrainConfig) -> str | None:
 
 
 def local_cpus_needed(config: TrainConfig) -> float:
-    """Logical CPUs a local Ray needs: the training workers' plus two decode slots per worker."""
-    return (
-        math.ceil(config.cluster.num_workers * config.cluster.cpus_per_worker)
-        + 2 * config.cluster.num_workers
-    )
+    """Logical CPUs a local Ray needs: the training workers' plus two decode slots per worker (an
+    elastic run's largest group: a local Ray has no node to join later)."""
+    workers = config.cluster.max_workers
+    return math.ceil(workers * config.cluster.cpus_per_worker) + 2 * workers
 
 
 def check_cluster(config: TrainConfig, *, local_ray: bool) -> None:
@@ -208,9 +208,10 @@ def check_cluster(config: TrainConfig, *, local_ray: bool) -> None:
 
     if local_ray:
         gpus = ray.cluster_resources().get("GPU", 0)
-        if config.cluster.use_gpu and gpus < config.cluster.num_workers:
+        workers = config.cluster.min_workers  # an elastic run starts with its minimum
+        if config.cluster.use_gpu and gpus < workers:
             raise ValueError(
-                f"the local Ray has {gpus:.0f} GPUs for {config.cluster.num_workers} GPU workers; pass --cpu, fewer "
+                f"the local Ray has {gpus:.0f} GPUs for {workers} GPU workers; pass --cpu, fewer "
                 "--num-workers, or submit to a GPU cluster"
             )
         return
@@ -218,6 +219,19 @@ def check_cluster(config: TrainConfig, *, local_ray: bool) -> None:
     problem = local_out_problem(config, nodes, worker_resources(config))
     if problem:
         raise ValueError(problem)
+
+
+# Seconds between an elastic group's checks for room to grow (Ray Train's default: 60); tests shorten it.
+RESIZE_CHECK_ENV = "VITRAY_RESIZE_CHECK_S"
+
+
+def resize_check(config: TrainConfig) -> dict[str, float]:
+    """The ScalingConfig's ``elastic_resize_monitor_interval_s`` for an elastic run whose environment sets
+    `RESIZE_CHECK_ENV`; else nothing (Ray Train's default)."""
+    seconds = os.environ.get(RESIZE_CHECK_ENV)
+    if isinstance(config.cluster.num_workers, int) or not seconds:
+        return {}
+    return {"elastic_resize_monitor_interval_s": float(seconds)}
 
 
 def fit(
@@ -259,7 +273,9 @@ def fit(
             **({"lease": lease} if lease else {}),
         },
         scaling_config=ScalingConfig(
+            # MIN-MAX: Ray Train's elastic group, resized from the latest checkpoint (docs/scaling.md).
             num_workers=config.cluster.num_workers,
+            **resize_check(config),
             use_gpu=config.cluster.use_gpu,
             resources_per_worker=worker_resources(config),
             placement_strategy=config.cluster.placement_strategy,

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from pipeline import dcp
 from pipeline.data.bad_samples import BadSamples
 from pipeline.train import checkpoint, finetune, lease, mfu, preemption, sinks, stacks
-from pipeline.train.config import worker_config
+from pipeline.train.config import TrainConfig, worker_config
 from pipeline.train.cursor import EpochCursor
 from pipeline.train.dataplan import StepInputs
 from pipeline.train.ema import WeightEMA
@@ -87,6 +87,25 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     except (dcp.CheckpointRefusedError, finetune.HeadInitError) as e:  # every rank alike: a restart would too
         return {"metrics": {}, "bad_samples": {}, "error": str(e)}
     return trainer.train()
+
+
+def resize_line(config: TrainConfig, saved: int, world: int, step: int) -> str:
+    """The log line of a group resumed at another size than its checkpoint's: from how many workers to
+    how many, why, the step it resumes at, and the accumulation that keeps the global batch. Ray Train
+    tells a new group no reason; the sizes do: an elastic group smaller than its checkpoint's lost workers
+    (a node left, or a process died), a larger one found room that nodes brought."""
+    if isinstance(config.cluster.num_workers, int):
+        why = "--num-workers changed"
+    elif world < saved:
+        why = f"{saved - world} lost: a node left or a worker died"
+    else:
+        why = f"room for {world - saved} more: nodes joined"
+    micro, batch, before = config.optim.micro_batch_size, config.optim.batch_size, config.accumulation(saved)
+    return (
+        f"workers: from {saved} to {world} ({why}); resuming at step {step}, the batch kept at {batch} = "
+        f"{world} x {micro} x {config.accumulation(world)} accumulation"
+        + (f" (was x {before})" if before else "")
+    )
 
 
 class Trainer:
@@ -179,6 +198,8 @@ class Trainer:
             return EpochCursor.start(*layout, position=position)
         done = self.state.step >= self.config.last_step
         cursor, note = EpochCursor.resume(self.state, *layout, schedule_done=done, position=position)
+        if self.rank == 0 and self.state.world not in (None, self.world):
+            log_line(resize_line(self.config, self.state.world, self.world, self.state.step))
         if self.rank == 0:
             where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step}"
             log_line(f"{where} (epoch {self.state.epoch})" + (f": {note}" if note else ""))
@@ -264,7 +285,9 @@ class Trainer:
         step_input = data.next()
         self.window.data_wait += time.perf_counter() - wait_start
         i, notice = step_input, self.preemption.notice(self.state.step)
+        agreed = time.perf_counter()
         agreement = agree_on_step(i.samples, i.ran_dry, i.error, self.group, preempted=notice is not None)
+        self.window.sync_wait += time.perf_counter() - agreed  # a rank ahead waits here for the others
         if agreement.error or not agreement.preempted:  # a preemption's checkpoint precedes this input
             self.cursor.saw(step_input.bad_samples, step_input.counted)
         return step_input, agreement

@@ -66,6 +66,10 @@ class MetricsWindow:
         # Samples of the steps not skipped: what loss and accuracy average over.
         self.scored = torch.zeros((), dtype=torch.float64, device=device)
         self.data_wait = 0.0  # seconds spent waiting for the next step's batches
+        # Seconds spent in the steps' agreements (`pipeline.train.state.agree_on_step`): where a rank
+        # that is ahead waits for the others; the rest of the window is its own time (`reduce`).
+        self.sync_wait = 0.0
+        self.steps = 0
         first = totals is None
         if totals is None:
             gc.disable()
@@ -86,6 +90,7 @@ class MetricsWindow:
     ) -> None:
         """One step's sums on this rank; a skipped step's (non-finite) loss is left out, on the device."""
         self.count += count
+        self.steps += 1
         kept = ~skipped
         self.loss += torch.where(kept, loss_sum, 0.0)
         self.correct += torch.where(kept, correct, 0)
@@ -110,17 +115,23 @@ class MetricsWindow:
         `samples_seen` and `bad_samples` are this rank's run totals; `grad_norm` and `skipped_steps`
         (the run's total) are the same on every rank. Without `has_accuracy` (an objective with no
         classes, MAE) ``accuracy`` is None. ``run_images_per_s`` is the attempt's rate so far, every window.
+        ``rank_step_s``: each rank's own seconds per step (the window less its waits at the steps'
+        agreements), gathered in the same all-reduce: each rank fills its own place of a zero vector.
         """
-        world = dist.get_world_size()
+        world, rank = dist.get_world_size(), dist.get_rank()
         gc_s = collect_garbage(self.totals)
+        own = torch.zeros(world, dtype=torch.float64)
+        own[rank] = (time.perf_counter() - self.start - self.sync_wait) / max(self.steps, 1)
         host = torch.tensor(
             [self.count, self.data_wait, samples_seen, bad_samples, gc_s],
             dtype=torch.float64,
-            device=self.device,
         )
-        sums = torch.cat([torch.stack([self.loss, self.correct, self.scored]), host])
+        sums = torch.cat(
+            [torch.stack([self.loss, self.correct, self.scored]), host.to(self.device), own.to(self.device)]
+        )
         dist.all_reduce(sums)
-        loss, correct, scored, count, wait, seen, n_bad, gc_sum = sums.tolist()  # waits for the device
+        values = sums.tolist()  # waits for the device
+        (loss, correct, scored, count, wait, seen, n_bad, gc_sum), step_s = values[:8], values[8:]
         self.end = time.perf_counter()  # the window's end, and the next one's start
         elapsed = self.end - self.start
         self.totals.images += count
@@ -144,6 +155,7 @@ class MetricsWindow:
             "memory_gib": memory.item(),
             "gc_s": gc_sum / world,  # the ranks' mean
             "run_images_per_s": self.totals.images / (self.end - self.totals.start),
+            "rank_step_s": step_s,
         }
 
 
@@ -299,6 +311,8 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
     if m.get("skipped_steps"):
         parts.append(f"skipped steps {m['skipped_steps']}")
     parts.append(f"mem {m['memory_gib']:.1f} GiB")
+    if slow := straggler(m.get("rank_step_s") or []):
+        parts.append(slow)
     if m.get("gc_s"):  # Python's collection at this log line (`collect_garbage`)
         parts.append(f"gc {m['gc_s']:.2f} s")
     if m.get("checkpoint_stall_s") is not None:  # training's wait for this step's checkpoint
@@ -308,6 +322,25 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
         eta = (time.perf_counter() - started) / done * (last_step - m["step"])
         parts.append(f"eta {_hms(eta)}")
     return " | ".join(parts)
+
+
+STRAGGLER = 0.2  # a rank this far over the ranks' median time per step is named in the log line
+
+
+def straggler(step_s: list[float]) -> str:
+    """``slowest rank 3: 0.52 s/step, 37% over the median 0.38`` for the slowest of the ranks' own times per
+    step (`MetricsWindow.reduce`) when more than `STRAGGLER` over their median; "" otherwise. On many
+    nodes one slow rank (its decode, its node) sets every rank's pace: this says which."""
+    if len(step_s) < 2:
+        return ""
+    median = statistics.median(step_s)
+    slowest = max(range(len(step_s)), key=step_s.__getitem__)
+    if median <= 0 or step_s[slowest] <= (1 + STRAGGLER) * median:
+        return ""
+    return (
+        f"slowest rank {slowest}: {step_s[slowest]:.2f} s/step, "
+        f"{100 * (step_s[slowest] / median - 1):.0f}% over the median {median:.2f}"
+    )
 
 
 def format_sources(sources: dict[str, dict[str, Any]]) -> str:

@@ -81,13 +81,14 @@ def local_out_problem(
     if len(nodes) > 1:
         return f"--out {config.run.out} is a local path, but the cluster has {len(nodes)} nodes; {fix}"
     capacity = nodes[0]["resources"] if nodes else {}
+    workers = config.cluster.max_workers  # an elastic run grows onto the nodes that join
     fits = min(
         (capacity.get(name, 0.0) // amount for name, amount in worker_resources.items() if amount > 0),
-        default=float(config.cluster.num_workers),
+        default=float(workers),
     )
-    if fits < config.cluster.num_workers:
+    if fits < workers:
         return (
-            f"--out {config.run.out} is a local path, but the {config.cluster.num_workers} workers will run on nodes "
+            f"--out {config.run.out} is a local path, but the {workers} workers will run on nodes "
             f"this cluster adds (its one node holds {fits:g} of them); {fix}"
         )
     return None

@@ -10,6 +10,7 @@ every job that reads shards shares.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -51,6 +52,24 @@ def _within(section: Any, names: tuple[str, ...], upto: float = 1.0, closed: boo
         if not (0 <= value <= upto if closed else 0 <= value < upto):
             interval = f"[0, {upto:g}{']' if closed else ')'}"
             raise ValueError(f"{settings.flag(type(section), name)} must be in {interval}, got {value}")
+
+
+def worker_count(text: str) -> int | tuple[int, int]:
+    """``"8"`` -> 8, a fixed group; ``"2-8"`` -> (2, 8), elastic (``--num-workers``). MIN = MAX is a
+    fixed group too."""
+    low, dash, high = text.strip().partition("-")
+    try:
+        counts = (int(low), int(high)) if dash else int(low)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not N or MIN-MAX (whole numbers, e.g. 8 or 2-8)"
+        ) from e
+    return counts[0] if isinstance(counts, tuple) and counts[0] == counts[1] else counts
+
+
+def shown_workers(num_workers: int | tuple[int, int]) -> str:
+    """``--num-workers`` as written: ``8`` or ``2-8``."""
+    return str(num_workers) if isinstance(num_workers, int) else f"{num_workers[0]}-{num_workers[1]}"
 
 
 @dataclass(frozen=True)
@@ -271,7 +290,13 @@ class SpeedConfig:
 class ClusterConfig:
     """The shape of the run on the cluster."""
 
-    num_workers: int = setting(2, "training workers (one GPU each unless --cpu)")
+    num_workers: int | tuple[int, int] = setting(
+        2,
+        "training workers (one GPU each unless --cpu); MIN-MAX: elastic, started with MIN at least, "
+        "grown or shrunk from the latest checkpoint as nodes join or leave (docs/scaling.md)",
+        metavar="N|MIN-MAX",
+        parse=worker_count,
+    )
     use_gpu: bool = setting(True, "train on GPU workers (NCCL); --cpu: CPU workers (gloo)", negative="cpu")
     cpus_per_worker: float = setting(1.0, "CPUs reserved per training worker; the rest decode data")
     placement_strategy: str = setting(
@@ -288,17 +313,38 @@ class ClusterConfig:
         False, "a local --out is one filesystem mounted at the same path on every node"
     )
 
+    @property
+    def min_workers(self) -> int:
+        """The fewest workers the run trains with: ``--num-workers`` N, or MIN of MIN-MAX."""
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers the run trains with (what must hold for every size: shards, CPUs, one node)."""
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+    @property
+    def world_sizes(self) -> range:
+        """Every worker count the run may train with."""
+        return range(self.min_workers, self.max_workers + 1)
+
     def validate(self) -> None:
-        _at_least(self, ("num_workers",))
+        if isinstance(self.num_workers, int):
+            _at_least(self, ("num_workers",))
+        elif self.min_workers < 1 or self.max_workers < self.min_workers:
+            raise ValueError(
+                f"--num-workers {shown_workers(self.num_workers)} must be N or MIN-MAX with 1 <= MIN <= MAX, "
+                "e.g. 8 or 2-8"
+            )
         _one_of(self, "placement_strategy", PLACEMENTS)
         if self.data_cpus_per_worker is not None and self.data_cpus_per_worker <= 0:
             raise ValueError(f"--data-cpus-per-worker must be positive, got {self.data_cpus_per_worker}")
-        if self.shard_group_size is not None and (
-            self.shard_group_size < 1 or self.num_workers % self.shard_group_size
-        ):
+        group = self.shard_group_size
+        if group is not None and (group < 1 or any(n % group for n in self.world_sizes)):
             raise ValueError(
-                f"--shard-group-size {self.shard_group_size} does not divide --num-workers {self.num_workers}; "
-                "use a divisor of it (usually the GPUs of one node), or leave it out"
+                f"--shard-group-size {group} does not divide --num-workers {shown_workers(self.num_workers)}"
+                f"{' at every size' if self.min_workers < self.max_workers else ''}; use a divisor of it "
+                "(usually the GPUs of one node), or leave it out"
             )
 
 

@@ -57,6 +57,11 @@ class TrainState:
     skipped_steps: int = 0
     bad_samples: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def world(self) -> int | None:
+        """The number of workers that saved this state (None: a fresh run's, which none saved)."""
+        return self.epoch_position.get("world") or len(self.bad_samples) or None
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -33,7 +33,7 @@ SHARDS = [f"mem://shard-{i}" for i in range(4)]
 SAMPLES_PER_SHARD = 9
 TIMINGS = (
     "images_per_s", "images_per_s_per_worker", "data_wait_share", "memory_gib", "checkpoint_stall_s", "gc_s",
-    "run_images_per_s",
+    "run_images_per_s", "rank_step_s",
 )  # fmt: skip
 
 

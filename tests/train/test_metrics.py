@@ -185,3 +185,51 @@ def test_the_summary_of_a_window_gives_each_parts_share():
     window.parts.update({"data wait": 8, "step": 1, "other": 1})
     window.other["gc.py:collect"] = 1
     assert stacks.summary(window) == "data wait 80%, step 10%, other 10% (other: gc.py:collect 1)"
+
+
+def _ranks_at_their_own_pace(rank: int, own: list[float], alike: float, record: str) -> None:
+    """Two windows of three steps; in each step a rank works its own seconds (``own[rank]``, then
+    ``alike`` for every rank), then waits at the step's agreement (a barrier here) for the others; the
+    windows' rows and log lines are written to ``record`` by rank 0."""
+    rows = []
+    window = MetricsWindow(torch.device("cpu"))
+    for pace in (own, [alike] * len(own)):
+        for _ in range(3):
+            time.sleep(pace[rank])
+            agreed = time.perf_counter()
+            dist.barrier()
+            window.sync_wait += time.perf_counter() - agreed
+            window.add_step(torch.tensor(1.0), torch.tensor(1), 4, torch.tensor(False))
+        rows.append(window_row(window, 3 * len(rows) + 3))
+        window = window.following()
+    if rank == 0:
+        lines = [format_line(r, last_step=6, started=time.perf_counter(), first_step=0) for r in rows]
+        with open(record, "w") as f:
+            json.dump({"rows": rows, "lines": lines}, f)
+
+
+def test_each_ranks_step_time_is_recorded_and_a_slow_one_named_in_the_log_line(tmp_path):
+    from tests.distributed import spawn
+
+    record = tmp_path / "record.json"
+    spawn(_ranks_at_their_own_pace, [0.1, 0.1, 0.5], 0.4, str(record), world_size=3)
+    (slow, alike), (slow_line, alike_line) = json.loads(record.read_text()).values()
+    step_s = slow["rank_step_s"]
+    # Its own time, not the step's (which is the slow rank's for all): the others' waits are left out.
+    assert len(step_s) == 3 and step_s[2] >= 0.5 and max(step_s[:2]) < step_s[2] / 2, step_s
+    assert f"slowest rank 2: {step_s[2]:.2f} s/step" in slow_line, slow_line
+    # Ranks alike (on a loaded machine, within a few tens of ms of each other): no rank named.
+    assert all(0.4 <= s < 0.45 * 1.2 for s in alike["rank_step_s"]), alike["rank_step_s"]
+    assert "slowest rank" not in alike_line
+
+
+def test_a_rank_is_named_only_past_twenty_percent_over_the_median():
+    from pipeline.train.metrics import straggler
+
+    assert straggler([1.0, 1.0, 1.19]) == ""
+    assert straggler([1.0, 1.0, 1.0, 1.0]) == ""
+    assert straggler([1.0]) == ""  # one rank: no median to be behind
+    assert straggler([1.0, 1.21, 1.0]) == "slowest rank 1: 1.21 s/step, 21% over the median 1.00"
+    line = format_line({**row(10), "rank_step_s": [0.5, 0.5, 0.5, 0.9]}, 20, time.perf_counter(), 0)
+    assert "| slowest rank 3: 0.90 s/step, 80% over the median 0.50 |" in line
+    assert "slowest" not in format_line({**row(10), "rank_step_s": [0.5, 0.58]}, 20, time.perf_counter(), 0)
