@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 import types
 import typing
@@ -168,6 +169,8 @@ def bounds_text(field: dataclasses.Field) -> str:
     whole = str(field.type).split(" |")[0] in ("int", "<class 'int'>")  # an int field, or int | None
     if low and high and (low[0], high[0]) == ("[", "]") and whole:  # no comma inside the brackets
         return f"from {_number(low[1])} to {_number(high[1])}"
+    if low and high == (")", math.inf):
+        return f"a finite number {'at least' if low[0] == '[' else 'more than'} {_number(low[1])}"
     if low and high:
         return f"in {low[0]}{_number(low[1])}, {_number(high[1])}{high[0]}"
     if low:
@@ -210,7 +213,13 @@ def check(config: Any) -> None:
         values = value if isinstance(value, tuple) else (value,)
         if bounds and not all(isinstance(v, int | float) and _within(v, bounds) for v in values):
             each = "each " if isinstance(value, tuple) else ""
-            got = shown(value) if isinstance(value, tuple) else _number(value)
+            got = (
+                shown(value)
+                if isinstance(value, tuple)
+                else f"{value:,}"
+                if isinstance(value, int)
+                else value
+            )
             raise ValueError(f"{name} must {each}be {bounds_text(f)}, got {got}")
 
 

@@ -171,6 +171,6 @@ def test_a_knob_added_to_the_section_is_a_flag_a_bound_and_an_override_of_the_jo
         Grown, "GrownOverrides", unset="the model's own", flag=lambda o: o.removeprefix("eval-")
     )
     assert [settings.flag_name(f) for f in dataclasses.fields(overrides)][-1] == "margin"
-    with pytest.raises(ValueError, match=r"^--margin must be at least 0, got -1$"):
+    with pytest.raises(ValueError, match=r"^--margin must be at least 0, got -1.0$"):
         settings.check(overrides(eval_margin=-1.0))
     assert overrides().eval_margin is None  # the model's own unless given
