@@ -14,6 +14,7 @@ from pipeline import settings
 from pipeline.data.config import DataConfig, EvalOverrides, EvalTransform
 from pipeline.embed.config import EmbedConfig
 from pipeline.embed.config import parser as embed_parser
+from pipeline.embed.identity import PREPROCESSING_IDENTITY
 from pipeline.embed.job import eval_data_config as embed_eval_config
 from pipeline.evaluate import inspection
 from pipeline.evaluate.config import AnalyzeConfig, analyze_parser
@@ -174,3 +175,5 @@ def test_a_knob_added_to_the_section_is_a_flag_a_bound_and_an_override_of_the_jo
     with pytest.raises(ValueError, match=r"^--margin must be at least 0, got -1.0$"):
         settings.check(overrides(eval_margin=-1.0))
     assert overrides().eval_margin is None  # the model's own unless given
+    # each knob of the section is part of what an embedding output is of
+    assert {f.name for f in dataclasses.fields(EvalTransform)} <= set(PREPROCESSING_IDENTITY)
