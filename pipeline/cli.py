@@ -134,9 +134,10 @@ def add_settings(
 ) -> None:
     """One flag per setting of ``config_type`` (`pipeline.settings`), its help the field's doc line.
 
-    ``defaults`` (a config) shows each flag's default in its help; ``exclude`` names fields or whole
-    sections that are no flags of this job; ``required`` names fields the job cannot run without. A
-    field without a default is required too. A bool is a pair of switches, ``--x`` / ``--no-x``.
+    ``defaults`` (a config) shows each flag's default in its help, after the bounds its setting declares;
+    ``exclude`` names fields or whole sections that are no flags of this job; ``required`` names fields the
+    job cannot run without. A field without a default is a required flag too (a setting's ``required=``
+    refuses an empty value: `pipeline.settings.check`). A bool is a pair of switches, ``--x`` / ``--no-x``.
     """
     for path, f, option in settings.flags(config_type):
         if any(part in exclude for part in path):
@@ -145,7 +146,9 @@ def add_settings(
         for part in path[:-1]:
             owner = settings.hints(owner)[part]
         parse, optional = _parser_for(settings.hints(owner)[f.name])
-        text = settings.help_of(f)
+        text = settings.help_of(f, config_type)
+        if settings.bounds_text(f):
+            text += f"; {settings.bounds_text(f)}"
         must = f.name in required or (
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         )

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pipeline import cli, settings, storage
 from pipeline.model_source import ModelSource, load_model_source
@@ -32,34 +32,28 @@ LIBRARY = {"timm": "timm", "hf": "transformers"}
 
 
 @dataclass(frozen=True)
-class ExportConfig:
-    """One export; ``jobs/export.py`` maps its flags onto it."""
+class ExportConfig(storage.Output):
+    """One export; ``jobs/export.py`` maps its flags onto it. Its storage and output section is every
+    job's (`pipeline.storage.Output`)."""
 
-    weights: str = setting(help="what vitray wrote: a run dir, its final/ export or a checkpoint_* dir")
-    to: str = setting(help="the library that loads the export: timm, or hf (transformers)", choices=TARGETS)
-    out: str = setting(help="directory for the export (local, s3:// or gs://)")
+    HELP: ClassVar[dict[str, str]] = {"out": "directory for the export (local, s3:// or gs://)"}
+
+    weights: str = setting(
+        help="what vitray wrote: a run dir, its final/ export or a checkpoint_* dir", required=True
+    )
+    to: str = setting(
+        help="the library that loads the export: timm, or hf (transformers)", choices=TARGETS, required=True
+    )
     encoder_only: bool = setting(
         False, "drop the head, for a head the target has no counterpart of (the embeddings stay the same)"
     )
-    storage_options: dict | None = setting(
-        None, "fsspec options as JSON (credentials: prefer the environment)", secret=True
-    )
-    overwrite: bool = setting(False, "write into an --out that holds files this export did not write")
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""
-        for name in ("weights", "to", "out"):
-            if not getattr(self, name):
-                raise ValueError(f"--{name} is required")
-        if self.to not in TARGETS:
-            raise ValueError(f"--to must be one of {', '.join(TARGETS)}, got {self.to!r}")
+        settings.check(self)
 
     def to_dict(self) -> dict[str, Any]:
         return settings.to_dict(self)
-
-    def location(self, url: str) -> storage.Location:
-        """``url`` (--weights, --out) with ``storage_options``."""
-        return storage.Location(url, self.storage_options)
 
 
 def export_parser(description: str | None = None) -> argparse.ArgumentParser:

@@ -37,6 +37,7 @@ import torch
 
 import vit
 from pipeline import dcp, storage
+from pipeline.settings import setting
 from vit.weights import CONFIG_FILE, WEIGHTS_FILE, check_shapes, check_values, check_weights, read_header
 from vit.weights import preprocessing as model_input
 
@@ -44,6 +45,22 @@ FORMATS = ("auto", "vitray", "timm", "torchvision", "hf")
 FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 HF_PREPROCESSOR = "preprocessor_config.json"  # a transformers folder's image processor: its mean/std
+
+
+@dataclass(frozen=True, kw_only=True)
+class Weights:
+    """The section of a job's config that names a trained model (`pipeline.settings`; taken by
+    inheriting it): ``--weights``, ``--weights-format``, ``--model``, which `load_model_source` takes."""
+
+    weights: str = setting(
+        help="run dir, final/ export, checkpoint_* dir, HF dir or weights file", required=True
+    )
+    weights_format: str = setting(
+        "auto", "what --weights holds (auto: told from the files and their keys)", choices=FORMATS
+    )
+    model: str | None = setting(
+        None, "variant name (e.g. vit_b16): checked against the weights; needed where shapes can't tell heads"
+    )
 
 
 @dataclass

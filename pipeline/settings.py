@@ -8,6 +8,10 @@ owned by the modules that read them (`pipeline.train.config.TrainConfig`). Each 
   as ``flag=``; a field declared with ``flag=None`` is no flag (derived from other sections, or kept for
   the program's own use);
 - the flag a validation message names (`flag`), so a message and ``--help`` cannot disagree;
+- its bounds (``ge=``, ``gt=``, ``le=``, ``lt=``, ``choices=``, ``required=``): shown in the flag's help and
+  in docs/options.md (`bounds_text`), and enforced by `check`, which a config's ``validate`` calls first,
+  with one line that names the flag, the value and the bound; checks that compare fields stay in
+  ``validate``;
 - replacing fields by their leaf names across sections (`replace`), which presets and the command line
   share: leaf names are unique within a config, checked when it is first walked;
 - JSON both ways (`to_dict` / `from_dict`): strict about unknown keys, tuples restored from the
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import operator
 import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +46,11 @@ def setting(
     *,
     flag: str | object | None = _UNSET,
     choices: Sequence[str] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    required: bool = False,
     metavar: str | None = None,
     parse: Callable[[str], Any] | None = None,
     secret: bool = False,
@@ -51,6 +62,9 @@ def setting(
     ``flag``: the option's name without dashes (default: the field name with dashes), or None for a
     field that is no flag. ``parse``: the text parser when the type's own does not fit. ``negative``: a
     second switch that sets a bool field False (``--cpu`` for ``use_gpu``). ``secret``: redacted in JSON.
+    ``ge`` / ``gt`` / ``le`` / ``lt``: bounds of a number (of each number of a tuple); ``choices``: the
+    values a text may take; ``required``: a value must be given (not None, not empty). None, where the
+    type allows it, is outside every bound: it means "not set" (`check`).
     """
     if not help:
         raise TypeError("a setting needs its doc line")
@@ -61,6 +75,8 @@ def setting(
         "parse": parse,
         "secret": secret,
         "negative": negative,
+        "bounds": {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None},
+        "required": required,
     }
     if flag is not _UNSET:
         metadata[_FLAG] = flag
@@ -138,8 +154,73 @@ def shown(value: Any) -> str:
     return "none" if value is None else str(value)
 
 
-def help_of(field: dataclasses.Field) -> str:
-    return field.metadata.get(_HELP, "")
+def help_of(field: dataclasses.Field, cls: type | None = None) -> str:
+    """A field's doc line; a config that takes a shared section (`pipeline.storage.Output`) may word it for
+    its own job in its ``HELP`` mapping (field name -> doc line)."""
+    worded = getattr(cls, "HELP", {}) if cls is not None else {}
+    return worded.get(field.name) or field.metadata.get(_HELP, "")
+
+
+def bounds_text(field: dataclasses.Field) -> str:
+    """A field's bounds in words (``at least 1``, ``in (0, 1]``), "" for none: for help and messages."""
+    b = field.metadata.get("bounds") or {}
+    low = ("[", b["ge"]) if "ge" in b else ("(", b["gt"]) if "gt" in b else None
+    high = ("]", b["le"]) if "le" in b else (")", b["lt"]) if "lt" in b else None
+    whole = str(field.type).split(" |")[0] in ("int", "<class 'int'>")  # an int field, or int | None
+    if low and high and (low[0], high[0]) == ("[", "]") and whole:  # no comma inside the brackets
+        return f"from {_number(low[1])} to {_number(high[1])}"
+    if low and high == (")", math.inf):
+        return f"a finite number {'at least' if low[0] == '[' else 'more than'} {_number(low[1])}"
+    if low and high:
+        return f"in {low[0]}{_number(low[1])}, {_number(high[1])}{high[0]}"
+    if low:
+        return f"{'at least' if low[0] == '[' else 'more than'} {_number(low[1])}"
+    if high:
+        return f"{'at most' if high[0] == ']' else 'less than'} {_number(high[1])}"
+    return ""
+
+
+def _number(value: float) -> str:
+    """A bound or a value in a message: ``2,147,483,647``, ``0.5``, ``1e-05``."""
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
+
+
+_COMPARE = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
+
+
+def _within(value: float, bounds: dict[str, float]) -> bool:
+    """Whether a number is within ``bounds`` (NaN never is)."""
+    return all(_COMPARE[name](value, bound) for name, bound in bounds.items())
+
+
+def check(config: Any) -> None:
+    """A one-line ValueError for the first field of ``config`` (sections included) outside what its
+    setting declares: required and not given, not one of its choices, or outside its bounds. The line
+    names the flag (a field that is no flag: the config's class and the field), the value and the bound."""
+    cls = type(config)
+    for path, f in leaves(cls):
+        value = get(config, path)
+        option = flag_name(f)
+        name = f"--{option}" if option else f"{cls.__name__}: {f.name}"
+        if f.metadata.get("required") and value in (None, "", ()):
+            raise ValueError(f"{name} is required: {help_of(f, cls)}")
+        if value is None or isinstance(value, bool):
+            continue
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        bounds = f.metadata.get("bounds")
+        values = value if isinstance(value, tuple) else (value,)
+        if bounds and not all(isinstance(v, int | float) and _within(v, bounds) for v in values):
+            each = "each " if isinstance(value, tuple) else ""
+            got = (
+                shown(value)
+                if isinstance(value, tuple)
+                else f"{value:,}"
+                if isinstance(value, int)
+                else value
+            )
+            raise ValueError(f"{name} must {each}be {bounds_text(f)}, got {got}")
 
 
 def flags(cls: type) -> Iterator[tuple[tuple[str, ...], dataclasses.Field, str]]:
@@ -171,7 +252,10 @@ def replace(config: Any, **changes: Any) -> Any:
             top[name] = value
         elif name in owners or name in aliases:
             path = owners.get(name) or aliases[name]
-            by_section.setdefault(path[0], {})[".".join(path[1:])] = value
+            if len(path) == 1:  # a field of the config itself, named by its flag
+                top[path[0]] = value
+            else:
+                by_section.setdefault(path[0], {})[".".join(path[1:])] = value
         else:
             raise ValueError(f"{cls.__name__} has no setting {name!r}")
     for section, inner in by_section.items():
@@ -188,6 +272,22 @@ def replace(config: Any, **changes: Any) -> Any:
             nested[head] = replace(nested.get(head, getattr(base, head)), **values)
         top[section] = dataclasses.replace(base, **nested)
     return dataclasses.replace(config, **top)
+
+
+def optional(cls: type, name: str, *, unset: str, flag: Callable[[str], str] = lambda option: option) -> type:
+    """A section made from ``cls``'s: the same fields, each optional with the default None, which means
+    ``unset`` (what the job's base gives); doc lines, bounds and choices kept, flags renamed by ``flag``.
+    A job's flags over another config's fields (the evaluation transform over a model's stored one,
+    `pipeline.data.config.EvalOverrides`) are then declared once, in ``cls``."""
+    made = []
+    for f in dataclasses.fields(cls):
+        metadata = dict(f.metadata)
+        metadata[_HELP] = f"{help_of(f)} (none: {unset}, else {shown(f.default)})"
+        metadata[_FLAG] = flag(flag_name(f) or f.name)
+        made.append((f.name, hints(cls)[f.name] | None, dataclasses.field(default=None, metadata=metadata)))
+    return dataclasses.make_dataclass(
+        name, made, frozen=True, kw_only=True, namespace={"__module__": cls.__module__}
+    )
 
 
 def settings_section(cls: type, name: str) -> bool:

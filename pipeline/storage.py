@@ -25,6 +25,7 @@ import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
 from pipeline.redaction import public_url
+from pipeline.settings import setting
 
 
 def is_local(where: Location | str) -> bool:
@@ -105,6 +106,36 @@ class Location:
                 f"pip install {BACKENDS[protocol]}" if protocol in BACKENDS else "install its fsspec backend"
             )
             raise ValueError(f"{protocol}:// URLs need a filesystem package: {hint} ({e})") from e
+
+
+# The sections of a job's config that say how it reaches storage (`pipeline.settings`): a config takes a
+# section by inheriting it, so that its fields stay flat (their flags and JSON those of any field). Every
+# job that reads or writes storage takes `Storage`, a job that writes a directory `Output`; a job words a
+# flag's help for itself in its config's ``HELP``.
+
+
+@dataclass(frozen=True, kw_only=True)
+class Storage:
+    """How a job reaches what it reads and writes: fsspec options (endpoint, credentials)."""
+
+    storage_options: dict | None = setting(
+        None,
+        'fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\' '
+        "(credentials: prefer the environment)",
+        secret=True,
+    )
+
+    def location(self, url: str) -> Location:
+        """``url`` (an input or output of the job) with ``storage_options``."""
+        return Location(url, self.storage_options)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Output(Storage):
+    """`Storage`, and the directory a job writes: ``--out``, ``--overwrite``."""
+
+    out: str = setting(help="output directory (local path, s3:// or gs://)", required=True)
+    overwrite: bool = setting(False, "write into an --out that holds files this job did not write")
 
 
 def as_location(where: Location | str | os.PathLike) -> Location:

@@ -32,7 +32,8 @@ ALLOWED = {
     "pipeline.redaction": set(),
     # The linear probe: evaluate scores embeddings with it, fine-tuning starts a head from it.
     "pipeline.linear_probe": set(),
-    "pipeline.storage": {"pipeline.redaction"},
+    # Storage, and the sections of a job's config that say how it reaches storage (Storage, Output).
+    "pipeline.storage": {"pipeline.redaction", "pipeline.settings"},
     "pipeline.compat": set(),
     "pipeline.console": {"pipeline.compat"},
     "pipeline.cli": {"pipeline.console", "pipeline.settings", "pipeline.redaction"},

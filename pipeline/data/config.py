@@ -2,7 +2,9 @@
 
 `DataConfig.for_eval` is the one evaluation transform of a trained model (resize, center crop,
 patchify, from the preprocessing the model carries): the embedding job, the analyze job and
-fine-tuning's evaluation all take theirs from it.
+fine-tuning's evaluation all take theirs from it. Its knobs are declared once, in `EvalTransform`, a
+section of `DataConfig` (training's flags) from which `EvalOverrides` is made, the section of the jobs
+that read a trained model (the same flags without ``eval-``, each ``none`` by default: the model's own).
 
 Determinism comes from pure functions of their arguments, never of scheduling: `sample_seed` seeds a
 sample's crop, flip and RandAugment ops from (seed, epoch, shard name, key), `shard_order` permutes the
@@ -21,7 +23,7 @@ from typing import Any
 from pipeline import settings
 from pipeline.data.rows import Retry, RowSpec
 from pipeline.settings import setting
-from pipeline.storage import Location
+from pipeline.storage import Storage
 
 # Resampling filters by name (`pipeline.data.decode.RESAMPLE` maps them to PIL's).
 INTERPOLATIONS = ("nearest", "box", "bilinear", "bicubic", "lanczos")
@@ -33,13 +35,34 @@ DECODE_LABEL = re.compile(rf"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?{_LABEL_PART}={_L
 MAX_MAGNITUDE = 10.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalTransform:
+    """How an evaluation image becomes the model's input: resize, center crop (`pipeline.data.decode`).
+    A field here is a flag of training (``--eval-x`` or ``--x``) and, through `EvalOverrides`, of every
+    job that reads a trained model, and `DataConfig.for_eval` applies it: one field, one knob."""
+
+    crop_fraction: float = setting(
+        0.875,
+        "evaluation: short side to image_size / crop_fraction (224 -> 256), then the center square",
+        gt=0,
+        le=1,
+    )
+    eval_interpolation: str = setting("bicubic", "resize filter of evaluation crops", choices=INTERPOLATIONS)
+
+
+# The jobs' section: each knob of `EvalTransform`, None where the model's stored preprocessing decides.
+EvalOverrides = settings.optional(
+    EvalTransform, "EvalOverrides", unset="the model's own", flag=lambda option: option.removeprefix("eval-")
+)
+
+
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(EvalTransform, Storage):
     """Everything that decides which pixels a sample becomes; saved with every checkpoint."""
 
-    image_size: int = setting(224, "input resolution in pixels (a multiple of the patch size)")
+    image_size: int = setting(224, "input resolution in pixels (a multiple of the patch size)", ge=1)
     # None until the model is known (`TrainConfig.data_for`); every dataset is built with one.
-    patch_size: int | None = setting(16, "pixels per patch side: the model's", flag=None)
+    patch_size: int | None = setting(16, "pixels per patch side: the model's", flag=None, gt=0)
     scale: tuple[float, float] = setting(
         (0.08, 1.0),
         "random-resized-crop area share MIN,MAX, e.g. 0.08,1",
@@ -52,19 +75,22 @@ class DataConfig:
     )  # fmt: skip
     hflip: bool = setting(True, "random horizontal flips in training")
     randaug_ops: int = setting(
-        0, "RandAugment: ops per training image, drawn from 14 (0: none; AugReg and DeiT use 2)"
+        0, "RandAugment: ops per training image, drawn from 14 (0: none; AugReg and DeiT use 2)", ge=0
     )
     randaug_magnitude: float = setting(
-        9.0, "RandAugment: strength of every op on a 0..10 scale (AugReg's is 10, DeiT's 9)"
+        9.0,
+        "RandAugment: strength of every op on a 0..10 scale (AugReg's is 10, DeiT's 9)",
+        ge=0,
+        le=MAX_MAGNITUDE,
     )
     mask_ratio: float | None = setting(
-        None, "MAE: share of patches hidden, drawn per sample in training (None: no mask)", flag=None
-    )
-    crop_fraction: float = setting(
-        0.875, "evaluation: short side to image_size / crop_fraction (224 -> 256), then the center square"
+        None,
+        "MAE: share of patches hidden, drawn per sample in training (None: no mask)",
+        flag=None,
+        gt=0,
+        lt=1,
     )
     train_interpolation: str = setting("bilinear", "resize filter of training crops", choices=INTERPOLATIONS)
-    eval_interpolation: str = setting("bicubic", "resize filter of evaluation crops", choices=INTERPOLATIONS)
     jpeg_draft: bool = setting(True, "DCT-domain downscale of JPEGs while the crop stays >= image_size")
     reducing_gap: float | None = setting(
         None, "PIL resize pre-reduction (none: the exact filter over all pixels)"
@@ -83,10 +109,12 @@ class DataConfig:
         None, "labels outside [0, num_classes) are bad samples (None: no check)", flag=None
     )
     seed: int = setting(0, "seed of shard order, crops and shuffling", flag=None)
-    shuffle_buffer: int = setting(1024, "samples in each worker's local shuffle buffer (0: none)")
-    max_bad_fraction: float = setting(0.01, "share of corrupt samples that fails the job")
+    shuffle_buffer: int = setting(1024, "samples in each worker's local shuffle buffer (0: none)", ge=0)
+    max_bad_fraction: float = setting(0.01, "share of corrupt samples that fails the job", ge=0, le=1)
     max_lost_shards: int = setting(
-        0, "shards that give no readable sample (zeros, an HTML page, an empty tar) before the job fails"
+        0,
+        "shards that give no readable sample (zeros, an HTML page, an empty tar) before the job fails",
+        ge=0,
     )
     bad_grace_samples: int = setting(
         1000, "bad samples are held to --max-bad-fraction of at least this many samples seen"
@@ -94,13 +122,7 @@ class DataConfig:
     max_image_pixels: int = setting(
         89_478_485, "decompression-bomb limit (PIL's default), checked from the header"
     )
-    storage_options: dict | None = setting(
-        None,
-        'fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\' '
-        "(credentials: prefer the environment)",
-        secret=True,
-    )
-    block_rows: int = setting(256, "samples per read block")
+    block_rows: int = setting(256, "samples per read block", ge=1)
     # Ray's target block size for this dataset: a decode batch is up to this much encoded data (often a
     # whole shard), an output block about this much patch data (~430 rows at 224 px, patch 14). Fewer,
     # larger blocks cost the consumer less per image (BENCHMARKS.md, "Data pipeline"); peak memory per
@@ -109,8 +131,10 @@ class DataConfig:
     read_concurrency: int | None = setting(None, "read tasks at once (none: as many as CPUs allow)")
     # A shard whose storage fails is tried read_attempts times in all, waiting read_backoff_s, then
     # twice that, ... between tries (at most 3.5 s with the defaults), before it counts as lost.
-    read_attempts: int = setting(4, "tries of a shard whose storage fails")
-    read_backoff_s: float = setting(0.5, "seconds before the second try of a shard, doubled each try after")
+    read_attempts: int = setting(4, "tries of a shard whose storage fails", ge=1)
+    read_backoff_s: float = setting(
+        0.5, "seconds before the second try of a shard, doubled each try after", ge=0
+    )
     # A Ray label selector on the read + decode tasks (`build_dataset`): the shipped cluster configs
     # label their CPU-only decode nodes vitray/role=decode (docs/scaling.md, "Where decode runs").
     decode_nodes: str | None = setting(
@@ -124,12 +148,12 @@ class DataConfig:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "image_keys", tuple(k.lower().lstrip(".") for k in self.image_keys))
 
+        settings.check(self)  # every bound a setting declares; what follows compares fields
+
         def flag(name: str) -> str:
             return settings.flag(DataConfig, name)
 
         problems = [
-            (self.image_size <= 0, f"{flag('image_size')} must be at least 1, got {self.image_size}"),
-            ((self.patch_size or 1) <= 0, f"patch_size must be positive, got {self.patch_size}"),
             (
                 self.image_size % (self.patch_size or 1) != 0,
                 f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}; "
@@ -143,42 +167,8 @@ class DataConfig:
                 not 0 < self.ratio[0] <= self.ratio[1],
                 f"{flag('ratio')} {settings.shown(self.ratio)} must be MIN,MAX with 0 < MIN <= MAX, e.g. 0.75,1.33",
             ),
-            (
-                self.randaug_ops < 0,
-                f"{flag('randaug_ops')} must be 0 (none) or more, got {self.randaug_ops}",
-            ),
-            (
-                not 0 <= self.randaug_magnitude <= MAX_MAGNITUDE,
-                f"{flag('randaug_magnitude')} must be in [0, {MAX_MAGNITUDE:g}], "
-                f"got {self.randaug_magnitude}",
-            ),
-            (
-                not 0 < self.crop_fraction <= 1,
-                f"{flag('crop_fraction')} {self.crop_fraction} must be in (0, 1], e.g. 0.875",
-            ),
-            (
-                self.mask_ratio is not None and not 0 < self.mask_ratio < 1,
-                f"mask_ratio {self.mask_ratio} must be strictly between 0 and 1 (MAE's is 0.75), or None",
-            ),
-            (
-                self.train_interpolation not in INTERPOLATIONS
-                or self.eval_interpolation not in INTERPOLATIONS,
-                f"interpolation must be one of {', '.join(INTERPOLATIONS)}",
-            ),
-            (
-                not 0 <= self.max_bad_fraction <= 1,
-                f"{flag('max_bad_fraction')} must be in [0, 1], got {self.max_bad_fraction}",
-            ),
-            (
-                self.max_lost_shards < 0,
-                f"{flag('max_lost_shards')} must be 0 or more, got {self.max_lost_shards}",
-            ),
-            (
-                self.shuffle_buffer < 0 or self.block_rows <= 0,
-                f"{flag('shuffle_buffer')} must be 0 (no shuffle) or more and {flag('block_rows')} more than 0",
-            ),
             (not self.image_keys, "image_keys must name at least one member extension, e.g. ('jpg',)"),
-            (
+            (  # no flag of its own: training's --num-classes sets it (`TrainConfig.data_for`)
                 self.num_classes is not None and self.num_classes <= 0,
                 f"--num-classes must be at least 1, got {self.num_classes}",
             ),
@@ -186,10 +176,6 @@ class DataConfig:
                 self.decode_nodes is not None and DECODE_LABEL.fullmatch(self.decode_nodes) is None,
                 f"{flag('decode_nodes')} {self.decode_nodes!r} must be one node label KEY=VALUE, "
                 "e.g. vitray/role=decode (as the cluster config labels its decode nodes)",
-            ),
-            (
-                self.read_attempts < 1 or self.read_backoff_s < 0,
-                f"{flag('read_attempts')} must be 1 or more and {flag('read_backoff_s')} 0 or more",
             ),
         ]
         for bad, message in problems:
@@ -217,10 +203,6 @@ class DataConfig:
     def retry(self) -> Retry:
         return Retry(self.read_attempts, self.read_backoff_s)
 
-    def location(self, url: str) -> Location:
-        """``url`` (shards, or anything else the job reads or writes) with ``storage_options``."""
-        return Location(url, self.storage_options)
-
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values; secrets in ``storage_options`` are replaced by ``"***"``."""
         return settings.to_dict(self)
@@ -232,8 +214,7 @@ class DataConfig:
         *,
         image_size: int,
         patch_size: int,
-        crop_fraction: float | None = None,
-        interpolation: str | None = None,
+        transform: Any = None,
         **fields: Any,
     ) -> DataConfig:
         """A model's evaluation transform, the one every job that reads a trained model uses (embed,
@@ -242,21 +223,19 @@ class DataConfig:
 
         ``base`` holds the settings the model was trained with: its stored preprocessing (`to_dict`,
         as exports and checkpoints carry it), a `DataConfig`, or None for the defaults. The model's
-        ``image_size`` and ``patch_size`` replace the base's; ``crop_fraction`` and ``interpolation``
-        (the eval filter) do where given; ``fields`` set anything else (labels, bad-sample budget,
-        storage options). Stored preprocessing never says where to decode: its ``decode_nodes`` (the
-        labelled nodes of the cluster the model trained on) is dropped.
+        ``image_size`` and ``patch_size`` replace the base's; ``transform`` (an `EvalOverrides`: the
+        config of a job that takes that section) replaces each `EvalTransform` knob it sets (not None);
+        ``fields`` set anything else (labels, bad-sample budget, storage options). Stored preprocessing
+        never says where to decode: its ``decode_nodes`` (the labelled nodes of the cluster the model
+        trained on) is dropped.
         """
         if not isinstance(base, DataConfig):
             base = cls.from_dict(base, decode_nodes=None) if base else cls()
-        return dataclasses.replace(
-            base,
-            image_size=image_size,
-            patch_size=patch_size,
-            crop_fraction=crop_fraction if crop_fraction is not None else base.crop_fraction,
-            eval_interpolation=interpolation or base.eval_interpolation,
-            **fields,
-        )
+        knobs = (f.name for f in dataclasses.fields(EvalTransform))
+        given = {
+            name: getattr(transform, name) for name in knobs if getattr(transform, name, None) is not None
+        }
+        return dataclasses.replace(base, image_size=image_size, patch_size=patch_size, **given, **fields)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], **overrides: Any) -> DataConfig:

@@ -12,123 +12,97 @@ import argparse
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import cli
+from pipeline import cli, settings
 from pipeline.data.shards import SHARD_SUFFIXES
 from pipeline.data.synthetic import CLASSES, write_synthetic_shards
 from pipeline.data.writing import ShardSet, brace_url, class_folders, folder_samples, write_shards
+from pipeline.settings import setting
 from pipeline.storage import check_output_dir, is_temporary
+
+FORMATS = ("jpeg", "png")  # how generated or re-encoded images are stored
+
+
+@dataclass(frozen=True)
+class MakeShardsConfig:
+    """One make_shards run; ``jobs/make_shards.py`` maps its flags onto it field by field."""
+
+    out: str = setting(help="directory to write the shards into", metavar="DIR", required=True)
+    synthetic: int | None = setting(
+        None, "generate N synthetic images of visibly different classes", metavar="N", ge=1
+    )
+    from_folder: str | None = setting(
+        None, "read DIR/<class>/<image>; labels are class indices in sorted class-name order", metavar="DIR"
+    )
+    samples_per_shard: int = setting(
+        128, "samples per shard; use at least as many shards as training workers", metavar="N", ge=1
+    )
+    image_size: int = setting(
+        64, "side of the generated images in pixels, --synthetic only", metavar="N", ge=1
+    )
+    num_classes: int = setting(
+        len(CLASSES), "number of synthetic classes, --synthetic only", metavar="N", ge=1, le=len(CLASSES)
+    )
+    max_size: int | None = setting(
+        None,
+        "re-encode folder images whose short side exceeds N down to N (none: keep original bytes)",
+        metavar="N",
+        ge=1,
+    )
+    format: str = setting("jpeg", "encoding of generated or re-encoded images", choices=FORMATS)
+    quality: int = setting(90, "JPEG quality", metavar="Q", ge=1, le=95)
+    seed: int = setting(0, "seed of the synthetic content and of the folder's sample order")
+    prefix: str = setting("train", "shard file name prefix: <prefix>-000000.tar")
+    gzip: bool = setting(False, "write gzip-compressed .tar.gz shards")
+    overwrite: bool = setting(
+        False,
+        "delete existing <prefix>-*.tar* shards in --out first; write into an --out holding other files",
+    )
+
+    def validate(self) -> None:
+        """A one-line ValueError for a value that cannot work."""
+        settings.check(self)
+        if (self.synthetic is None) == (self.from_folder is None):
+            raise ValueError("pass one source: --synthetic N (generated images) or --from-folder DIR")
+        if not self.prefix or self.prefix.startswith(".") or set(self.prefix) & set("/\\*?[]{}"):
+            raise ValueError(
+                f"--prefix {self.prefix!r} must be a plain file name part (e.g. train): shards go in --out"
+            )
 
 
 def parser(description: str | None = None) -> argparse.ArgumentParser:
-    """`jobs/make_shards.py`'s command line."""
-    parser = argparse.ArgumentParser(
-        prog="make_shards.py", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    """`jobs/make_shards.py`'s command line: the settings of `MakeShardsConfig` (one process, no Ray)."""
+    return cli.job_parser(
+        "make_shards.py", description, MakeShardsConfig, defaults=MakeShardsConfig(out=""), ray=False
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--synthetic", type=int, metavar="N", help="generate N synthetic images of visibly different classes"
-    )
-    source.add_argument(
-        "--from-folder",
-        metavar="DIR",
-        help="read DIR/<class>/<image>; labels are class indices in sorted class-name order",
-    )
-    parser.add_argument("--out", required=True, metavar="DIR", help="directory to write the shards into")
-    parser.add_argument(
-        "--samples-per-shard",
-        type=int,
-        default=128,
-        metavar="N",
-        help="samples per shard; use at least as many shards as training workers (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--image-size",
-        type=int,
-        default=64,
-        metavar="N",
-        help="side of the generated images in pixels, --synthetic only (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--num-classes",
-        type=int,
-        default=len(CLASSES),
-        metavar="N",
-        help=f"number of synthetic classes, 1 to {len(CLASSES)}, --synthetic only (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-size",
-        type=int,
-        metavar="N",
-        help="re-encode folder images whose short side exceeds N down to N (default: keep original bytes)",
-    )
-    parser.add_argument(
-        "--format",
-        choices=("jpeg", "png"),
-        default="jpeg",
-        help="encoding of generated or re-encoded images (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--quality", type=int, default=90, metavar="Q", help="JPEG quality, 1 to 95 (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the synthetic content and of the folder's sample order (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--prefix", default="train", help="shard file name prefix: <prefix>-000000.tar (default: %(default)s)"
-    )
-    parser.add_argument("--gzip", action="store_true", help="write gzip-compressed .tar.gz shards")
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete existing <prefix>-*.tar* shards in --out first; write into an --out holding other files",
-    )
-    return parser
 
 
-def parse_args(argv: list[str], description: str | None = None) -> argparse.Namespace:
-    """The arguments, checked: a value that cannot work exits with argparse's one line (exit code 2)."""
+def parse_args(argv: list[str], description: str | None = None) -> MakeShardsConfig:
+    """The config the arguments give, checked: a value that cannot work exits with argparse's line
+    (exit code 2)."""
     p = parser(description)
-    args = p.parse_args(argv)
+    config = MakeShardsConfig(**cli.overrides(p.parse_args(argv), MakeShardsConfig))
     try:
-        check(args)
+        config.validate()
     except ValueError as e:
         p.error(str(e))
-    return args
-
-
-def check(args: argparse.Namespace) -> None:
-    """A ValueError (one line) for a value that cannot work."""
-    if args.samples_per_shard <= 0:
-        raise ValueError("--samples-per-shard must be positive")
-    if args.synthetic is not None and args.synthetic <= 0:
-        raise ValueError("--synthetic needs a positive number of images")
-    if not 1 <= args.num_classes <= len(CLASSES):
-        raise ValueError(f"--num-classes must be between 1 and {len(CLASSES)}")
-    if not 1 <= args.quality <= 95:
-        raise ValueError("--quality must be between 1 and 95")
-    if args.image_size < 1 or (args.max_size is not None and args.max_size < 1):
-        raise ValueError("--image-size and --max-size must be at least 1 pixel")
-    if not args.prefix or args.prefix.startswith(".") or set(args.prefix) & set("/\\*?[]{}"):
-        raise ValueError(
-            f"--prefix {args.prefix!r} must be a plain file name part (e.g. train): shards go in --out"
-        )
+    return config
 
 
 def command(args: argparse.Namespace) -> int:
     """`jobs/make_shards.py`: check, write the shards, and print what was written and the ``--data``
     that reads them (its last line)."""
     start = time.perf_counter()
-    check(args)
-    shard_set = make_shards(args, start_work=cli.start_work)
+    if (config := cli.configured(args, MakeShardsConfig)) is None:
+        return 0
+    config.validate()
+    shard_set = make_shards(config, start_work=cli.start_work)
     print(
         f"wrote {len(shard_set.urls)} shards ({len(shard_set.keys)} samples, {shard_set.num_classes} classes"
         + (f", {len(shard_set.skipped)} unreadable file(s) skipped" if shard_set.skipped else "")
-        + f") to {Path(args.out).resolve()} in {time.perf_counter() - start:.1f}s; use:"
+        + f") to {Path(config.out).resolve()} in {time.perf_counter() - start:.1f}s; use:"
     )
     print(f"  --data '{brace_url(shard_set.urls)}'")
     return 0
@@ -142,55 +116,55 @@ def owns(entries: dict[str, bool]) -> bool:
     )
 
 
-def make_shards(args: argparse.Namespace, start_work: Callable[[], None] = lambda: None) -> ShardSet:
-    """Write the shards ``args`` ask for into ``args.out``. A ValueError (one line) for an ``--out`` that
+def make_shards(config: MakeShardsConfig, start_work: Callable[[], None] = lambda: None) -> ShardSet:
+    """Write the shards ``config`` asks for into ``config.out``. A ValueError (one line) for an ``--out`` that
     is a filesystem root, holds files this job did not write or already holds shards (without
     ``--overwrite``), or a folder that cannot be read; nothing is written then. ``start_work`` is called
     once the checks are done, before the first write (`pipeline.cli.start_work`: errors after it are a
     failed run, not bad input)."""
-    out = Path(args.out).resolve()
-    check_output_dir(str(out), job="make_shards.py", owns=owns, overwrite=args.overwrite)
-    existing = sorted(out.glob(f"{args.prefix}-*.tar*")) if out.is_dir() else []
-    if existing and not args.overwrite:
+    out = Path(config.out).resolve()
+    check_output_dir(str(out), job="make_shards.py", owns=owns, overwrite=config.overwrite)
+    existing = sorted(out.glob(f"{config.prefix}-*.tar*")) if out.is_dir() else []
+    if existing and not config.overwrite:
         raise ValueError(
-            f"{out} already holds {len(existing)} {args.prefix}-* shards; pass --overwrite or another --out"
+            f"{out} already holds {len(existing)} {config.prefix}-* shards; pass --overwrite or another --out"
         )
-    classes = [p.name for p in class_folders(args.from_folder)] if args.synthetic is None else []
+    classes = [p.name for p in class_folders(config.from_folder)] if config.synthetic is None else []
     start_work()
     for path in existing:
         path.unlink() if path.is_file() else shutil.rmtree(path)
-    if args.synthetic is not None:
+    if config.synthetic is not None:
         return write_synthetic_shards(
             out,
-            args.synthetic,
-            samples_per_shard=args.samples_per_shard,
-            image_size=args.image_size,
-            num_classes=args.num_classes,
-            seed=args.seed,
-            fmt=args.format,
-            quality=args.quality,
-            gzip=args.gzip,
-            prefix=args.prefix,
+            config.synthetic,
+            samples_per_shard=config.samples_per_shard,
+            image_size=config.image_size,
+            num_classes=config.num_classes,
+            seed=config.seed,
+            fmt=config.format,
+            quality=config.quality,
+            gzip=config.gzip,
+            prefix=config.prefix,
         )
     shard_set = ShardSet(dir=str(out), num_classes=len(classes), class_names=classes)
     samples = folder_samples(
-        args.from_folder,
-        seed=args.seed,
-        max_size=args.max_size,
-        fmt=args.format,
-        quality=args.quality,
+        config.from_folder,
+        seed=config.seed,
+        max_size=config.max_size,
+        fmt=config.format,
+        quality=config.quality,
         skipped=shard_set.skipped,
     )
     shard_set.urls = write_shards(
         _tracked(samples, shard_set),
         out,
-        prefix=args.prefix,
-        samples_per_shard=args.samples_per_shard,
-        gzip=args.gzip,
+        prefix=config.prefix,
+        samples_per_shard=config.samples_per_shard,
+        gzip=config.gzip,
     )
     if not shard_set.keys:
         raise ValueError(
-            f"no image in {args.from_folder} could be read ({len(shard_set.skipped)} file(s) skipped, first: "
+            f"no image in {config.from_folder} could be read ({len(shard_set.skipped)} file(s) skipped, first: "
             f"{shard_set.skipped[0]}); nothing was written"
         )
     return shard_set

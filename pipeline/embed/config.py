@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pipeline import cli, settings
-from pipeline.data.config import INTERPOLATIONS, DataConfig
-from pipeline.model_source import FORMATS
+from pipeline.data.config import DataConfig, EvalOverrides
+from pipeline.model_source import Weights
 from pipeline.settings import setting
-from pipeline.storage import Location
+from pipeline.storage import Output
 
 EMBEDDINGS = ("cls", "pre_logits")
 DTYPES = ("float32", "float16")  # how the embedding column is stored
@@ -22,20 +21,18 @@ DEFAULT_LABEL_KEY = "cls"
 
 
 @dataclass(frozen=True)
-class EmbedConfig:
-    """One embedding run; the command line of ``jobs/embed.py`` maps onto it field by field."""
+class EmbedConfig(EvalOverrides, Weights, Output):
+    """One embedding run; the command line of ``jobs/embed.py`` maps onto it field by field. Its
+    sections, shared with the other jobs that read a trained model: the storage and output
+    (`pipeline.storage.Output`), the weights (`pipeline.model_source.Weights`), the evaluation
+    transform over the model's own (`pipeline.data.config.EvalOverrides`)."""
+
+    HELP: ClassVar[dict[str, str]] = {"overwrite": "redo every shard, replacing what --out holds"}
 
     data: str = setting(
         help="shard URL(s): path, directory, glob, brace range, s3://, gs://; comma-separated; or named "
-        "sources, NAME=URLS,... or a .yaml file, as training's (every source's shards, weights unused)"
-    )
-    weights: str = setting(help="run dir, final/ export, checkpoint_* dir, HF dir or weights file")
-    out: str = setting(help="output directory (local path, s3:// or gs://)")
-    weights_format: str = setting(
-        "auto", "what --weights holds (auto: told from the files and their keys)", choices=FORMATS
-    )
-    model: str | None = setting(
-        None, "variant name (e.g. vit_b16): checked against the weights; needed where shapes can't tell heads"
+        "sources, NAME=URLS,... or a .yaml file, as training's (every source's shards, weights unused)",
+        required=True,
     )
     embedding: str = setting(
         "cls",
@@ -48,36 +45,28 @@ class EmbedConfig:
     dtype: str = setting(
         "float32", "storage type of the embedding column (float16: half the bytes)", choices=DTYPES
     )
-    image_size: int | None = setting(None, "input resolution (none: the model's; others resample pos_embed)")
-    batch_size: int | None = setting(None, "images per forward pass (none: 64 on CPU, 256 per GPU)")
-    concurrency: int = setting(1, "model actors, one GPU each on GPU")
+    image_size: int | None = setting(
+        None, "input resolution (none: the model's; others resample pos_embed)", ge=1
+    )
+    batch_size: int | None = setting(None, "images per forward pass (none: 64 on CPU, 256 per GPU)", ge=1)
+    concurrency: int = setting(1, "model actors, one GPU each on GPU", ge=1)
     # Chosen by --gpu / --cpu or from the cluster (`pipeline.embed.devices.choose_device`).
     use_gpu: bool = setting(False, "one GPU per model actor, bf16", flag=None)
     cpus_per_actor: float = setting(
         1.0,
         "CPUs per model actor, its torch threads on CPU (1 with GPUs or a cluster; "
         "this machine's cores / --concurrency on a local CPU run when not given)",
+        gt=0,
     )
-    overwrite: bool = setting(False, "redo every shard, replacing what --out holds")
     label_key: str | None = setting(
         "auto",
         "label member (cls) or json:<field>; none for unlabeled shards (auto: the training run's, else cls)",
     )
-    crop_fraction: float | None = setting(
-        None, "center-crop share of the short side (none: the training run's, else 0.875)"
-    )
-    interpolation: str | None = setting(
-        None, "resize filter (none: the training run's, else bicubic)", choices=INTERPOLATIONS
-    )
-    max_bad_fraction: float = setting(0.01, "share of corrupt samples that fails the job")
+    max_bad_fraction: float = setting(0.01, "share of corrupt samples that fails the job", ge=0, le=1)
     max_lost_shards: int = setting(
-        0, "shards that give no readable sample (zeros, an HTML page, an empty tar) before the job fails"
-    )
-    storage_options: dict | None = setting(
-        None,
-        'fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\' '
-        "(credentials: prefer the environment)",
-        secret=True,
+        0,
+        "shards that give no readable sample (zeros, an HTML page, an empty tar) before the job fails",
+        ge=0,
     )
     # The data stage's own setting, passed to it (`pipeline.embed.job.eval_data_config`): the model's
     # actors run wherever their GPUs are, only the read + decode tasks follow the label.
@@ -94,21 +83,7 @@ class EmbedConfig:
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""
-        for name in ("data", "weights", "out"):
-            if not getattr(self, name):
-                raise ValueError(f"--{name} is required")
-        if self.embedding not in EMBEDDINGS:
-            raise ValueError(f"--embedding must be one of {', '.join(EMBEDDINGS)}, got {self.embedding!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if (
-            (self.batch_size is not None and self.batch_size <= 0)
-            or self.concurrency <= 0
-            or self.cpus_per_actor <= 0
-        ):
-            raise ValueError("--batch-size, --concurrency and --cpus-per-actor must be positive")
-        if self.decode not in DECODERS:
-            raise ValueError(f"--decode must be one of {', '.join(DECODERS)}, got {self.decode!r}")
+        settings.check(self)
         DataConfig(decode_nodes=self.decode_nodes)  # its one-line refusal, before the weights load
 
     def forward_batch_size(self) -> int:
@@ -116,16 +91,13 @@ class EmbedConfig:
         and 256 on a GPU, where ViT-B/16 to ViT-H/14 at 224 px need that many to keep it busy."""
         return self.batch_size or (GPU_BATCH_SIZE if self.use_gpu else CPU_BATCH_SIZE)
 
-    def location(self, url: str) -> Location:
-        """``url`` (--data, --weights, --out) with ``storage_options``."""
-        return Location(url, self.storage_options)
-
     def output_options(self) -> dict[str, Any]:
         """How the embeddings are stored: part of the output's identity, its manifest and every footer."""
         return {"normalize": self.normalize, "dtype": self.dtype}
 
     def replace(self, **changes: Any) -> EmbedConfig:
-        return dataclasses.replace(self, **changes)
+        """This config with fields replaced by field or flag name (``interpolation``)."""
+        return settings.replace(self, **changes)
 
 
 def parser(description: str | None = None) -> argparse.ArgumentParser:

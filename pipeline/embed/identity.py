@@ -27,21 +27,23 @@ when the footer names its own, and ``jobs/evaluate.py`` refuses an output whose 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from pipeline import storage
+from pipeline.data.config import EvalTransform
 from vit.config import REGULARIZATION_FIELDS
 
 CLAIM = "_identity.json"  # "_" keeps Parquet readers out
 VERSION = 1  # of an output's header (claim, manifest, footers): a newer one is refused, not misread
-# DataConfig fields that decide which rows a shard yields and what pixels they see; the others say how
-# reading runs (block sizes, concurrency, credentials, the bad-sample budget) and change no output.
+# DataConfig fields that decide which rows a shard yields and what pixels they see (every knob of the
+# evaluation transform among them); the others say how reading runs (block sizes, concurrency,
+# credentials, the bad-sample budget) and change no output.
 PREPROCESSING_IDENTITY = (
     "image_size",
     "patch_size",
-    "crop_fraction",
-    "eval_interpolation",
+    *(f.name for f in dataclasses.fields(EvalTransform)),
     "jpeg_draft",
     "reducing_gap",
     "image_keys",

@@ -126,7 +126,8 @@ class EmbedSummary:
 
 
 def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
-    """The model's eval transform (`DataConfig.for_eval`) with the flags on top; labels optional."""
+    """The model's eval transform (`DataConfig.for_eval`) with the flags of the config's `EvalOverrides`
+    on top; labels optional."""
     label_key = config.label_key
     if label_key == "auto":  # the training run's where the weights carry it
         stored = source.preprocessing
@@ -135,8 +136,7 @@ def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
         source.preprocessing,
         image_size=source.config.image_size,
         patch_size=source.config.patch_size,
-        crop_fraction=config.crop_fraction,
-        interpolation=config.interpolation,
+        transform=config,
         label_key=label_key,
         require_labels=False,
         num_classes=None,  # any label is kept as it is: the training run's class count is no rule here

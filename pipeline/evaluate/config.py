@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pipeline import cli, settings
-from pipeline.model_source import FORMATS
+from pipeline.data.config import EvalOverrides
+from pipeline.model_source import Weights
 from pipeline.settings import setting
-from pipeline.storage import Location
+from pipeline.storage import Output, Storage
 
 FEW_SHOTS = (1, 5, 10, 25)  # images per class, as in the paper's few-shot table
 
@@ -24,23 +25,29 @@ def shot_list(text: str) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class EvaluateConfig:
+class EvaluateConfig(Storage):
     """One evaluation of embedding outputs; ``jobs/evaluate.py`` maps its flags onto it field by field."""
 
-    train: str = setting(help="embedding output to fit on (jobs/embed.py's --out, or a .parquet file)")
-    test: str = setting(help="embedding output to score on")
+    train: str = setting(
+        help="embedding output to fit on (jobs/embed.py's --out, or a .parquet file)", required=True
+    )
+    test: str = setting(help="embedding output to score on", required=True)
     json: str | None = setting(None, "also write the figures to this JSON file (local, s3://, gs://)")
-    k: int = setting(20, "neighbours in the k-NN vote (cosine similarity, one vote each)")
+    k: int = setting(20, "neighbours in the k-NN vote (cosine similarity, one vote each)", ge=1)
     shots: tuple[int, ...] = setting(
-        FEW_SHOTS, "few-shot sizes, images per class, comma-separated", parse=shot_list, metavar="N,N,..."
+        FEW_SHOTS,
+        "few-shot sizes, images per class, comma-separated",
+        parse=shot_list,
+        metavar="N,N,...",
+        ge=1,
+        required=True,
     )
-    seeds: int = setting(5, "few-shot draws per size, averaged")
-    l2_reg: float = setting(1.0, "few-shot ridge penalty (features centered, intercept not penalized)")
-    probe_c: float = setting(1.0, "inverse L2 strength of the logistic-regression probe (scikit-learn's C)")
-    probe_max_iter: int = setting(1000, "L-BFGS iterations of the probe")
-    storage_options: dict | None = setting(
-        None, "fsspec options as JSON (credentials: prefer the environment)", secret=True
+    seeds: int = setting(5, "few-shot draws per size, averaged", ge=1)
+    l2_reg: float = setting(1.0, "few-shot ridge penalty (features centered, intercept not penalized)", ge=0)
+    probe_c: float = setting(
+        1.0, "inverse L2 strength of the logistic-regression probe (scikit-learn's C)", gt=0
     )
+    probe_max_iter: int = setting(1000, "L-BFGS iterations of the probe", ge=1)
     overwrite: bool = setting(False, "replace a --json file that is no evaluation report")
 
     def __post_init__(self) -> None:
@@ -48,63 +55,32 @@ class EvaluateConfig:
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""
-        for name in ("train", "test"):
-            if not getattr(self, name):
-                raise ValueError(f"--{name} is required")
-        if self.k <= 0 or self.seeds <= 0 or self.probe_max_iter <= 0:
-            raise ValueError("--k, --seeds and --probe-max-iter must be positive")
-        if not self.shots or min(self.shots) <= 0:
-            raise ValueError(f"--shots must be positive integers, got {self.shots}")
-        if self.l2_reg < 0 or self.probe_c <= 0:
-            raise ValueError("--l2-reg must be >= 0 and --probe-c > 0")
-
-    def location(self, url: str) -> Location:
-        """``url`` (an input or output of the job) with ``storage_options``."""
-        return Location(url, self.storage_options)
+        settings.check(self)
 
     def to_dict(self) -> dict[str, Any]:
         return settings.to_dict(self)
 
 
 @dataclass(frozen=True)
-class AnalyzeConfig:
-    """One analysis of a model (the paper's Fig. 7); ``jobs/analyze.py`` maps its flags onto it."""
+class AnalyzeConfig(EvalOverrides, Weights, Output):
+    """One analysis of a model (the paper's Fig. 7); ``jobs/analyze.py`` maps its flags onto it. Its
+    sections are the embedding job's: storage and output, weights, the evaluation transform."""
 
-    weights: str = setting(help="run dir, final/ export, checkpoint_* dir, HF dir or weights file")
+    HELP: ClassVar[dict[str, str]] = {
+        "out": "directory for the PNGs and analysis.json (local, s3:// or gs://)",
+        "overwrite": "write into an --out that holds files the analysis did not write",
+    }
+
     data: str = setting(
-        help="shards to take the images from (path, directory, glob, brace range, s3://, ...)"
+        help="shards to take the images from (path, directory, glob, brace range, s3://, ...)", required=True
     )
-    out: str = setting(help="directory for the PNGs and analysis.json (local, s3:// or gs://)")
-    images: int = setting(32, "images the attention distances are averaged over")
-    batch_size: int = setting(8, "images per forward pass (attention maps are (B, H, T, T) per layer)")
+    images: int = setting(32, "images the attention distances are averaged over", ge=1)
+    batch_size: int = setting(8, "images per forward pass (attention maps are (B, H, T, T) per layer)", ge=1)
     cpu: bool = setting(False, "stay on CPU where a GPU is")
-    weights_format: str = setting(
-        "auto", "what --weights holds (auto: told from the files and their keys)", choices=FORMATS
-    )
-    model: str | None = setting(
-        None, "variant name, checked against the weights; needed where shapes can't tell heads"
-    )
-    crop_fraction: float | None = setting(
-        None, "center-crop share of the short side (none: the training run's, else 0.875)"
-    )
-    storage_options: dict | None = setting(
-        None, "fsspec options as JSON (credentials: prefer the environment)", secret=True
-    )
-    overwrite: bool = setting(False, "write into an --out that holds files the analysis did not write")
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""
-        for name in ("weights", "data", "out"):
-            if not getattr(self, name):
-                raise ValueError(f"--{name} is required")
-        if self.images <= 0 or self.batch_size <= 0:
-            raise ValueError("--images and --batch-size must be positive")
-        if self.weights_format not in FORMATS:
-            raise ValueError(f"--weights-format must be one of {', '.join(FORMATS)}")
-
-    def location(self, url: str) -> Location:
-        """``url`` (an input or output of the job) with ``storage_options``."""
-        return Location(url, self.storage_options)
+        settings.check(self)
 
     def to_dict(self) -> dict[str, Any]:
         return settings.to_dict(self)

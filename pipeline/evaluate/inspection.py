@@ -98,7 +98,7 @@ def analyze(
         source.preprocessing,
         image_size=model_config.image_size,
         patch_size=model_config.patch_size,
-        crop_fraction=config.crop_fraction,
+        transform=config,
         label_key=None,  # no labels needed
         require_labels=False,
         storage_options=config.storage_options,

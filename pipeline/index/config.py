@@ -4,75 +4,67 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import ClassVar
 
-from pipeline import cli
+from pipeline import cli, settings
 from pipeline.settings import setting
-from pipeline.storage import Location
+from pipeline.storage import Output, Storage
 
 KINDS = ("auto", "flat", "ivfpq", "hnsw")
 MAX_KNOB = 2**31 - 1  # --k, --nprobe, --ef-search: FAISS takes them as C ints (beyond: OverflowError)
 
 
 @dataclass(frozen=True)
-class IndexConfig:
-    """One index build; ``jobs/index.py`` maps its flags onto it field by field."""
+class IndexConfig(Output):
+    """One index build; ``jobs/index.py`` maps its flags onto it field by field. Its storage and output
+    section is every job's (`pipeline.storage.Output`)."""
+
+    HELP: ClassVar[dict[str, str]] = {
+        "out": "index directory (local path, s3:// or gs://)",
+        "overwrite": "replace what --out holds (an index of another output, other files)",
+    }
 
     embeddings: str = setting(
-        help="embedding output(s) of one model (jobs/embed.py's --out, local or s3://), comma-separated"
+        help="embedding output(s) of one model (jobs/embed.py's --out, local or s3://), comma-separated",
+        required=True,
     )
-    out: str = setting(help="index directory (local path, s3:// or gs://)")
     kind: str = setting(
         "auto",
         "flat: exact; ivfpq: compressed codes (fits a memory budget); hnsw: a graph over the full vectors; "
         "auto: flat up to 50,000 rows, else hnsw where it fits --memory-gb, else ivfpq",
         choices=KINDS,
     )
-    memory_gb: float = setting(8.0, "memory the index may take while it is built and searched (GiB)")
+    memory_gb: float = setting(8.0, "memory the index may take while it is built and searched (GiB)", gt=0)
     batch_rows: int = setting(
-        65536, "rows read from the Parquet files at a time (streamed, never all at once)"
+        65536, "rows read from the Parquet files at a time (streamed, never all at once)", ge=1
     )
-    overwrite: bool = setting(False, "replace what --out holds (an index of another output, other files)")
     ray_tasks: int = setting(
         0,
         "add the rows in this many Ray tasks, each a group of the output's files, after training once here "
         "(flat or ivfpq: --kind auto skips hnsw); 0: all in this process, no Ray",
         metavar="N",
-    )
-    storage_options: dict | None = setting(
-        None, "fsspec options as JSON (credentials: prefer the environment)", secret=True
+        ge=0,
     )
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""
-        if self.ray_tasks < 0:
-            raise ValueError(f"--ray-tasks must be 0 (no Ray) or more, got {self.ray_tasks}")
+        settings.check(self)
         if self.ray_tasks and self.kind == "hnsw":
             raise ValueError(
                 "--ray-tasks cannot build an hnsw index (a graph does not merge from parts); pass --kind "
                 "ivfpq or --kind flat, or leave out --ray-tasks"
             )
-        for name in ("embeddings", "out"):
-            if not getattr(self, name):
-                raise ValueError(f"--{name} is required")
-        if self.kind not in KINDS:
-            raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.memory_gb <= 0 or self.batch_rows <= 0:
-            raise ValueError("--memory-gb and --batch-rows must be positive")
-
-    def location(self, url: str) -> Location:
-        """``url`` with ``storage_options``."""
-        return Location(url, self.storage_options)
 
 
 @dataclass(frozen=True)
-class SearchConfig:
+class SearchConfig(Storage):
     """One search; ``jobs/search.py`` maps its flags onto it (``--key`` repeats: `search_parser`)."""
 
-    index: str = setting(help="index directory that jobs/index.py wrote")
+    index: str = setting(help="index directory that jobs/index.py wrote", required=True)
     keys: tuple[str, ...] = setting((), "keys of indexed rows to query with", flag=None)
     image: str | None = setting(None, "an image file to query with (embedded with the index's own model)")
     weights: str | None = setting(None, "the weights the indexed output was embedded with (for --image)")
-    k: int = setting(10, "neighbours per query (and per row with --near-duplicates)")
+    k: int = setting(10, "neighbours per query (and per row with --near-duplicates)", ge=1, le=MAX_KNOB)
     near_duplicates: float | None = setting(
         None,
         "write every pair of rows at least this similar (cosine, normalized outputs) or at most this far "
@@ -80,16 +72,16 @@ class SearchConfig:
         metavar="THRESHOLD",
     )
     out: str | None = setting(None, "Parquet file for --near-duplicates pairs (local, s3://, gs://)")
-    nprobe: int | None = setting(None, "ivfpq: inverted lists visited per query (none: the index's)")
-    ef_search: int | None = setting(None, "hnsw: candidates kept per query (none: the index's)")
-    storage_options: dict | None = setting(
-        None, "fsspec options as JSON (credentials: prefer the environment)", secret=True
+    nprobe: int | None = setting(
+        None, "ivfpq: inverted lists visited per query (none: the index's)", ge=1, le=MAX_KNOB
+    )
+    ef_search: int | None = setting(
+        None, "hnsw: candidates kept per query (none: the index's)", ge=1, le=MAX_KNOB
     )
 
     def validate(self) -> None:
         """A one-line ValueError for a value that cannot work."""
-        if not self.index:
-            raise ValueError("--index is required")
+        settings.check(self)
         queries = sum([bool(self.keys), self.image is not None, self.near_duplicates is not None])
         if queries != 1:
             raise ValueError(
@@ -107,13 +99,6 @@ class SearchConfig:
             raise ValueError(
                 "--weights embeds an --image query; a --key or --near-duplicates search needs none"
             )
-        for flag, value in (("--k", self.k), ("--nprobe", self.nprobe), ("--ef-search", self.ef_search)):
-            if value is not None and not 0 < value <= MAX_KNOB:
-                raise ValueError(f"{flag} must be from 1 to {MAX_KNOB:,}, got {value:,}")
-
-    def location(self, url: str) -> Location:
-        """``url`` with ``storage_options``."""
-        return Location(url, self.storage_options)
 
 
 def index_parser(description: str | None = None) -> argparse.ArgumentParser:

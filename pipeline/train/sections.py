@@ -45,15 +45,6 @@ def _one_of(section: Any, name: str, allowed: tuple[str, ...]) -> None:
         )
 
 
-def _within(section: Any, names: tuple[str, ...], upto: float = 1.0, closed: bool = False) -> None:
-    """Each field in [0, upto) or, ``closed``, [0, upto] (NaN in neither)."""
-    for name in names:
-        value = getattr(section, name)
-        if not (0 <= value <= upto if closed else 0 <= value < upto):
-            interval = f"[0, {upto:g}{']' if closed else ')'}"
-            raise ValueError(f"{settings.flag(type(section), name)} must be in {interval}, got {value}")
-
-
 def worker_count(text: str) -> int | tuple[int, int]:
     """``"8"`` -> 8, a fixed group; ``"2-8"`` -> (2, 8), elastic (``--num-workers``). MIN = MAX is a
     fixed group too."""
@@ -77,7 +68,7 @@ class ArchConfig:
     """Which network is trained, and from what."""
 
     model: str = setting("vit_b16", "model variant, e.g. vit_b16, vit_h14 (see vit.VARIANTS)")
-    num_classes: int = setting(1000, "number of label classes of the head")
+    num_classes: int = setting(1000, "number of label classes of the head", ge=1)
     model_overrides: dict[str, Any] = setting(
         help="ViTConfig fields that replace the variant's, as JSON", factory=dict, flag=None
     )
@@ -94,16 +85,18 @@ class ArchConfig:
         0.0,
         "stochastic depth: block i of D drops each residual branch per sample at this rate x i/(D-1) "
         "(0: off; DeiT: 0.1)",
+        ge=0,
+        lt=1,
     )
     dropout: float = setting(
-        0.0, "dropout after the position embeddings, the attention projection and both MLP layers (0: off)"
+        0.0,
+        "dropout after the position embeddings, the attention projection and both MLP layers (0: off)",
+        ge=0,
+        lt=1,
     )
 
     def validate(self) -> None:
-        if self.num_classes < 1:
-            raise ValueError(f"--num-classes must be at least 1, got {self.num_classes}")
-        _within(self, REGULARIZATION_FIELDS)
-        _one_of(self, "head_init", HEAD_INITS)
+        settings.check(self)
         both = sorted(set(REGULARIZATION_FIELDS) & set(self.model_overrides))
         if both:
             raise ValueError(
@@ -126,28 +119,31 @@ class TaskConfig:
     decoder_depth: int = setting(8, "MAE: decoder blocks")
     decoder_num_heads: int = setting(16, "MAE: decoder attention heads (must divide the decoder's width)")
     label_smoothing: float = setting(
-        0.0, "supervised: share of each target spread evenly over all classes (0: off; DeiT: 0.1)"
+        0.0, "supervised: share of each target spread evenly over all classes (0: off; DeiT: 0.1)", ge=0, lt=1
     )
     mixup_alpha: float = setting(
         0.0,
         "supervised: Mixup, each micro-batch blended with itself reversed by a weight ~ Beta(a, a) "
         "(0: off; DeiT: 0.8)",
+        ge=0,
+        lt=math.inf,
     )
     cutmix_alpha: float = setting(
         0.0,
         "supervised: CutMix, a box of the reversed micro-batch pasted in, its share ~ Beta(a, a) "
         "(0: off; DeiT: 1.0)",
+        ge=0,
+        lt=math.inf,
     )
-    mix_prob: float = setting(1.0, "with --mixup-alpha or --cutmix-alpha: chance that a micro-batch is mixed")
+    mix_prob: float = setting(
+        1.0, "with --mixup-alpha or --cutmix-alpha: chance that a micro-batch is mixed", ge=0, le=1
+    )
     switch_prob: float = setting(
-        0.5, "with --mixup-alpha and --cutmix-alpha: chance that a mixed micro-batch takes CutMix"
+        0.5, "with --mixup-alpha and --cutmix-alpha: chance that a mixed micro-batch takes CutMix", ge=0, le=1
     )
 
     def validate(self) -> None:
-        _one_of(self, "objective", OBJECTIVES)
-        _within(self, ("label_smoothing",))
-        _within(self, ("mix_prob", "switch_prob"), closed=True)
-        _within(self, ("mixup_alpha", "cutmix_alpha"), upto=math.inf)
+        settings.check(self)
         if self.objective == "supervised":
             return
         soft = [n for n in ("label_smoothing", "mixup_alpha", "cutmix_alpha") if getattr(self, n)]
@@ -175,70 +171,59 @@ class OptimConfig:
     optimizer: str = setting(
         "adamw", "adamw, or sgd with momentum (the paper's fine-tuning)", choices=OPTIMIZERS
     )
-    momentum: float = setting(0.9, "SGD momentum")
-    batch_size: int = setting(4096, "global batch: images per optimizer step across all workers")
+    momentum: float = setting(0.9, "SGD momentum", ge=0, lt=1)
+    batch_size: int = setting(4096, "global batch: images per optimizer step across all workers", ge=1)
     micro_batch_size: int = setting(
-        64, "images per worker per forward/backward (accumulation covers the rest)"
+        64, "images per worker per forward/backward (accumulation covers the rest)", ge=1
     )
-    lr: float = setting(1e-3, "peak learning rate, after warmup")
+    lr: float = setting(1e-3, "peak learning rate, after warmup", gt=0, lt=math.inf)
     min_lr: float = setting(0.0, "learning rate at the end of the decay")
-    weight_decay: float = setting(0.1, "weight decay (not on biases, norms, pos/CLS embeddings)")
-    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas B1,B2", metavar="B1,B2")
+    weight_decay: float = setting(
+        0.1, "weight decay (not on biases, norms, pos/CLS embeddings)", ge=0, lt=math.inf
+    )
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas B1,B2", metavar="B1,B2", ge=0, lt=1)
     warmup_steps: int = setting(10_000, "linear warmup steps")
-    max_steps: int = setting(100_000, "optimizer steps of the schedule")
+    max_steps: int = setting(100_000, "optimizer steps of the schedule", ge=1)
     lr_schedule: str = setting("cosine", "decay after warmup: cosine or linear", choices=LR_SCHEDULES)
     grad_clip: float = setting(
-        1.0, "global gradient-norm clipping threshold (0: no clipping; DeiT trains without)"
+        1.0, "global gradient-norm clipping threshold (0: no clipping; DeiT trains without)", ge=0
     )
     max_skipped_steps: int = setting(
-        5, "steps in a row skipped for a non-finite loss or gradient that fail the run"
+        5, "steps in a row skipped for a non-finite loss or gradient that fail the run", ge=1
     )
     layer_decay: float = setting(
         1.0,
         "layer-wise lr decay: block i of D trains at lr x decay^(D - i), the embeddings at decay^(D + 1), "
         "the final norm and head at lr (MAE/BEiT fine-tuning: 0.65-0.75; 1: off)",
+        gt=0,
+        le=1,
     )
     ema_decay: float | None = setting(
         None,
         "keep an exponential moving average of the weights, decay per step, exported as final_ema/ "
         "(none: off; DeiT: 0.99996)",
+        ge=0,
+        lt=1,
     )
     ema_every: int = setting(
-        1, "with --ema-decay: steps between EMA updates, each then by decay^N (the same horizon in steps)"
+        1,
+        "with --ema-decay: steps between EMA updates, each then by decay^N (the same horizon in steps)",
+        ge=1,
     )
 
     def validate(self) -> None:
-        _at_least(self, ("batch_size", "micro_batch_size", "max_steps", "max_skipped_steps"))
-        if not 0 < self.layer_decay <= 1:
-            raise ValueError(f"--layer-decay must be in (0, 1], got {self.layer_decay}")
-        _one_of(self, "optimizer", OPTIMIZERS)
-        _one_of(self, "lr_schedule", LR_SCHEDULES)
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
+        settings.check(self)
         if self.warmup_steps >= self.max_steps and self.max_steps > 1:
             raise ValueError(
                 f"--warmup-steps {self.warmup_steps} leaves no decay within --max-steps {self.max_steps}; "
                 "use fewer warmup steps"
             )
-        if not math.isfinite(self.lr) or self.lr <= 0:
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(
                 f"--min-lr {self.min_lr:g} must be in [0, --lr {self.lr:g}]: the schedule decays from --lr "
                 "to it; pass a smaller --min-lr"
             )
-        if not 0 <= self.weight_decay < math.inf:
-            raise ValueError(f"--weight-decay must be 0 (none) or more, got {self.weight_decay}")
-        if not all(0 <= beta < 1 for beta in self.betas):
-            raise ValueError(
-                f"--betas {settings.shown(self.betas)} must be B1,B2 with each in [0, 1), e.g. 0.9,0.999"
-            )
-        if not self.grad_clip >= 0:
-            raise ValueError(f"--grad-clip must be a norm >= 0 (0: no clipping), got {self.grad_clip}")
-        _at_least(self, ("ema_every",))
-        if self.ema_decay is not None:
-            _within(self, ("ema_decay",))
-        elif self.ema_every != 1:
+        if self.ema_decay is None and self.ema_every != 1:
             raise ValueError(
                 f"--ema-every {self.ema_every} needs --ema-decay (e.g. 0.9999); pass it or drop --ema-every"
             )
@@ -269,6 +254,7 @@ class SpeedConfig:
         8,
         "steps of input built ahead on a background thread, hence the steps the next epoch's "
         "pipeline starts ahead (0: built by the step)",
+        ge=0,
     )
     data_process: str = setting(
         "inline", "where each worker's data pipeline runs: inline (a thread of the training process) or "
@@ -277,11 +263,7 @@ class SpeedConfig:
     )  # fmt: skip
 
     def validate(self) -> None:
-        _one_of(self, "ac_mode", ("full", "alternate", "ops"))
-        _one_of(self, "compile_scope", ("blocks", "model"))
-        _one_of(self, "optimizer_impl", ("auto", "fused", "foreach", "for-loop"))
-        _at_least(self, ("prefetch_steps",), minimum=0)
-        _one_of(self, "data_process", DATA_PROCESSES)
+        settings.check(self)
         if self.fp8 and importlib.util.find_spec("torchao") is None:
             raise ValueError("--fp8 needs the torchao package: pip install 'vitray[fp8]'")
 
@@ -372,10 +354,10 @@ class RunConfig:
         False, "write into an --out that holds files no training run wrote (they may be replaced)"
     )
     seed: int = setting(0, "seed of initialization, shard order, crops and shuffling")
-    eval_every: int = setting(0, "steps between evaluations of --eval-data (0: only at the end)")
-    log_every: int = setting(10, "steps between log lines / metrics.jsonl rows")
-    checkpoint_every: int = setting(1000, "steps between checkpoints")
-    keep_checkpoints: int = setting(3, "checkpoints kept (oldest deleted first)")
+    eval_every: int = setting(0, "steps between evaluations of --eval-data (0: only at the end)", ge=0)
+    log_every: int = setting(10, "steps between log lines / metrics.jsonl rows", ge=1)
+    checkpoint_every: int = setting(1000, "steps between checkpoints", ge=1)
+    keep_checkpoints: int = setting(3, "checkpoints kept (oldest deleted first)", ge=1)
     async_checkpoint: bool = setting(
         True,
         "save checkpoints beside training: a step waits only for the state's copy to host memory, "
@@ -383,7 +365,7 @@ class RunConfig:
     )
     max_failures: int = setting(3, "worker-group restarts from the latest checkpoint after a failure")
     stop_at_step: int | None = setting(
-        None, "end this run at that step (schedule unchanged); rerun to continue"
+        None, "end this run at that step (schedule unchanged); rerun to continue", ge=1
     )
     tensorboard: bool = setting(False, "also write TensorBoard event files under <out>/tensorboard/")
     wandb: str | None = setting(
@@ -400,10 +382,6 @@ class RunConfig:
             raise ValueError(
                 "no output location: pass --out with a run directory (local path, s3:// or gs://)"
             )
-        _at_least(self, ("log_every", "checkpoint_every", "keep_checkpoints"))
-        if self.stop_at_step is not None:
-            _at_least(self, ("stop_at_step",))
-        if self.eval_every < 0:
-            raise ValueError(f"--eval-every must be 0 (only at the end) or more, got {self.eval_every}")
+        settings.check(self)
         if self.wandb and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb needs the wandb package: pip install 'vitray[wandb]'")

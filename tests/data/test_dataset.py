@@ -52,15 +52,18 @@ def test_config_rejects_bad_values_in_one_line_that_names_the_flag_and_what_to_g
         ({"image_size": 30, "patch_size": 8}, "not divisible by patch_size"),
         ({"scale": (0.5, 0.1)}, "--crop-scale 0.5,0.1 must be MIN,MAX with 0 < MIN <= MAX <= 1, e.g. 0.08,1"),
         ({"ratio": (2, 1)}, "--crop-ratio 2,1 must be MIN,MAX with 0 < MIN <= MAX, e.g. 0.75,1.33"),
-        ({"crop_fraction": 0}, "--crop-fraction 0 must be in \\(0, 1\\], e.g. 0.875"),
-        ({"max_bad_fraction": 2}, "--max-bad-fraction must be in \\[0, 1\\], got 2"),
-        ({"max_lost_shards": -1}, "--max-lost-shards must be 0 or more, got -1"),
+        ({"crop_fraction": 0}, "^--crop-fraction must be in \\(0, 1\\], got 0$"),
+        ({"max_bad_fraction": 2}, "^--max-bad-fraction must be in \\[0, 1\\], got 2$"),
+        ({"max_lost_shards": -1}, "^--max-lost-shards must be at least 0, got -1$"),
+        ({"shuffle_buffer": -1}, "^--shuffle-buffer must be at least 0, got -1$"),
+        ({"block_rows": 0}, "^--block-rows must be at least 1, got 0$"),
+        ({"read_attempts": 0}, "^--read-attempts must be at least 1, got 0$"),
+        ({"read_backoff_s": -1}, "^--read-backoff-s must be at least 0, got -1$"),
+        ({"patch_size": 0}, "^DataConfig: patch_size must be more than 0, got 0$"),
         (
-            {"block_rows": 0},
-            "--shuffle-buffer must be 0 \\(no shuffle\\) or more and --block-rows more than 0",
+            {"train_interpolation": "fancy"},
+            "^--train-interpolation must be one of nearest, box, .*, got 'fancy'$",
         ),
-        ({"read_backoff_s": -1}, "--read-attempts must be 1 or more and --read-backoff-s 0 or more"),
-        ({"train_interpolation": "fancy"}, "interpolation"),
     ]:
         with pytest.raises(ValueError, match=words) as info:
             DataConfig(**kwargs)

@@ -18,6 +18,7 @@ from pipeline.data.make_shards import make_shards, parse_args
 from pipeline.data.shards import expand_shards
 from pipeline.data.synthetic import CLASSES, render, write_synthetic_shards
 from pipeline.data.writing import ShardWriter, brace_url
+from tests.job_scripts import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "jobs" / "make_shards.py"
@@ -163,8 +164,17 @@ def test_unreadable_files_are_counted_and_a_folder_of_none_readable_writes_nothi
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--synthetic", "4", "--image-size", "0"], "--image-size and --max-size must be at least 1 pixel"),
-        (["--synthetic", "4", "--max-size", "0"], "--image-size and --max-size must be at least 1 pixel"),
+        (["--synthetic", "4", "--image-size", "0"], "--image-size must be at least 1, got 0"),
+        (["--synthetic", "4", "--max-size", "0"], "--max-size must be at least 1, got 0"),
+        (["--synthetic", "0"], "--synthetic must be at least 1, got 0"),
+        (["--synthetic", "4", "--quality", "96"], "--quality must be from 1 to 95, got 96"),
+        (
+            ["--synthetic", "4", "--num-classes", "0"],
+            f"--num-classes must be from 1 to {len(CLASSES)}, got 0",
+        ),
+        (["--synthetic", "4", "--samples-per-shard", "0"], "--samples-per-shard must be at least 1, got 0"),
+        ([], "pass one source: --synthetic N (generated images) or --from-folder DIR"),
+        (["--synthetic", "4", "--from-folder", "x"], "pass one source: --synthetic N"),
         (["--synthetic", "4", "--prefix", "../x"], "--prefix '../x' must be a plain file name part"),
         (["--synthetic", "4", "--prefix", ""], "--prefix '' must be a plain file name part"),
         (["--synthetic", "4", "--prefix", "*"], "--prefix '*' must be a plain file name part"),
@@ -187,3 +197,13 @@ def test_brace_url_names_every_shard():
     urls = [f"/d/train-{i:06d}.tar.gz" for i in range(3)]
     assert brace_url(urls) == "/d/train-{000000..000002}.tar.gz"
     assert brace_url(urls[:1]) == urls[0]
+
+
+def test_the_job_refuses_a_value_outside_a_bound_in_one_line_before_writing(tmp_path, capsys):
+    out = tmp_path / "out"
+    main = load_job("make_shards", "vitray_jobs_make_shards_bounds").main
+    assert main(["--synthetic", "4", "--quality", "0", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == "error: --quality must be from 1 to 95, got 0\n"
+    assert not out.exists()
+    assert main(["--synthetic", "4", "--out", str(out), "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["synthetic"] == 4 and not out.exists()

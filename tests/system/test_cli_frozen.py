@@ -27,6 +27,9 @@ from pipeline.train.config import TrainConfig
 BEFORE = json.loads((Path(__file__).parent / "cli_before.json").read_text())
 # Flat training fields whose setting has another name now (the flag is unchanged).
 RENAMED = {"data": "shards", "eval_data": "eval_shards", "crop_scale": "scale", "crop_ratio": "ratio"}
+# The same for the other jobs: embed's --interpolation sets the eval-transform section's field, named as
+# training's (`pipeline.data.config.EvalTransform`), and so does analyze's.
+JOB_RENAMED = {"interpolation": "eval_interpolation"}
 # Defaults changed on purpose since, (before, now), each with its reason: a command line that does not
 # set the flag resolves to the new default.
 CHANGED_DEFAULTS = {
@@ -51,7 +54,8 @@ def resolve(job: str, argv: list[str]):
 
 def flattened(config) -> dict:
     if not isinstance(config, TrainConfig):
-        return json.loads(json.dumps(settings.to_dict(config)))
+        values = json.loads(json.dumps(settings.to_dict(config)))
+        return {next((o for o, n in JOB_RENAMED.items() if n == k), k): v for k, v in values.items()}
     values = json.loads(json.dumps(settings.to_dict(config)))
     return {name: _at(values, path) for name, path in _paths().items()}
 
