@@ -276,6 +276,8 @@ def test_the_embedder_decodes_encoded_rows_when_given_a_decode_config(monkeypatc
 
     data_config = config()
     monkeypatch.setattr(device_decode, "nvjpeg", pil_decoder)
+    # The actor sets its process's torch threads; this process's later tests keep theirs.
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     embedder = Embedder(
         [pack_state_dict(model.state_dict())],
         model.config.to_dict(),
