@@ -49,6 +49,7 @@ from jobs.benchmarks.model import timm_available
 from jobs.benchmarks.process_cpu import RAY_KINDS
 from jobs.benchmarks.report import print_table, write_json
 from pipeline.embed.actor import build_embedding_model
+from pipeline.embed.config import DECODERS, EmbedConfig
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -79,8 +80,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ray-cpus", type=int, help="logical CPUs of the local Ray (default: actors' + 1)")
     p.add_argument(
         "--decode",
-        default="cpu",
-        choices=["cpu", "gpu"],
+        default=EmbedConfig.decode,
+        choices=DECODERS,
         help="where the job decodes: its --decode (gpu: nvJPEG on the actor's GPU; default: %(default)s)",
     )
     p.add_argument("--repeats", type=int, default=2, help="runs of each configuration (default: %(default)s)")
@@ -272,8 +273,6 @@ def main(argv: list[str]) -> dict[str, Any]:
     job_config = None
     if not args.naive_only:
         import ray
-
-        from pipeline.embed.config import EmbedConfig
 
         cpus = args.cpus_per_actor or max(1, cores // args.concurrency)
         os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")

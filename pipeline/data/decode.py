@@ -175,10 +175,13 @@ def decode_sample(
     """One image through `transform_image`: ``(pixels, "")``, or ``(None, reason)`` for its error row."""
     try:
         return transform_image(data, config, train=train, rng=rng), ""
-    except ImageError as e:
-        return None, str(e)
-    except Exception as e:  # any other decoder failure is this sample's, not the job's
-        return None, f"undecodable image: {type(e).__name__}: {str(e)[:160]}"
+    except Exception as e:  # any decoder failure is this sample's, not the job's
+        return None, sample_error(e)
+
+
+def sample_error(e: Exception) -> str:
+    """The error row's reason for an image that failed: an `ImageError`'s own, else "undecodable"."""
+    return str(e) if isinstance(e, ImageError) else f"undecodable image: {type(e).__name__}: {str(e)[:160]}"
 
 
 def pin_pil(config: DataConfig) -> None:
@@ -219,10 +222,8 @@ def vet_batch(batch: dict[str, Any], *, config: DataConfig) -> dict[str, np.ndar
                     # A stream without its end marker is truncated, which a GPU decoder may not say:
                     # the CPU path names it (its error row) or, for mere trailing bytes, decodes it.
                     device[i] = device_decodable(im) and images[i].rstrip(b"\0").endswith(b"\xff\xd9")
-                except ImageError as e:
-                    error = str(e)
                 except Exception as e:  # a header PIL cannot parse is this sample's, not the job's
-                    error = f"undecodable image: {type(e).__name__}: {str(e)[:160]}"
+                    error = sample_error(e)
             out_errors[i] = error.replace("\n", " ")
     return {**batch, "error": out_errors, "device": device}
 
