@@ -124,13 +124,7 @@ class Trainer:
         self.model_config = model_config(config)
         self.objective = objective_for(config)  # loss, batch columns, FLOPs, what final/ holds
         self.data_config = config.data_for(self.model_config.patch_size)
-        accum = config.accumulation(self.world)
-        if accum is None:  # checked at the start for every size of the range; never a floored batch
-            raise ValueError(
-                f"--batch-size {config.optim.batch_size} does not split over {self.world} workers of "
-                f"--micro-batch-size {config.optim.micro_batch_size}"
-            )
-        self.accum = accum
+        self.accum = config.optim.batch_size // (config.optim.micro_batch_size * self.world)
         self.me = Rank(self.rank, self.world, self.device, control_group(), self.accum)
         columns = self.objective.columns
         self.plan = feeder_plan_for(loop_config, config, self.data_config, self.me, columns)
