@@ -20,25 +20,36 @@ interpreter lock over the run, by thread, from ``py-spy record --gil``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import queue
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jobs.benchmarks.report import machine, print_table, write_json
 
-STEPS_ENV = "VITRAY_DEVICE_STEP"  # "MS,DIR": the wait a step, where each step's host time is written
+# "MS,N,DIR": the wait a step, the device's queue (`DeviceQueue`), where each step's record is written
+STEPS_ENV = "VITRAY_DEVICE_STEP"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python jobs/benchmark.py host", description=__doc__.split("\n")[0])
     p.add_argument("--step-ms", type=float, default=50.0, help="the device-shaped wait of a step")
+    p.add_argument(
+        "--device-queue", type=queue_depth, default=1, metavar="N",
+        help="steps that wait behind the one the device runs before a step call blocks, as a CUDA "
+        "stream's launch queue (about a thousand kernels: a step or so) lets a host run ahead; 0: the "
+        "host waits for every step, a host that synchronizes with the device each step",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--log-every", type=int, default=20, help="steps a window (a log line each)")
     p.add_argument("--batch-size", type=int, default=16, help="images a step")
@@ -62,32 +73,129 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def queue_depth(text: str) -> int:
+    """``--device-queue``: a whole number, 0 or more."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is no number of steps: give 0 or more (1: the default)")
+    return int(text)
+
+
 def device_shaped_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
-    """A Ray Train worker running the real loop, its `TrainStep` replaced by `wait_step_class()`."""
+    """A Ray Train worker running the real loop, its `TrainStep` replaced by `wait_step_class()` and its
+    reads of device values waiting for that step's device (`wait_at_device_reads`)."""
     from pipeline.train import loop
 
-    loop.TrainStep = wait_step_class()
+    device = DeviceQueue(int(os.environ[STEPS_ENV].split(",")[1]))
+    loop.TrainStep = wait_step_class(device)
+    wait_at_device_reads(device)
     return loop.train_loop_per_worker(loop_config)
 
 
-def wait_step_class() -> type:
-    """`TrainStep` with a wait in place of the model's work (imported in the worker: torch)."""
+class DeviceQueue:
+    """The device of the device-shaped step: each step's wait runs here, after the ones before it.
+
+    ``depth`` 0: `launch` waits in the caller, a host that synchronizes with the device every step.
+    ``depth`` >= 1: the waits run one after another on a thread of their own (a ``time.sleep``, which
+    holds no interpreter lock), as a CUDA stream runs a step's kernels after the last step's; `launch`
+    returns at once unless ``depth`` waits are already pending behind the running one, and then blocks
+    until the device takes the next, as a host blocks when the stream's launch queue is full. `drain`
+    waits until every launched wait has ended: what a read of a device value does (``tolist``, ``item``).
+    """
+
+    def __init__(self, depth: int):
+        if depth < 0:
+            raise ValueError(f"a device queue of {depth} steps; give 0 or more")
+        self.depth = depth
+        self.pending: queue.Queue[tuple[float, Callable[[float], None]]] = queue.Queue(maxsize=max(depth, 1))
+        self.idle = threading.Condition()
+        self.launched = 0  # waits launched and not ended
+        self.drained_s = 0.0  # the seconds `drain` has waited, all told
+        if depth:
+            threading.Thread(target=self._run, name="vitray-device", daemon=True).start()
+
+    def launch(self, seconds: float, ended: Callable[[float], None]) -> None:
+        """A wait of ``seconds`` after those launched before; ``ended(when)`` is called as it ends (on the
+        device's thread), with its end on `time.time`'s clock."""
+        if not self.depth:
+            time.sleep(seconds)  # releases the interpreter lock, as a wait for the GPU does
+            ended(time.time())
+            return
+        with self.idle:
+            self.launched += 1
+        self.pending.put((seconds, ended))  # blocks while `depth` waits are pending
+
+    def _run(self) -> None:
+        while True:
+            seconds, ended = self.pending.get()
+            time.sleep(seconds)
+            try:
+                ended(time.time())
+            finally:
+                with self.idle:
+                    self.launched -= 1
+                    self.idle.notify_all()
+
+    def drain(self) -> None:
+        """Until every launched wait has ended."""
+        started = time.perf_counter()
+        with self.idle:
+            self.idle.wait_for(lambda: self.launched == 0)
+        self.drained_s += time.perf_counter() - started
+
+
+def device_reads() -> list[tuple[Any, str]]:
+    """(owner, attribute) of each place where the loop (`pipeline.train.loop`) reads a device value, and
+    a real step's host therefore waits for the device; the real loop waits nowhere else: its step, the
+    input's copy and the metrics' sums are queued and never read back in between (with fused AdamW, the
+    default on CUDA; other AdamW kernels read the gradient norm every step, `pipeline.train.step`)."""
+    from pipeline.train import finetune, metrics, saver
+
+    return [
+        (metrics.SkippedSteps, "read"),  # each log line: the skipped steps' counts (``tolist``)
+        (metrics.MetricsWindow, "reduce"),  # each log line: the window's loss, accuracy, norm (``tolist``)
+        (saver.Checkpointer, "save"),  # a checkpoint: its weights checked finite (``item``), then staged
+        (saver.Checkpointer, "close"),  # the run's end: its last save, then the export of the weights
+        (finetune, "evaluate_in_run"),  # an evaluation's accuracy (``item``); none in this benchmark
+    ]
+
+
+def wait_at_device_reads(device: DeviceQueue, patch: Callable[[Any, str, Any], None] = setattr) -> None:
+    """Each of `device_reads()` drains ``device`` first (``patch``: how an attribute is replaced; a
+    test's undoes itself)."""
+    for owner, name in device_reads():
+        patch(owner, name, _after_drain(device, getattr(owner, name)))
+
+
+def _after_drain(device: DeviceQueue, read: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(read)
+    def drained_first(*args: Any, **kwargs: Any) -> Any:
+        device.drain()
+        return read(*args, **kwargs)
+
+    return drained_first
+
+
+def wait_step_class(device: DeviceQueue) -> type:
+    """`TrainStep` with a wait on ``device`` in place of the model's work (imported in the worker: torch)."""
     from pipeline.train.step import StepStats, TrainStep
 
     class _WaitStep(TrainStep):
         """The step's place in the loop, its optimizer (checkpoints hold it) and its stats, with a wait
-        of ``VITRAY_DEVICE_STEP``'s milliseconds in place of forward, backward and update."""
+        of ``VITRAY_DEVICE_STEP``'s milliseconds on the device in place of forward, backward and update.
+        Each step's record (`read_steps`): its host seconds since the last step's call returned, less
+        the device reads' waits (`DeviceQueue.drain`) between; when its wait ended on the device."""
 
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             import torch
 
-            ms, directory = os.environ[STEPS_ENV].split(",", 1)
+            ms, _, directory = os.environ[STEPS_ENV].split(",", 2)
             self.wait_s = float(ms) / 1000
             self.out = open(Path(directory) / f"steps-{os.getpid()}.tsv", "a", buffering=1)  # noqa: SIM115
             self.zero = torch.zeros((), device=self.device)
             self.first_update()
-            self.last = time.time()  # when the last wait ended
+            self.device_queue = device
+            self.returned, self.drained = time.time(), device.drained_s  # as the last call returned
 
         def first_update(self) -> None:
             """The optimizer's state as a real first step leaves it (its moments, its step count), from an
@@ -108,35 +216,41 @@ def wait_step_class() -> type:
                 group["lr"] = lr
 
         def __call__(self, step: int, micro_batches: list, global_count: int, micro_steps: int | None = None):
-            started = time.time()
-            time.sleep(self.wait_s)  # releases the interpreter lock, as a wait for the GPU does
-            ended = time.time()  # the clock of `pipeline.train.stacks` samples
-            self.out.write(f"{step + 1}\t{started - self.last:.6f}\t{ended:.6f}\n")
-            self.last = ended
+            called, since, device = time.time(), self.returned, self.device_queue
+            host = called - since - (device.drained_s - self.drained)
+
+            def ended(when: float) -> None:  # the clock of `pipeline.train.stacks` samples
+                self.out.write(f"{step + 1}\t{host:.6f}\t{when:.6f}\t{since:.6f}\t{called:.6f}\n")
+
+            device.launch(self.wait_s, ended)
+            self.returned, self.drained = time.time(), device.drained_s
             count = sum(len(mb[0]) for mb in micro_batches)
             return StepStats(self.zero, self.zero.long(), count, self.zero, 0.0, self.zero.bool())
 
     return _WaitStep
 
 
-def read_steps(directory: Path) -> list[tuple[int, float, float]]:
-    """(step, host seconds before its wait, when its wait ended) of every step the workers wrote."""
+def read_steps(directory: Path) -> list[tuple[int, float, float, float, float]]:
+    """(step, host seconds outside the waits before its call, when its wait ended on the device, when the
+    call before it returned, when it was called) of every step the workers wrote."""
     rows = []
     for path in directory.glob("steps-*.tsv"):
         for line in path.read_text().splitlines():
-            step, host, ended = line.split("\t")
-            rows.append((int(step), float(host), float(ended)))
+            step, *times = line.split("\t")
+            rows.append((int(step), *(float(t) for t in times)))
     return sorted(rows)
 
 
-def window_rows(
-    steps: list[tuple[int, float, float]], log_every: int, step_ms: float
-) -> list[dict[str, Any]]:
-    """One row per window of ``log_every`` steps: steps/s (between the ends of the windows' last waits;
-    the first window from its first step's start), against the ideal, and the host ms a step."""
+def window_rows(steps: list[tuple], log_every: int, step_ms: float) -> list[dict[str, Any]]:
+    """One row per window of ``log_every`` steps: steps/s against the ideal, and the host ms a step
+    (each of ``steps``: step, host seconds, when its wait ended on the device, maybe more). A window runs
+    from the end of the last window's last wait on the device to the end of its own last wait (the first
+    from its first step's start): each window ends at a log line, where the loop reads device values and
+    the host waits for the device (`DeviceQueue.drain`), so every second is in one window, a log line's
+    and a checkpoint's host time in the next one."""
     ideal = 1000 / step_ms
     rows = []
-    by_step = {s: (host, ended) for s, host, ended in steps}
+    by_step = {s: (host, ended) for s, host, ended, *_ in steps}
     last = max(by_step, default=0)
     for end in range(log_every, last + 1, log_every):
         chosen = [by_step[s] for s in range(end - log_every + 1, end + 1) if s in by_step]
@@ -158,37 +272,47 @@ def window_rows(
     return rows
 
 
-def stack_parts(
-    tsv: Path, rows: list[dict[str, Any]], steps: list[tuple[int, float, float]], wait_s: float
-) -> None:
-    """Add each window's training-thread parts (`pipeline.train.stacks`; the wait counts as `step`) to
-    its row, and what the thread was doing in the window's slowest step outside the wait: the
-    innermost frames sampled then, most frequent first."""
-    from pipeline.train.stacks import PARTS, windows
+DEVICE_WAITS = ("host.py:launch", "host.py:drain")  # frames of the training thread waiting for the device
+
+
+def stack_parts(tsv: Path, rows: list[dict[str, Any]], steps: list[tuple]) -> None:
+    """Add to each window's row where the training thread was: `device`, waiting for the device (a
+    step's wait, a full queue, a read of a device value), else the parts of `pipeline.train.stacks` (the
+    innermost frames most often sampled in `other`); and
+    what it did in the window's slowest step outside those waits: the innermost frames sampled between
+    the return of the step before and its call, most frequent first."""
+    from pipeline.train.stacks import PARTS, part_of, windows
 
     if not tsv.is_file():
         return
     lines = tsv.read_text().splitlines()
     found = {w.last_step: w for w in windows(lines) if w.last_step is not None}
-    samples = [(float(t), rest.split(" < ")) for t, _, rest in (x.partition("\t") for x in lines)]
-    by_step = {s: (host, ended) for s, host, ended in steps}
+    samples = [
+        (float(t), stack, "device" if any(f in stack for f in DEVICE_WAITS) else part_of(stack))
+        for t, stack in ((t, rest.split(" < ")) for t, _, rest in (x.partition("\t") for x in lines))
+        if not stack[0].startswith("step ")  # a log line's mark
+    ]
+    names = ("device", *(name for name, _ in PARTS), "other")
+    by_step = {s: (host, since, called) for s, host, _, since, called in steps}
     for row in rows:
         first, last = (int(x) for x in row["steps"].split("-"))
         w = found.get(last)
         if w is None or not w.samples:
             continue
-        parts = dict(w.parts)
-        parts["step"] = parts.get("step", 0) + w.other.get("host.py:__call__", 0)  # the wait
-        parts["other"] -= w.other.get("host.py:__call__", 0)
-        row["where"] = " ".join(f"{name} {100 * parts.get(name, 0) / w.samples:.0f}%" for name, _ in PARTS)
-        row["where"] += f" other {100 * parts['other'] / w.samples:.0f}%"
+        inside = [(stack, part) for t, stack, part in samples if w.start <= t <= w.end]
+        parts, n = Counter(part for _, part in inside), max(len(inside), 1)
+        other = Counter(stack[0] for stack, part in inside if part == "other").most_common(2)
+        row["where"] = " ".join(f"{name} {100 * parts[name] / n:.0f}%" for name in names)
+        row["where"] += f" ({', '.join(f'{f} {k}' for f, k in other)})" if other else ""
         row["gap s"] = w.longest_gap
-        worst = max(range(first, last + 1), key=lambda s: by_step.get(s, (0.0, 0.0))[0])
-        host, ended = by_step.get(worst, (0.0, 0.0))
-        begin, end = ended - wait_s - host, ended - wait_s
-        frames = Counter(stack[0] for t, stack in samples if begin <= t <= end and stack[0] != "?")
-        top = ", ".join(f"{f} {n}" for f, n in frames.most_common(2) if not f.startswith("step "))
-        row["slowest step"] = f"{worst}: {top}"
+        worst = max(range(first, last + 1), key=lambda s: by_step.get(s, (0.0,))[0])
+        _, begin, end = by_step.get(worst, (0.0, 0.0, 0.0))
+        frames = Counter(
+            stack[0]
+            for t, stack, part in samples
+            if begin <= t <= end and part != "device" and stack[0] != "?"
+        )
+        row["slowest step"] = f"{worst}: " + ", ".join(f"{f} {k}" for f, k in frames.most_common(2))
 
 
 def gil_holders(raw: Path) -> list[dict[str, Any]]:
@@ -231,7 +355,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     record.mkdir()
     root = str(Path(__file__).resolve().parents[2])
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    os.environ[STEPS_ENV] = f"{args.step_ms},{record}"
+    os.environ[STEPS_ENV] = f"{args.step_ms},{args.device_queue},{record}"
     os.environ["VITRAY_SAMPLE_STACKS"] = str(scratch / "stacks")
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     apply_local_ray_env()
@@ -256,7 +380,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     ray.shutdown()
     steps = read_steps(record)
     rows = window_rows(steps, args.log_every, args.step_ms)
-    stack_parts(scratch / "stacks" / "stacks-rank0.tsv", rows, steps, args.step_ms / 1000)
+    stack_parts(scratch / "stacks" / "stacks-rank0.tsv", rows, steps)
     logged = {r["step"]: r for r in read_metrics(str(scratch / "run"))}
     for row in rows:  # the log line that ends each window: its collection and checkpoint stall
         at = logged.get(int(row["steps"].split("-")[1]), {})
@@ -265,7 +389,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     title = (
         f"host beside a {args.step_ms:g} ms device-shaped step: batch {args.batch_size} "
         f"({args.micro_batch_size} a micro-batch), {args.source_size}px JPEGs cropped to {args.image_size}px, "
-        f"{args.num_cpus} CPUs, data process {args.data_process}; ideal {1000 / args.step_ms:.1f} steps/s"
+        f"{args.num_cpus} CPUs, data process {args.data_process}, device queue {args.device_queue}; "
+        f"ideal {1000 / args.step_ms:.1f} steps/s"
     )
     if later:
         title += f"; windows after the first: {min(later):.1%} to {max(later):.1%} of ideal"
