@@ -1,20 +1,32 @@
 """The training job's host work beside a device-shaped step: does the host keep a GPU busy?
 
     python jobs/benchmark.py host --step-ms 50 --steps 200 --log-every 20
+    python jobs/benchmark.py host --device-queue 0 ...     # a host that waits for the device every step
 
 The real job on a local Ray (the driver, Ray Train's worker loop `pipeline.train.loop`, the rank's Ray
 Data pipeline decoding synthetic JPEG shards on this machine's other cores) with one change: the
-model step is a wait of ``--step-ms`` that holds no interpreter lock, as a GPU step does for the host
-(the host queues the kernels and waits for the device; here it sleeps). A host that keeps up runs
-at the ideal 1000 / step-ms steps a second; what it loses is host work outside the wait: the next
-step's input, the loop's own bookkeeping, log lines, checkpoints, and any time the training thread
-could not get the interpreter or a core.
+model step is a wait of ``--step-ms`` on a device (`DeviceQueue`) that holds no interpreter lock, as a
+GPU step does for the host. A host that keeps up runs at the ideal 1000 / step-ms steps a second; what
+it loses is host work the device waits for: the next step's input, the loop's own bookkeeping, log
+lines, checkpoints, and any time the training thread could not get the interpreter or a core.
 
-Per log window (``--log-every`` steps; the first holds the start): achieved steps/s against the ideal,
-the host milliseconds a step outside the wait (median, p99, max), and where the training thread was
-(`pipeline.train.stacks`: the share of its samples in each part of the loop, the longest gap
-between two samples). With py-spy installed, the threads of the training process that held the
-interpreter lock over the run, by thread, from ``py-spy record --gil``.
+The device runs behind the host, as a CUDA stream does: the loop never waits for the GPU inside a step
+(the input's copy is non-blocking, loss and skipped steps are summed on the device), so a step's call
+queues its kernels and returns, and the host builds the next step's input while the device runs.
+``--device-queue N`` (default 1) steps may wait behind the running one before a step's call blocks, as a
+host blocks when the stream's launch queue (about a thousand kernels: a step or so) is full; host work
+up to about a step's length is then hidden. The host waits for the device where the loop reads a device
+value (`device_reads`: a log line's metrics and skipped steps, a checkpoint, an evaluation, the end).
+``--device-queue 0`` is a host that synchronizes every step: it waits out each step, then does its own
+work, serially (a real loop with AdamW kernels other than fused reads the gradient norm every step).
+
+Per log window (``--log-every`` steps; the first holds the start), from the end of one window's last
+step on the device to the end of the next's (each a log line's wait for the device, so every second
+is in one window): achieved steps/s against the ideal, the host milliseconds a step outside its waits
+for the device (median, p99, max), and where the training thread was (`pipeline.train.stacks`: the
+share of its samples waiting for the device and in each part of the loop, the longest gap between two
+samples, what it did in the window's slowest step). With py-spy installed, the threads of the training
+process that held the interpreter lock over the run, by thread, from ``py-spy record --gil``.
 """
 
 from __future__ import annotations
@@ -122,14 +134,18 @@ class DeviceQueue:
             return
         with self.idle:
             self.launched += 1
-        self.pending.put((seconds, ended))  # blocks while `depth` waits are pending
+        self.pending.put((time.time(), seconds, ended))  # blocks while `depth` waits are pending
 
     def _run(self) -> None:
+        free = 0.0  # when the device ended its last wait
         while True:
-            seconds, ended = self.pending.get()
-            time.sleep(seconds)
+            launched, seconds, ended = self.pending.get()
+            # A GPU starts a queued step as soon as the step before it ends, whoever holds the host's
+            # interpreter lock: each wait ends at its own time, however late this thread wakes to it.
+            free = max(free, launched) + seconds
+            time.sleep(max(free - time.time(), 0.0))
             try:
-                ended(time.time())
+                ended(free)
             finally:
                 with self.idle:
                     self.launched -= 1

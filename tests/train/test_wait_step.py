@@ -115,3 +115,17 @@ def test_the_steps_record_the_device_ends_and_the_host_time_outside_the_waits(wo
     assert all(later - earlier >= WAIT_S for earlier, later in itertools.pairwise(ends))
     assert called <= rows[0][4] and rows[2][3] >= rows[1][4]  # when called; when the call before returned
     assert 0.05 <= rows[2][1] < WAIT_S / 2  # the host's 50 ms, without the drain's wait
+
+
+def test_the_device_runs_its_queue_on_its_own_clock_however_late_its_thread_wakes(monkeypatch):
+    """A GPU starts a queued step when the one before ends, not when the host's interpreter lock lets a
+    thread see that: here each of the device thread's sleeps overruns by 0.2 s."""
+    sleep = time.sleep
+    monkeypatch.setattr(host.time, "sleep", lambda seconds: sleep(seconds + 0.2))
+    device, ends = host.DeviceQueue(2), {}
+    launched = time.time()
+    for i in range(3):
+        launch(device, ends, i)
+    device.drain()
+    assert ends[0] == pytest.approx(launched + WAIT_S, abs=0.05)
+    assert ends[1] - ends[0] == pytest.approx(WAIT_S) and ends[2] - ends[1] == pytest.approx(WAIT_S)
