@@ -93,7 +93,7 @@ def queue_depth(text: str) -> int:
 
 
 def device_shaped_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
-    """A Ray Train worker running the real loop, its `TrainStep` replaced by `wait_step_class()` and its
+    """A Ray Train worker running the real loop, its `TrainStep` replaced by `wait_step_class`'s and its
     reads of device values waiting for that step's device (`wait_at_device_reads`)."""
     from pipeline.train import loop
 
@@ -118,7 +118,8 @@ class DeviceQueue:
         if depth < 0:
             raise ValueError(f"a device queue of {depth} steps; give 0 or more")
         self.depth = depth
-        self.pending: queue.Queue[tuple[float, Callable[[float], None]]] = queue.Queue(maxsize=max(depth, 1))
+        # (when launched, seconds, its callback) of each wait launched and not yet running
+        self.pending: queue.Queue[tuple[float, float, Callable[[float], None]]] = queue.Queue(max(depth, 1))
         self.idle = threading.Condition()
         self.launched = 0  # waits launched and not ended
         self.drained_s = 0.0  # the seconds `drain` has waited, all told
