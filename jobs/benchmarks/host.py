@@ -16,13 +16,14 @@ queues its kernels and returns, and the host builds the next step's input while 
 ``--device-queue N`` (default 1) steps may wait behind the running one before a step's call blocks, as a
 host blocks when the stream's launch queue (about a thousand kernels: a step or so) is full; host work
 up to about a step's length is then hidden. The host waits for the device where the loop reads a device
-value (`device_reads`: a log line's metrics and skipped steps, a checkpoint, an evaluation, the end).
+value: until the device has run every step queued (`device_reads`: a checkpoint, an evaluation, the end),
+or, at a log line, until it has run the log line's step, once the next step is queued behind it (the
+event of the window's copy, `DeviceQueue.event`).
 ``--device-queue 0`` is a host that synchronizes every step: it waits out each step, then does its own
 work, serially (a real loop with AdamW kernels other than fused reads the gradient norm every step).
 
 Per log window (``--log-every`` steps; the first holds the start), from the end of one window's last
-step on the device to the end of the next's (each a log line's wait for the device, so every second
-is in one window): achieved steps/s against the ideal, the host milliseconds a step outside its waits
+step on the device to the end of the next's (so every second is in one window): achieved steps/s against the ideal, the host milliseconds a step outside its waits
 for the device (median, p99, max), and where the training thread was (`pipeline.train.stacks`: the
 share of its samples waiting for the device and in each part of the loop, the longest gap between two
 samples, what it did in the window's slowest step). With py-spy installed, the threads of the training
@@ -112,6 +113,8 @@ class DeviceQueue:
     returns at once unless ``depth`` waits are already pending behind the running one, and then blocks
     until the device takes the next, as a host blocks when the stream's launch queue is full. `drain`
     waits until every launched wait has ended: what a read of a device value does (``tolist``, ``item``).
+    `event` is a CUDA event recorded behind the waits launched so far: its ``synchronize`` waits for
+    those, not for the ones launched after it.
     """
 
     def __init__(self, depth: int):
@@ -122,7 +125,8 @@ class DeviceQueue:
         self.pending: queue.Queue[tuple[float, float, Callable[[float], None]]] = queue.Queue(max(depth, 1))
         self.idle = threading.Condition()
         self.launched = 0  # waits launched and not ended
-        self.drained_s = 0.0  # the seconds `drain` has waited, all told
+        self.total, self.ended = 0, 0  # waits launched, and ended, since the start
+        self.drained_s = 0.0  # the seconds `drain` and events have waited, all told
         if depth:
             threading.Thread(target=self._run, name="vitray-device", daemon=True).start()
 
@@ -132,9 +136,13 @@ class DeviceQueue:
         if not self.depth:
             time.sleep(seconds)  # releases the interpreter lock, as a wait for the GPU does
             ended(time.time())
+            with self.idle:
+                self.total += 1
+                self.ended += 1
             return
         with self.idle:
             self.launched += 1
+            self.total += 1
         self.pending.put((time.time(), seconds, ended))  # blocks while `depth` waits are pending
 
     def _run(self) -> None:
@@ -150,26 +158,50 @@ class DeviceQueue:
             finally:
                 with self.idle:
                     self.launched -= 1
+                    self.ended += 1
                     self.idle.notify_all()
 
     def drain(self) -> None:
         """Until every launched wait has ended."""
+        with self.idle:
+            total = self.total
+        self.wait_until(total)
+
+    def wait_until(self, launched: int) -> None:
+        """Until the first ``launched`` waits have ended (those launched after them may still run)."""
         started = time.perf_counter()
         with self.idle:
-            self.idle.wait_for(lambda: self.launched == 0)
+            self.idle.wait_for(lambda: self.ended >= launched)
         self.drained_s += time.perf_counter() - started
+
+    def event(self) -> QueuedEvent:
+        """An event behind the waits launched so far."""
+        with self.idle:
+            return QueuedEvent(self, self.total)
+
+
+class QueuedEvent:
+    """`DeviceQueue.event`: ``synchronize`` waits until the device has run the waits launched before
+    it was recorded, as a CUDA event's does."""
+
+    def __init__(self, device: DeviceQueue, launched: int):
+        self.device, self.launched = device, launched
+
+    def synchronize(self) -> None:
+        self.device.wait_until(self.launched)
 
 
 def device_reads() -> list[tuple[Any, str]]:
-    """(owner, attribute) of each place where the loop (`pipeline.train.loop`) reads a device value, and
-    a real step's host therefore waits for the device; the real loop waits nowhere else: its step, the
-    input's copy and the metrics' sums are queued and never read back in between (with fused AdamW, the
-    default on CUDA; other AdamW kernels read the gradient norm every step, `pipeline.train.step`)."""
-    from pipeline.train import finetune, metrics, saver
+    """(owner, attribute) of each place where the loop (`pipeline.train.loop`) reads a device value
+    queued last, and a real step's host therefore waits for every step queued. Besides these it waits only
+    at a log line, for the event behind the window's copy (`pipeline.train.metrics.HostCopy`: the log
+    line's step, not the one queued after it; `wait_at_device_reads` models it with `DeviceQueue.event`):
+    its step, the input's copy and the metrics' sums are queued and never read back in between (with
+    fused AdamW, the default on CUDA; other AdamW kernels read the gradient norm every step,
+    `pipeline.train.step`)."""
+    from pipeline.train import finetune, saver
 
     return [
-        (metrics.SkippedSteps, "read"),  # each log line: the skipped steps' counts (``tolist``)
-        (metrics.MetricsWindow, "reduce"),  # each log line: the window's loss, accuracy, norm (``tolist``)
         (saver.Checkpointer, "save"),  # a checkpoint: its weights checked finite (``item``), then staged
         (saver.Checkpointer, "close"),  # the run's end: its last save, then the export of the weights
         (finetune, "evaluate_in_run"),  # an evaluation's accuracy (``item``); none in this benchmark
@@ -177,10 +209,13 @@ def device_reads() -> list[tuple[Any, str]]:
 
 
 def wait_at_device_reads(device: DeviceQueue, patch: Callable[[Any, str, Any], None] = setattr) -> None:
-    """Each of `device_reads()` drains ``device`` first (``patch``: how an attribute is replaced; a
-    test's undoes itself)."""
+    """Each of `device_reads()` drains ``device`` first, and a log line's copy records its event on
+    ``device`` (``patch``: how an attribute is replaced; a test's undoes itself)."""
+    from pipeline.train import metrics
+
     for owner, name in device_reads():
         patch(owner, name, _after_drain(device, getattr(owner, name)))
+    patch(metrics.HostCopy, "record_event", staticmethod(lambda _: device.event()))
 
 
 def _after_drain(device: DeviceQueue, read: Callable[..., Any]) -> Callable[..., Any]:
@@ -262,9 +297,8 @@ def window_rows(steps: list[tuple], log_every: int, step_ms: float) -> list[dict
     """One row per window of ``log_every`` steps: steps/s against the ideal, and the host ms a step
     (each of ``steps``: step, host seconds, when its wait ended on the device, maybe more). A window runs
     from the end of the last window's last wait on the device to the end of its own last wait (the first
-    from its first step's start): each window ends at a log line, where the loop reads device values and
-    the host waits for the device (`DeviceQueue.drain`), so every second is in one window, a log line's
-    and a checkpoint's host time in the next one."""
+    from its first step's start), as the loop cuts its windows (`pipeline.train.metrics.MetricsWindow`):
+    every second is in one window, a log line's and a checkpoint's host time in the next one."""
     ideal = 1000 / step_ms
     rows = []
     by_step = {s: (host, ended) for s, host, ended, *_ in steps}

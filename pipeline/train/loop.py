@@ -39,12 +39,23 @@ The GPU is not kept waiting on the host: the next steps' input is built on a bac
 ranks' agreements go through a CPU group, and loss and accuracy
 stay on the device until a log line is due, as do the counts of skipped steps: with fused AdamW a
 step waits for nothing (`pipeline.train.step`); other AdamW kernels read the gradient norm back.
+
+A log line does not leave the device idle either. At a plain log step N (no checkpoint, no evaluation,
+not the last step) the loop takes what the row needs without waiting for the device (`Pending`: the
+window closed behind step N, `pipeline.train.metrics.MetricsWindow.close`), queues step N+1, and only
+then finishes step N's report: it waits for the device to have run step N (an event, not step N+1's
+kernels), checks the skipped steps, reports to Ray Train and writes the row and the log line while the
+device runs step N+1. The rows are the same as if written at step N; what moves is when: the stop on too
+many skipped steps in a row comes one step later (after step N+1 ran), and a run that stops or is
+preempted before step N+1 writes step N's row first. A checkpoint, an evaluation and the last step keep
+the report in place: the row is stored before the checkpoint can register, and the end waits anyway.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -77,6 +88,18 @@ from pipeline.train.step import StepStats, TrainStep
 
 class StopRun(Exception):
     """The run ends on an error every rank agreed on; the message is the one line the driver shows."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A log line's report as of its step, taken without waiting for the device: the window closed
+    behind the step (its device values in flight to the host), and the host values its row needs."""
+
+    window: MetricsWindow
+    step: int
+    epoch: int
+    lr: float
+    counts: BadSamples  # this rank's bad-sample counts as of the step's input (`EpochCursor.counts`)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
@@ -156,6 +179,7 @@ class Trainer:
         self.last_metrics: dict[str, Any] = {}
         self.first_step, self.run_start = self.state.step, time.perf_counter()
         self.window = MetricsWindow(self.device)
+        self.pending: Pending | None = None  # a plain log line's report, finished after the next step
         self.upcoming: tuple[int, StepInputs] | None = None  # the next epoch's input, started ahead
         self.preemption = preemption.PreemptionWatcher(self.rank, self.world, first_step=self.state.step)
         self.announce(peak_note)
@@ -229,6 +253,7 @@ class Trainer:
         try:
             while self.state.step < self.config.last_step:
                 self.train_epoch()
+            self.finish_report()  # none: the last step's report is never deferred
         except StopRun as stop:
             error = str(stop)
         finally:
@@ -246,6 +271,8 @@ class Trainer:
         try:
             while state.step < last_step:
                 step_input, agreement = self.next_step_input(data)
+                if agreement.error or agreement.preempted or agreement.epoch_over:
+                    self.finish_report()  # no step of this input to overlap the last log line's report
                 if agreement.error:
                     raise StopRun(agreement.error)
                 if self.cursor.at_start and agreement.samples < self.config.optim.batch_size:
@@ -305,13 +332,16 @@ class Trainer:
             self.ema.update(self.state.step)
         self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
         self.skipped.add(stats.skipped)
+        self.finish_report()  # the last log line's, now that this step is queued behind its step
         step, config = self.state.step, self.config
         save = step % config.run.checkpoint_every == 0 or step == config.last_step
         evaluate = bool(self.eval_shards) and (
             step == config.last_step or (config.run.eval_every > 0 and step % config.run.eval_every == 0)
         )
-        if save or evaluate or step % config.run.log_every == 0:
+        if save or evaluate:
             self.report(stats, save=save, eval_accuracy=self.evaluate() if evaluate else None)
+        elif step % config.run.log_every == 0:
+            self.report(stats, save=False, defer=True)
 
     def evaluate(self) -> float:
         """Collective: top-1 accuracy over the evaluation shards (`finetune.evaluate_in_run`); its time
@@ -329,27 +359,45 @@ class Trainer:
         return accuracy
 
     # --- report and checkpoint -------------------------------------------------------------------
-    def report(self, stats: StepStats, *, save: bool, eval_accuracy: float | None = None) -> None:
-        """Collective: a report to Ray Train (with a checkpoint), then a log line and `metrics.jsonl` row."""
-        lost = lease.agreed_lost(self.lease, self.config.run_dir, self.rank, self.group)  # a rerun's?
-        error = self.skipped.check(self.state, self.config.optim.max_skipped_steps, self.rank) or lost
+    def report(
+        self, stats: StepStats, *, save: bool, eval_accuracy: float | None = None, defer: bool = False
+    ) -> None:
+        """Collective: a report to Ray Train (with a checkpoint), then a log line and `metrics.jsonl` row;
+        with ``defer``, only what it needs is taken now (`Pending`), and `finish_report` makes it once the
+        next step is queued. A run whose lease on --out was taken over stops here, before the row."""
+        if lost := lease.agreed_lost(self.lease, self.config.run_dir, self.rank, self.group):  # a rerun's?
+            raise StopRun(lost)
+        state = self.state
+        window, self.window = self.window, self.window.close(stats.grad_norm, self.skipped)
+        self.pending = Pending(window, state.step, state.epoch, stats.lr, self.cursor.counts)
+        if not defer:
+            self.finish_report(save=save, eval_accuracy=eval_accuracy)
+
+    def finish_report(self, *, save: bool = False, eval_accuracy: float | None = None) -> None:
+        """Collective: the `Pending` report, if any: wait for the device to have run its step (no later
+        step), check the skipped steps, then the report, the row and the log line (`report`)."""
+        if self.pending is None:
+            return
+        p, self.pending = self.pending, None
+        counts = p.window.wait()
+        error = self.skipped.check(self.state, p.step, counts, self.config.optim.max_skipped_steps, self.rank)
         if error:
             raise StopRun(error)
-        metrics = self.window.reduce(
-            step=self.state.step,
-            epoch=self.state.epoch,
-            lr=stats.lr,
-            grad_norm=stats.grad_norm,
-            samples_seen=self.cursor.counts.total,
-            bad_samples=self.cursor.counts.bad,
+        metrics = p.window.reduce(
+            step=p.step,
+            epoch=p.epoch,
+            lr=p.lr,
+            samples_seen=p.counts.total,
+            bad_samples=p.counts.bad,
             skipped_steps=self.state.skipped_steps,
             flops_per_image=self.flops_per_image,
             peak_tflops=self.peak_tflops,
             has_accuracy=self.objective.has_accuracy,
+            group=self.group,
         )
         if eval_accuracy is not None:
             metrics["eval_accuracy"] = eval_accuracy
-        metrics.update(self.plan.metrics(self.cursor.counts, self.group))  # mixed: where it is in each source
+        metrics.update(self.plan.metrics(p.counts, self.group))  # mixed: where it is in each source
         if save:
             # The history is stored before the checkpoint can register: a run killed after it keeps the row.
             # That is the checkpoint's one write to an object store: its stall reaches it at the next flush.
@@ -361,10 +409,8 @@ class Trainer:
         if self.log is not None:
             log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
             self.log.append(metrics, flush=save)
-        stacks.mark(self.state.step)
+        stacks.mark(p.step)
         self.last_metrics = metrics
-        # From where this one ended: every second is in one window, a checkpoint's save in the next.
-        self.window = self.window.following()
 
     def save_checkpoint(self, metrics: dict[str, Any]) -> None:
         """Collective: a checkpoint with these metrics (`Checkpointer.save`); the seconds training waited

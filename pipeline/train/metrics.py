@@ -42,20 +42,59 @@ class RunTotals:
     frozen: bool = False
 
 
+class HostCopy:
+    """Device values copied into host memory behind the work queued so far, read without waiting for
+    the work queued after them: on CUDA a non-blocking copy into pinned memory and an event recorded
+    after it, so that `wait` waits for the device to reach that point and no further (a ``tolist`` of
+    the device tensor would wait for every kernel queued before the read, the next step's included).
+    On a device that runs each operation as it is called (CPU) the copy is made at once and the event is
+    None; the code path is the same."""
+
+    def __init__(self, values: torch.Tensor):
+        pinned = values.device.type == "cuda"
+        self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=pinned)
+        self.values.copy_(values, non_blocking=pinned)
+        self.event = HostCopy.record_event(values.device)
+        self.taken = time.perf_counter()
+
+    @staticmethod
+    def record_event(device: torch.device) -> Any:
+        """An event recorded on ``device``'s current stream after the work queued so far (its
+        ``synchronize`` waits for that work only); None on CPU, where that work is done already."""
+        if device.type == "cpu":
+            return None
+        event = torch.Event(device=device)
+        event.record()
+        return event
+
+    def wait(self) -> tuple[list[float], float]:
+        """The values, and the instant the host saw the device reach them: when the event's wait
+        returned, or, without an event, when the copy was taken."""
+        if self.event is None:
+            return self.values.tolist(), self.taken
+        self.event.synchronize()
+        return self.values.tolist(), time.perf_counter()
+
+
 class MetricsWindow:
     """Sums over the steps since the last log line, on every rank.
 
-    Loss and top-1 hits stay on the device, so adding a step never waits for the GPU; only
-    `reduce`, when a log line is due, reads them back. Windows are cut at that read, after the
-    all-reduce has waited for the device, and the next one (`following`) begins at the same instant:
-    every second of the run is in exactly one window, the device's backlog at a log line and a
-    checkpoint's save included, and a window shows what the device did in it, not what the host
-    queued.
+    Loss and top-1 hits stay on the device, so adding a step never waits for the GPU. A log line at
+    step N cuts the window in two moves. `close`, as soon as step N is queued: the window's device
+    sums, the gradient norm and the skipped steps' counts are copied behind step N (`HostCopy`) without
+    waiting for the device, and the next window begins collecting step N+1's sums. `reduce`, then or
+    (the loop's plain log lines: `pipeline.train.loop`) once step N+1 is queued too: it waits for the
+    device to have run step N, and no later step, and that instant is the window's end and the next
+    one's start (on CPU, where a step's work is done when its call returns, the instant of `close`):
+    every second of the run is in exactly one window, the device's backlog at a log line included, a
+    window shows what the device did in it, not what the host queued, and a report's host work after
+    the wait falls in the next window, beside the device's next step. Its all-reduces are of host
+    values, over the CPU group it is given, and wait for no device.
 
     Python's collector runs at log lines only (`collect_garbage`): the first window turns its
     automatic collections off (a full collection of a large heap holds the interpreter lock for a
     second or more, whenever allocation counts say, in the middle of a step), and each log line's
-    collection is timed into the window and reported as ``gc_s``.
+    collection is timed into the window after the device wait and reported as ``gc_s``.
     """
 
     def __init__(self, device: torch.device, totals: RunTotals | None = None):
@@ -75,15 +114,17 @@ class MetricsWindow:
             gc.disable()
             totals = RunTotals(start=time.perf_counter())
         self.totals = totals
-        self.start = totals.start if first else time.perf_counter()
-        self.end: float | None = None  # set by `reduce`, after the wait for the device
+        self.start = totals.start if first else time.perf_counter()  # a following one's: set at `wait`
+        self.copy: HostCopy | None = None  # set by `close`: the device values as of the last step
+        self.next: MetricsWindow | None = None  # the window `close` began
+        self.values: list[float] = []  # the copy's, once `wait` has read them
+        self.end: float | None = None  # set by `wait`, when the device has run the last step
 
     def following(self) -> MetricsWindow:
-        """The next window, from the instant this one ended (`reduce`)."""
-        window = MetricsWindow(self.device, self.totals)
-        if self.end is not None:
-            window.start = self.end
-        return window
+        """The next window (begun by `close`), from the instant this one ends (`wait`)."""
+        if self.next is None:
+            raise RuntimeError("a window that was not closed has no following one")
+        return self.next
 
     def add_step(
         self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int, skipped: torch.Tensor
@@ -96,47 +137,75 @@ class MetricsWindow:
         self.correct += torch.where(kept, correct, 0)
         self.scored += kept * count
 
+    def close(self, grad_norm: torch.Tensor, skipped: SkippedSteps | None = None) -> MetricsWindow:
+        """The window's last step is queued: copy its device sums, the step's ``grad_norm`` and
+        ``skipped``'s counts behind it, without waiting for the device, and begin the next window."""
+        counts = skipped.take() if skipped is not None else torch.zeros(2, device=self.device)
+        norm = grad_norm.to(self.device, torch.float64).reshape(1)
+        sums = torch.stack([self.loss, self.correct, self.scored])
+        self.copy = HostCopy(torch.cat([sums, norm, counts.to(torch.float64)]))
+        self.next = MetricsWindow(self.device, self.totals)
+        return self.next
+
+    def wait(self) -> tuple[int, int]:
+        """Until the device has run the window's last step (not the steps queued after it): the
+        window ends there and the next one starts. Returns ``skipped``'s counts as `close` took them."""
+        if self.copy is None or self.next is None:
+            raise RuntimeError("a window waits for the device only once closed")
+        if self.end is None:
+            self.values, self.end = self.copy.wait()
+            self.next.start = self.end
+        return int(self.values[4]), int(self.values[5])
+
     def reduce(
         self,
         *,
         step: int,
         epoch: int,
         lr: float,
-        grad_norm: torch.Tensor,
         samples_seen: int,
         bad_samples: int,
         skipped_steps: int,
         flops_per_image: float,
         peak_tflops: float | None,
+        grad_norm: torch.Tensor | None = None,
         has_accuracy: bool = True,
+        group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
-        """Collective: this window's metrics over all ranks, one `metrics.jsonl` row; the window ends here.
+        """Collective over ``group``: this window's metrics over all ranks, one `metrics.jsonl` row; the
+        window is closed (with ``grad_norm``) unless `close` did, and ends at its `wait`.
 
-        `samples_seen` and `bad_samples` are this rank's run totals; `grad_norm` and `skipped_steps`
-        (the run's total) are the same on every rank. Without `has_accuracy` (an objective with no
-        classes, MAE) ``accuracy`` is None. ``run_images_per_s`` is the attempt's rate so far, every window.
-        ``rank_step_s``: each rank's own seconds per step (the window less its waits at the steps'
-        agreements), gathered in the same all-reduce: each rank fills its own place of a zero vector.
+        `samples_seen` and `bad_samples` are this rank's run totals as of the window's last step;
+        `grad_norm` and `skipped_steps` (the run's total) are the same on every rank. Without
+        `has_accuracy` (an objective with no classes, MAE) ``accuracy`` is None. ``run_images_per_s``
+        is the attempt's rate so far, every window. ``rank_step_s``: each rank's own seconds per step
+        (the window less its waits at the steps' agreements), gathered in the same all-reduce: each
+        rank fills its own place of a zero vector.
         """
-        world, rank = dist.get_world_size(), dist.get_rank()
+        if self.copy is None:
+            if grad_norm is None:
+                raise ValueError("an open window needs its last step's grad_norm to close")
+            self.close(grad_norm)
+        self.wait()
+        assert self.end is not None
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
         gc_s = collect_garbage(self.totals)
-        own = torch.zeros(world, dtype=torch.float64)
-        own[rank] = (time.perf_counter() - self.start - self.sync_wait) / max(self.steps, 1)
-        host = torch.tensor(
-            [self.count, self.data_wait, samples_seen, bad_samples, gc_s],
+        own = [0.0] * world
+        own[rank] = (self.end - self.start - self.sync_wait) / max(self.steps, 1)
+        loss, correct, scored, norm = self.values[:4]
+        sums = torch.tensor(
+            [loss, correct, scored, self.count, self.data_wait, samples_seen, bad_samples, gc_s, *own],
             dtype=torch.float64,
         )
-        sums = torch.cat(
-            [torch.stack([self.loss, self.correct, self.scored]), host.to(self.device), own.to(self.device)]
+        dist.all_reduce(sums, group=group)
+        (loss, correct, scored, count, wait, seen, n_bad, gc_sum), step_s = (
+            sums[:8].tolist(),
+            sums[8:].tolist(),
         )
-        dist.all_reduce(sums)
-        values = sums.tolist()  # waits for the device
-        (loss, correct, scored, count, wait, seen, n_bad, gc_sum), step_s = values[:8], values[8:]
-        self.end = time.perf_counter()  # the window's end, and the next one's start
         elapsed = self.end - self.start
         self.totals.images += count
-        memory = torch.tensor([_memory_gib(self.device)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        memory = torch.tensor([_memory_gib(self.device)], dtype=torch.float64)
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX, group=group)
         images_per_s = count / elapsed
         return {
             "step": step,
@@ -144,7 +213,7 @@ class MetricsWindow:
             "loss": loss / scored if scored else float("nan"),
             "accuracy": (correct / scored if scored else float("nan")) if has_accuracy else None,
             "lr": lr,
-            "grad_norm": grad_norm.item(),
+            "grad_norm": norm,
             "images_per_s": images_per_s,
             "images_per_s_per_worker": images_per_s / world,
             "mfu": mfu(images_per_s, flops_per_image, peak_tflops, devices=world),
@@ -175,10 +244,11 @@ def collect_garbage(totals: RunTotals) -> float:
 
 class SkippedSteps:
     """Steps skipped for a non-finite loss or gradient norm, counted on the device, so that a step never
-    waits for its verdict; read back when a log line is due."""
+    waits for its verdict; taken when a log line is due (`MetricsWindow.close`) and read with the
+    window's sums."""
 
     def __init__(self, device: torch.device):
-        self.unread = torch.zeros((), device=device)  # skipped since the last read
+        self.unread = torch.zeros((), device=device)  # skipped since the last take
         self.in_a_row = torch.zeros((), device=device)  # the latest steps, all skipped
 
     def add(self, skipped: torch.Tensor) -> None:
@@ -186,30 +256,36 @@ class SkippedSteps:
         self.unread += skipped
         self.in_a_row = (self.in_a_row + skipped) * skipped
 
-    def read(self) -> tuple[int, int]:
-        """(skipped since the last read, skipped in a row up to the latest step): one wait for the device."""
-        new, in_a_row = (int(v) for v in torch.stack([self.unread, self.in_a_row]).tolist())
+    def take(self) -> torch.Tensor:
+        """(skipped since the last take, skipped in a row up to the latest step), on the device: queued
+        behind the steps so far, no wait."""
+        counts = torch.stack([self.unread, self.in_a_row])
         self.unread.zero_()
-        return new, in_a_row
+        return counts
 
-    def check(self, state: TrainState, limit: int, rank: int) -> str:
-        """At each log line: add the skipped steps since the last one to ``state.skipped_steps`` (rank 0
-        logs them) and return the one-line error that ends the run when ``limit`` (--max-skipped-steps)
-        came in a row, else "" (found at most --log-every steps late; a skipped step changes no weight).
-        Every rank sees the same global gradient norm, so every rank decides alike without a collective."""
-        new, in_a_row = self.read()
+    @staticmethod
+    def check(state: TrainState, step: int, counts: tuple[int, int], limit: int, rank: int) -> str:
+        """At each log line, step ``step``'s ``counts`` (`take`, as read by `MetricsWindow.wait`): add the
+        skipped steps since the last one to ``state.skipped_steps`` (rank 0 logs them) and return the
+        one-line error that ends the run when ``limit`` (--max-skipped-steps) came in a row, else "".
+        Found at most --log-every steps late, and at a log line that is no checkpoint, evaluation or
+        last step one step later again: the loop reads that line's counts once the next step is queued
+        (`pipeline.train.loop`); a skipped step changes no weight, and a checkpoint's own log line reads
+        its counts before it saves. Every rank sees the same global gradient norm, so every rank
+        decides alike without a collective."""
+        new, in_a_row = counts
         if not new:
             return ""
         state.skipped_steps += new
         if rank == 0:
             log_line(
-                f"{new} step(s) up to step {state.step} skipped for a non-finite loss or gradient norm; "
+                f"{new} step(s) up to step {step} skipped for a non-finite loss or gradient norm; "
                 f"{in_a_row} in a row, {state.skipped_steps} in the run"
             )
         if in_a_row < limit:
             return ""
         return (
-            f"{in_a_row} steps in a row (up to step {state.step}) had a non-finite loss or "
+            f"{in_a_row} steps in a row (up to step {step}) had a non-finite loss or "
             f"gradient norm and were skipped, --max-skipped-steps {limit}; resume from the last "
             "checkpoint with a lower --lr or a smaller --grad-clip, or check the data"
         )

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from pipeline.train import stacks
+from pipeline.train import metrics, stacks
 from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, plot_training_curve
 
 
@@ -101,30 +101,35 @@ def window_row(window: MetricsWindow, step: int, **kw) -> dict:
 
 
 def test_windows_cover_every_second_the_device_backlog_at_a_log_line_included(world, monkeypatch, collector):
-    """The all-reduce at a log line is where the host waits for the GPU's backlog: that wait belongs to
-    the window it ends (not to no window), the next window starts where it ended, and the windows'
-    seconds add up to the run's, to the end of the last log line's wait."""
-    backlog = 0.3
+    """A log line's wait for the device's backlog (the event behind the window's last step, `HostCopy`)
+    belongs to the window it ends (not to no window), the next window starts where it ended, and the
+    windows' seconds add up to the run's, to the end of the last wait. The report's host work after the
+    wait (its all-reduces of host values, slow here) is in the next window, beside the device's next step."""
+    backlog, collective = 0.3, 0.2
     all_reduce = dist.all_reduce
 
-    def waits_for_the_device(tensor, *args, **kwargs):
-        if tensor.numel() > 1:  # the window's sums: they wait for the steps queued on the device
+    class Backlog:  # an event recorded behind queued work: its wait is the device's backlog
+        def synchronize(self):
             time.sleep(backlog)
+
+    def slow_all_reduce(tensor, *args, **kwargs):
+        time.sleep(collective)
         return all_reduce(tensor, *args, **kwargs)
 
-    monkeypatch.setattr(dist, "all_reduce", waits_for_the_device)
+    monkeypatch.setattr(metrics.HostCopy, "record_event", staticmethod(lambda device: Backlog()))
+    monkeypatch.setattr(dist, "all_reduce", slow_all_reduce)
     window = MetricsWindow(world)
     started, rows = window.start, []
     for step in (1, 2, 3):
         window.add_step(torch.tensor(1.0), torch.tensor(1), 100, torch.tensor(False))
         time.sleep(0.1)  # the host's part of the window
         rows.append(window_row(window, step))
-        waited = time.perf_counter()
         previous, window = window, window.following()
         assert window.start == previous.end
     seconds = [100 / r["images_per_s"] for r in rows]
-    assert sum(seconds) == pytest.approx(waited - started, abs=0.05)
-    assert seconds[-1] >= 0.1 + backlog  # the last window holds its wait for the device
+    assert sum(seconds) == pytest.approx(previous.end - started, abs=0.05)
+    assert seconds[-1] >= 0.1 + backlog + 2 * collective  # its wait, and the row before's all-reduces
+    assert seconds[-1] < 0.1 + backlog + 3 * collective  # not its own row's all-reduces
     assert rows[-1]["run_images_per_s"] == pytest.approx(300 / sum(seconds), rel=1e-6)
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from pipeline.train.metrics import SkippedSteps
+from pipeline.train.metrics import MetricsWindow, SkippedSteps
 from pipeline.train.model import build_model
 from pipeline.train.objective import objective_for
 from tests.configs import tiny_config
@@ -67,14 +67,24 @@ def test_a_step_holds_the_host_for_its_wait_without_a_queue_and_not_with_one(dep
     assert (returned >= ends[1]) == (depth == 0)
 
 
-def test_a_device_read_waits_until_every_launched_wait_has_ended(monkeypatch):
+def test_a_log_lines_read_waits_until_the_device_ran_its_step_and_not_the_step_queued_after(monkeypatch):
+    """The loop's plain log line at step N closes its window behind step N, queues step N+1, then reads
+    (`pipeline.train.metrics.HostCopy`): the read waits for step N's end on the device, as a CUDA event
+    recorded after step N would, not for step N+1's."""
     device, ends = host.DeviceQueue(1), {}
     host.wait_at_device_reads(device, monkeypatch.setattr)
+    window = MetricsWindow(torch.device("cpu"))
     launch(device, ends, 1)
-    launch(device, ends, 2)
+    window.add_step(torch.tensor(1.0), torch.tensor(1), 4, torch.tensor(False))
+    window.close(torch.tensor(0.5), SkippedSteps(torch.device("cpu")))  # step 1's log line
+    launch(device, ends, 2)  # the next step, queued
     asked = time.time()
-    SkippedSteps(torch.device("cpu")).read()  # the skipped steps' counts, at a log line
-    assert asked < ends[1] and time.time() >= ends[2]  # asked while the device ran, answered once idle
+    window.wait()
+    answered = time.time()
+    assert asked < ends[1] <= answered < ends.get(2, float("inf"))  # step 1 ended, step 2 still running
+    assert window.next is not None and window.next.start == window.end  # the next window starts there
+    device.drain()
+    assert device.ended == device.total == 2
 
 
 def test_every_read_of_a_device_value_in_the_loop_drains_the_device_first(monkeypatch):
