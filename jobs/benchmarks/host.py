@@ -323,7 +323,9 @@ def window_rows(steps: list[tuple], log_every: int, step_ms: float) -> list[dict
     return rows
 
 
-DEVICE_WAITS = ("host.py:launch", "host.py:drain")  # frames of the training thread waiting for the device
+# Frames of the training thread waiting for the device: a step call on a full queue, a read (`drain` and
+# an event both wait in `wait_until`).
+DEVICE_WAITS = ("host.py:launch", "host.py:wait_until")
 
 
 def stack_parts(tsv: Path, rows: list[dict[str, Any]], steps: list[tuple]) -> None:
