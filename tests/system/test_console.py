@@ -321,10 +321,10 @@ def test_a_longer_run_on_busy_cpus_and_a_finetuning_print_only_vitray_lines_and_
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         pretrain = job("pretrain.py", "--preset", "tiny", "--data", shards.dir, "--out", str(run), *small,
-                       "--max-steps", "16", "--log-every", "1", "--checkpoint-every", "4")  # fmt: skip
+                       "--max-steps", "8", "--log-every", "1", "--checkpoint-every", "4")  # fmt: skip
         finetune = job("finetune.py", "--weights", str(run), "--data", shards.dir, "--eval-data", held_out.dir,
                        "--out", str(tuned), "--image-size", "32", "--num-classes", "10", "--cpu", *small,
-                       "--max-steps", "4", "--log-every", "1", "--checkpoint-every", "2")  # fmt: skip
+                       "--max-steps", "3", "--log-every", "1", "--checkpoint-every", "2")  # fmt: skip
     finally:
         busy.kill()
         busy.wait()
@@ -333,10 +333,10 @@ def test_a_longer_run_on_busy_cpus_and_a_finetuning_print_only_vitray_lines_and_
                   *small, "--max-steps", "3", "--log-every", "1", "--verbose")  # fmt: skip
     for result in (pretrain, finetune, verbose):
         assert result.returncode == 0, result.stdout[-4000:]
-    assert len(re.findall(r"^\(RayTrainWorker pid=\d+\) step \d+/16 ", pretrain.stdout, re.M)) == 16
-    assert "finished at step 16:" in pretrain.stdout
+    assert len(re.findall(r"^\(RayTrainWorker pid=\d+\) step \d+/8 ", pretrain.stdout, re.M)) == 8
+    assert "finished at step 8:" in pretrain.stdout
     assert re.search(
-        r"^finished at step 4: loss [\d.]+, accuracy [\d.]+%, eval accuracy", finetune.stdout, re.M
+        r"^finished at step 3: loss [\d.]+, accuracy [\d.]+%, eval accuracy", finetune.stdout, re.M
     )
     assert not foreign(pretrain.stdout), foreign(pretrain.stdout)
     assert not foreign(finetune.stdout), foreign(finetune.stdout)

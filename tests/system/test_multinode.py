@@ -217,8 +217,12 @@ def cluster_run(tmp_path_factory):
     env = ray_env() | {
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "VITRAY_RESIZE_CHECK_S": "2",  # Ray Train's check for room to grow, every 60 s by default
-        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20",  # a group asked of a node that just died
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",  # a group asked of a node that just died
         "RAY_raylet_start_wait_time_s": "180",  # a node starting on a 2-core machine under load
+        # A removed node is marked dead after 3 failed health checks 1 s apart (Ray's default: 5 checks
+        # 3 s apart): the run and the embedding job wait that long before they go on without it.
+        "RAY_health_check_period_ms": "1000",
+        "RAY_health_check_failure_threshold": "3",
     }
     started = time.perf_counter()
     result = subprocess.run(
