@@ -5,7 +5,8 @@ The processes are forked from one server process per test session that has impor
 and the pipeline once (`multiprocessing`'s forkserver with `PRELOAD`): a rank starts in a fraction of a
 second instead of importing them again (seconds of CPU each, for every rank of every test). A rank gets
 the environment of the test that spawned it, not the server's, and no state beyond those imports: the
-server never runs a torch operation (no thread pool, no CUDA context) before it forks.
+server never runs a torch operation (no thread pool, no CUDA context) before it forks. Ranks that join a
+Ray cluster start as fresh interpreters (`spawn`'s ``joins_ray``).
 
 Every rank leaves the same way: its worker's objects (FSDP2 state holds the group's pending work) are
 collected, a barrier waits until every rank is past its last collective, and only then is the group
@@ -49,16 +50,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(worker: Callable[..., None], *args, world_size: int = 2, backend: str = "gloo") -> None:
+def spawn(
+    worker: Callable[..., None], *args, world_size: int = 2, backend: str = "gloo", joins_ray: bool = False
+) -> None:
     """Run `worker(rank, *args)` on every rank; an assertion failing on any rank fails the caller. What
     the ranks print reaches this process's stdout and stderr once they have ended (rank by rank), where
-    pytest captures it as a test's own."""
+    pytest captures it as a test's own. Ranks that join a Ray cluster (``joins_ray``) start as fresh
+    interpreters: Ray's core worker does not start reliably in a process forked from one that imported
+    Ray (its plasma client failed to start in one run of the suite)."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as printed:
         try:
             mp.start_processes(
                 _rank, args=(worker, args, port, world_size, backend, dict(os.environ), printed),
-                nprocs=world_size, join=True, start_method="forkserver",
+                nprocs=world_size, join=True, start_method="spawn" if joins_ray else "forkserver",
             )  # fmt: skip
         finally:
             sys.stdout.flush()
@@ -84,12 +89,6 @@ def _rank(
     # rank takes those of the test that spawned it.
     os.environ.clear()
     os.environ.update(env)
-    # Ray, imported by the server, read its settings and authentication token then (before the tests'
-    # Ray may have started): read them again from this environment, as a fresh import would.
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
     for fd in (1, 2):
         out = os.open(Path(printed) / f"{rank}.{fd}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(out, fd)

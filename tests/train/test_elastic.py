@@ -197,9 +197,11 @@ def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(
         address = request.getfixturevalue("ray_session").get_runtime_context().gcs_address
     stop = {"dir": "stopped", "stop_at_step": 2, "data_process": data_process}
     straight = ("straight", {"data_process": data_process})
-    spawn(_run, before, str(tmp_path), [straight, ("stopped", dict(stop))], None, address, world_size=before)
+    joins = address is not None
+    spawn(_run, before, str(tmp_path), [straight, ("stopped", dict(stop))], None, address, world_size=before,
+          joins_ray=joins)  # fmt: skip
     resumed = ("resumed", {"dir": "stopped", "num_workers": after, "data_process": data_process})
-    spawn(_run, after, str(tmp_path), [resumed], None, address, world_size=after)
+    spawn(_run, after, str(tmp_path), [resumed], None, address, world_size=after, joins_ray=joins)
     read = {
         name: json.loads((tmp_path / f"{name}.json").read_text())
         for name in ("straight", "stopped", "resumed")
