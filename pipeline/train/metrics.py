@@ -116,15 +116,9 @@ class MetricsWindow:
         self.totals = totals
         self.start = totals.start if first else time.perf_counter()  # a following one's: set at `wait`
         self.copy: HostCopy | None = None  # set by `close`: the device values as of the last step
-        self.next: MetricsWindow | None = None  # the window `close` began
+        self.next: MetricsWindow | None = None  # the window `close` began, from the instant this one ends
         self.values: list[float] = []  # the copy's, once `wait` has read them
         self.end: float | None = None  # set by `wait`, when the device has run the last step
-
-    def following(self) -> MetricsWindow:
-        """The next window (begun by `close`), from the instant this one ends (`wait`)."""
-        if self.next is None:
-            raise RuntimeError("a window that was not closed has no following one")
-        return self.next
 
     def add_step(
         self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int, skipped: torch.Tensor

@@ -124,7 +124,7 @@ def test_windows_cover_every_second_the_device_backlog_at_a_log_line_included(wo
         window.add_step(torch.tensor(1.0), torch.tensor(1), 100, torch.tensor(False))
         time.sleep(0.1)  # the host's part of the window
         rows.append(window_row(window, step))
-        previous, window = window, window.following()
+        previous, window = window, window.next
         assert window.start == previous.end
     seconds = [100 / r["images_per_s"] for r in rows]
     assert sum(seconds) == pytest.approx(previous.end - started, abs=0.05)
@@ -151,7 +151,7 @@ def test_the_collector_runs_at_log_lines_only_and_its_time_is_reported(world, co
     assert row["gc_s"] > 0
     assert gc.get_count()[0] < 1000
     assert gc.get_freeze_count() > frozen_before  # the warm-up's objects, never walked again
-    later = window.following()
+    later = window.next
     assert not gc.isenabled()
     assert window_row(later, 2)["gc_s"] > 0
 
@@ -206,7 +206,7 @@ def _ranks_at_their_own_pace(rank: int, own: list[float], alike: float, record: 
             window.sync_wait += time.perf_counter() - agreed
             window.add_step(torch.tensor(1.0), torch.tensor(1), 4, torch.tensor(False))
         rows.append(window_row(window, 3 * len(rows) + 3))
-        window = window.following()
+        window = window.next
     if rank == 0:
         lines = [format_line(r, last_step=6, started=time.perf_counter(), first_step=0) for r in rows]
         with open(record, "w") as f:
