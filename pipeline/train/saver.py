@@ -14,8 +14,8 @@ Design notes
   Ray Train uploads it, and only then does training go on: the stall is the write plus the upload.
 - Asynchronous (the default): training waits only for the copy of the state into host memory (DCP's
   `DefaultStager`; pinned memory on CUDA). The stager keeps its buffers and refills them at every later
-  save, so the host memory is taken once per run, not once per save (`KeptStager`: torch 2.11's
-  `async_save` closes the stager it is given after each save, which empties it for the next one): one copy of the rank's shards of
+  save, so the host memory is taken once per run, not once per save (`KeptStager`: torch 2.11 empties a
+  stager after each stage and in `async_save`, which failed the next save): one copy of the rank's shards of
   model, optimizer and EMA, held until the run ends (what asynchronous saves cost). DCP writes the copy from a
   background thread over a gloo group of its own: the training's collectives run on the default group
   meanwhile, and a process group serves one thread's collectives, in order. The upload follows the write
@@ -189,16 +189,24 @@ class Saver:
 
 
 class KeptStager(DefaultStager):
-    """A `DefaultStager` that only the `Saver` closes. torch 2.11's `async_save` calls ``close()`` on
-    the stager it is given once the save is staged (later releases close only a stager of their own);
-    a closed stager has dropped its host buffers and the copier table it stages with, so the next
-    save would fail (``KeyError: <class 'type'>``). Here DCP's close is a no-op and `release` frees."""
+    """A `DefaultStager` whose host buffers and copier last until `release`. torch 2.11 closes the
+    copier inside every stage (`DefaultStager._stage` calls ``_state_dict_stager.close()``), and its
+    `async_save` closes the stager it is given once the save is staged; a closed copier has dropped its
+    buffers and the table it copies with, so the next save fails (``KeyError: <class 'type'>``, seen on
+    an H100 at a run's second checkpoint). Here both closes are no-ops and `release` frees."""
+
+    def __init__(self, options: StagingOptions):
+        super().__init__(options)
+        copier = self._state_dict_stager
+        self._release_copier = copier.close
+        copier.close = lambda: None  # torch 2.11's `_stage`; later releases no longer call it
 
     def close(self) -> None:
         pass
 
     def release(self) -> None:
         super().close()
+        self._release_copier()
 
 
 def _writer(directory: str, step: int) -> FileSystemWriter:

@@ -244,17 +244,19 @@ def test_a_rank_is_named_only_past_twenty_percent_over_the_median():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_host_copy_on_cuda_is_read_while_the_work_queued_after_it_still_runs():
     """A log line's read (`metrics.HostCopy`): pinned memory, a non-blocking copy and an event, so that its
-    wait returns the values as of the copy while the next step's kernels (here a long run of matmuls)
-    are still running, and a later change of the device tensor does not reach them."""
+    wait returns the values as of the copy while the next step's kernels (here a kernel that spins)
+    is still running, and a later change of the device tensor does not reach them."""
     device = torch.device("cuda")
     values = torch.arange(4, dtype=torch.float64, device=device)
     copy = metrics.HostCopy(values)
     assert copy.values.is_pinned() and copy.event is not None
-    a = torch.randn(4096, 4096, device=device)
-    for _ in range(200):  # the next step: a long run of kernels queued behind the copy
-        a = a @ a / 64
+    torch.cuda._sleep(4_000_000_000)  # the next step: a kernel of about 2 s queued behind the copy
     values += 10  # the next step changes what the copy took
+    started = time.perf_counter()
     read, seen = copy.wait()
-    assert not torch.cuda.current_stream().query()  # the wait did not wait for them
+    waited = time.perf_counter() - started
+    assert not torch.cuda.current_stream().query(), (
+        f"the wait waited {waited:.2f} s, for the work after the copy"
+    )
     assert read == [0.0, 1.0, 2.0, 3.0] and seen >= copy.taken
     torch.cuda.synchronize()

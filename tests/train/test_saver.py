@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
+from torch.distributed.checkpoint.staging import StagingOptions
 
 from pipeline import dcp
 from pipeline.train.driver import read_metrics
 from pipeline.train.model import build_model
 from pipeline.train.objective import objective_for
-from pipeline.train.saver import Saver
+from pipeline.train.saver import KeptStager, Saver
 from pipeline.train.step import TrainStep
 from tests.train.test_loop import SHARDS, LocalSession, config, fake_micro_batches, run
 
@@ -221,3 +222,25 @@ def test_a_preemption_at_a_checkpoint_step_stops_only_once_that_save_is_in_stora
     with pytest.raises(preemption.Preempted, match=f"{dcp.checkpoint_name(4)} holds this step already"):
         loop.Trainer(loop_config, session).train()
     assert dcp.is_complete(Path(cfg.run.out) / dcp.checkpoint_name(4))  # what the restart resumes from
+
+
+def test_the_saver_stager_stages_every_save_after_torch_closes_its_copier():
+    """torch 2.11 closes a `DefaultStager`'s copier inside every stage, and its `async_save` closes the
+    stager once staged: a closed copier has lost the table it copies with, and a run's second
+    asynchronous checkpoint failed with ``KeyError: <class 'type'>`` (seen on an H100). The saver's
+    stager keeps copying into the same buffers until `release`."""
+    off = StagingOptions(
+        use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+    )
+    stager = KeptStager(off)
+    state = {"w": torch.arange(4.0), "step": 1, "nested": {"b": torch.ones(2)}}
+    first = stager.stage(state)
+    stager._state_dict_stager.close()  # what torch 2.11's DefaultStager._stage does after each copy
+    stager.close()  # what its async_save does once the save is staged
+    state["w"] += 1
+    state["step"] = 2
+    second = stager.stage(state)
+    assert second["w"].tolist() == [1.0, 2.0, 3.0, 4.0] and second["step"] == 2
+    assert second["nested"]["b"].tolist() == [1.0, 1.0]
+    assert second["w"].data_ptr() == first["w"].data_ptr()  # the same host buffer, refilled
+    stager.release()
