@@ -294,7 +294,13 @@ def export_run(
     removes a ``final_ema/`` that an earlier part of the run left: it would sit beside newer weights."""
     exports = {"final": (extra, None)}
     if ema is not None:
-        exports["final_ema"] = ({**extra, "ema": {"decay": ema.decay, "every": ema.every}}, ema)
+        ema_extra = {**extra, "ema": {"decay": ema.decay, "every": ema.every}}
+        if "training" in extra:  # its model card's evaluation accuracy is the EMA's
+            ema_extra["training"] = {
+                **extra["training"],
+                "eval_accuracy": extra["training"].get("eval_ema_accuracy"),
+            }
+        exports["final_ema"] = (ema_extra, ema)
     for name, (meta, averaged) in exports.items():
         where = out.join(name)
         with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:

@@ -318,7 +318,11 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     reasons = ", ".join(f"{n} {reason}" for reason, n in bad["by_reason"].items()) or "none"
     scores = "".join(
         f", {label} {100 * metrics[key]:.1f}%"
-        for key, label in (("accuracy", "accuracy"), ("eval_accuracy", "eval accuracy"))
+        for key, label in (
+            ("accuracy", "accuracy"),
+            ("eval_accuracy", "eval accuracy"),
+            ("eval_ema_accuracy", "EMA eval accuracy"),
+        )
         if metrics.get(key) is not None
     )
     if metrics:

@@ -12,15 +12,20 @@ not change with N. (timm updates every step with ``d``; at N = 1 the two agree.)
 The EMA starts from the weights the run starts from (initialized, pretrained or resumed). It is saved in
 every checkpoint under ``ema.<parameter name>``, as DTensors of the parameters' layout, so it reshards
 like the model; a checkpoint written without it starts it afresh from the checkpoint's weights. The run
-exports it as ``final_ema/`` beside ``final/``, gathered a tensor at a time like the weights.
+exports it as ``final_ema/`` beside ``final/``, gathered a tensor at a time like the weights. With
+``--eval-data``, every evaluation scores the EMA too (`applied`: the model holds it for that forward
+pass only), as ``eval_ema_accuracy`` beside ``eval_accuracy`` in the metrics row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from pipeline import compat
@@ -34,6 +39,7 @@ class WeightEMA:
 
     def __init__(self, model: nn.Module, decay: float, every: int = 1):
         self.decay, self.every = decay, every
+        self.model = model
         # Parameter names are the state dict's: wrapping (AC, compile) leaves them unchanged.
         self.params = dict(model.named_parameters())
         self.shadow = {
@@ -64,6 +70,26 @@ class WeightEMA:
             list(self.shadow.values()), [local_shard(p) for p in self.params.values()], weight
         )
 
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """Inside the block the model holds the EMA in place of its weights (to evaluate it); after, its
+        own weights again, bit for bit: each local shard is copied aside, then back. FSDP2 keeps the
+        gathered (unsharded) weights of its last forward for the next, so the model is resharded on the
+        way in (the forward gathers the EMA) and on the way out (the next step gathers its own weights
+        again). Costs a copy of the rank's shards while it lasts."""
+        with torch.no_grad():
+            _reshard(self.model)
+            kept = {name: local_shard(p).clone() for name, p in self.params.items()}
+            for name, p in self.params.items():
+                local_shard(p).copy_(self.shadow[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                _reshard(self.model)
+                for name, p in self.params.items():
+                    local_shard(p).copy_(kept[name])
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Name -> the EMA in its parameter's layout (a DTensor over the shard, no copy), for DCP."""
         return {name: _like(self.shadow[name], self.params[name]) for name in self.params}
@@ -80,6 +106,13 @@ class WeightEMA:
         what an export of the EMA gathers (buffers stay the model's)."""
         ema = self.state_dict()
         return {name: ema.get(name, value) for name, value in model_state.items()}
+
+
+def _reshard(model: nn.Module) -> None:
+    """Every FSDP2 unit of ``model`` back to its sharded weights (what its next forward gathers)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

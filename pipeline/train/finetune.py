@@ -258,17 +258,20 @@ def evaluate_in_run(
     *,
     step: int,
     data_cpus: float,
+    weights: str = "",
 ) -> tuple[float, float]:
     """Collective: the training loop's evaluation at ``step``: (top-1 accuracy over the evaluation
     ``shards``, each rank its slice, with the evaluation crop; its seconds, which are not training time).
-    Rank 0 logs it. A data error on any rank raises RuntimeError with that rank's line on every rank."""
+    Rank 0 logs it, ``weights`` naming what was scored where it is not the model's own ("EMA").
+    A data error on any rank raises RuntimeError with that rank's line on every rank."""
     start = time.perf_counter()
     eval_config = eval_data_config(config, patch_size)
     batches = eval_batches(shards[me.rank :: me.world], eval_config, config.optim.micro_batch_size, data_cpus)
     accuracy, seen = evaluate(model, batches, idle, me.device, me.group)
     seconds = time.perf_counter() - start
     if me.rank == 0:
-        log_line(f"step {step}: eval accuracy {100 * accuracy:.2f}% on {seen} images ({seconds:.0f} s)")
+        what = f" of the {weights} weights" if weights else ""
+        log_line(f"step {step}: eval accuracy{what} {100 * accuracy:.2f}% on {seen} images ({seconds:.0f} s)")
     return accuracy, seconds
 
 

@@ -339,28 +339,38 @@ class Trainer:
             step == config.last_step or (config.run.eval_every > 0 and step % config.run.eval_every == 0)
         )
         if save or evaluate:
-            self.report(stats, save=save, eval_accuracy=self.evaluate() if evaluate else None)
+            self.report(stats, save=save, evaluation=self.evaluate() if evaluate else None)
         elif step % config.run.log_every == 0:
             self.report(stats, save=False, defer=True)
 
-    def evaluate(self) -> float:
-        """Collective: top-1 accuracy over the evaluation shards (`finetune.evaluate_in_run`); its time
-        is not training time: the metrics window starts later by as much."""
+    def evaluate(self) -> dict[str, float]:
+        """Collective: the row's top-1 accuracies over the evaluation shards (`finetune.evaluate_in_run`):
+        ``eval_accuracy``, and with an EMA ``eval_ema_accuracy``, the EMA's weights in the model for that
+        pass (`WeightEMA.applied`). Their time is not training time: the metrics window starts later
+        by as much."""
         cpus = self.plan.cpus(self.state.epoch)
         idle = self.objective.idle_batch(self.device)[0]
-        try:
-            accuracy, seconds = finetune.evaluate_in_run(
-                self.model, self.eval_shards, self.config, self.model_config.patch_size, self.me, idle,
-                step=self.state.step, data_cpus=cpus,
-            )  # fmt: skip
-        except RuntimeError as e:  # every rank raises alike, with the failing rank's message
-            raise StopRun(str(e)) from e
-        self.window.start += seconds
-        return accuracy
+
+        def score(weights: str = "") -> float:
+            try:
+                accuracy, seconds = finetune.evaluate_in_run(
+                    self.model, self.eval_shards, self.config, self.model_config.patch_size, self.me, idle,
+                    step=self.state.step, data_cpus=cpus, weights=weights,
+                )  # fmt: skip
+            except RuntimeError as e:  # every rank raises alike, with the failing rank's message
+                raise StopRun(str(e)) from e
+            self.window.start += seconds
+            return accuracy
+
+        scores = {"eval_accuracy": score()}
+        if self.ema is not None:
+            with self.ema.applied():
+                scores["eval_ema_accuracy"] = score("EMA")
+        return scores
 
     # --- report and checkpoint -------------------------------------------------------------------
     def report(
-        self, stats: StepStats, *, save: bool, eval_accuracy: float | None = None, defer: bool = False
+        self, stats: StepStats, *, save: bool, evaluation: dict[str, float] | None = None, defer: bool = False
     ) -> None:
         """Collective: a report to Ray Train (with a checkpoint), then a log line and `metrics.jsonl` row;
         with ``defer``, only what it needs is taken now (`Pending`), and `finish_report` makes it once the
@@ -371,9 +381,9 @@ class Trainer:
         window, self.window = self.window, self.window.close(stats.grad_norm, self.skipped)
         self.pending = Pending(window, state.step, state.epoch, stats.lr, self.cursor.counts)
         if not defer:
-            self.finish_report(save=save, eval_accuracy=eval_accuracy)
+            self.finish_report(save=save, evaluation=evaluation)
 
-    def finish_report(self, *, save: bool = False, eval_accuracy: float | None = None) -> None:
+    def finish_report(self, *, save: bool = False, evaluation: dict[str, float] | None = None) -> None:
         """Collective: the `Pending` report, if any: wait for the device to have run its step (no later
         step), check the skipped steps, then the report, the row and the log line (`report`)."""
         if self.pending is None:
@@ -395,8 +405,7 @@ class Trainer:
             has_accuracy=self.objective.has_accuracy,
             group=self.group,
         )
-        if eval_accuracy is not None:
-            metrics["eval_accuracy"] = eval_accuracy
+        metrics.update(evaluation or {})
         metrics.update(self.plan.metrics(p.counts, self.group))  # mixed: where it is in each source
         if save:
             # The history is stored before the checkpoint can register: a run killed after it keeps the row.
@@ -467,7 +476,10 @@ class Trainer:
                 "step": self.state.step,
                 "max_steps": config.optim.max_steps,
                 "finished": self.state.step >= config.optim.max_steps,
-                **{key: metrics.get(key) for key in ("loss", "accuracy", "eval_accuracy")},
+                **{
+                    key: metrics.get(key)
+                    for key in ("loss", "accuracy", "eval_accuracy", "eval_ema_accuracy")
+                },
                 "config": config.to_dict(),
             },
         }

@@ -368,6 +368,11 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
         f"loss {m['loss']:.4f}",
         *([f"acc {100 * m['accuracy']:.1f}%"] if m.get("accuracy") is not None else []),
         *([f"eval acc {100 * m['eval_accuracy']:.1f}%"] if m.get("eval_accuracy") is not None else []),
+        *(
+            [f"EMA eval acc {100 * m['eval_ema_accuracy']:.1f}%"]
+            if m.get("eval_ema_accuracy") is not None
+            else []
+        ),
         f"lr {m['lr']:.2e}",
         f"gnorm {m['grad_norm']:.2f}",
         f"{m['images_per_s']:,.0f} img/s ({m['images_per_s_per_worker']:,.0f}/worker)",

@@ -18,12 +18,14 @@ from safetensors.torch import load_file
 
 from pipeline import dcp
 from pipeline.model_source import load_model_source
-from pipeline.train import dataplan, loop
+from pipeline.train import dataplan, finetune, loop
 from pipeline.train.ema import WeightEMA
 from pipeline.train.model import build_model
+from pipeline.train.state import local_shard
 from pipeline.train.step import TrainStep
 from tests.configs import tiny_config
 from tests.distributed import spawn
+from tests.train.test_head_init import fake_eval_batches
 from tests.train.test_loop import SHARDS, LocalSession, config, fake_micro_batches, run, weights
 
 
@@ -164,3 +166,77 @@ def test_the_ema_of_a_two_rank_checkpoint_resumes_on_one_rank(two_ranks, world, 
     summary, _ = run(config(out, num_workers=2, stop_at_step=5, **EMA), world)  # no step: export only
     assert summary["error"] == ""
     assert_equal(export(out), export(two_ranks, "ema_at_5"))
+
+
+# --- the EMA scored beside the weights at every evaluation ----------------------------------------
+
+
+def test_applied_puts_the_ema_in_the_model_for_the_block_and_its_own_weights_back_bit_for_bit(world):
+    cfg = tiny_config()
+    model = build_model(cfg, world)
+    step = TrainStep(model, cfg, world)
+    ema = WeightEMA(model, 0.5)
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        patches = torch.randint(0, 256, (8, 16, 192), dtype=torch.uint8, generator=g)
+        step(i, [(patches, torch.randint(0, 4, (8,), generator=g))], global_count=8)
+        ema.update(i + 1)
+    own = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    assert any(not torch.equal(own[n], ema.shadow[n]) for n in own)  # the two differ
+    with ema.applied():
+        for name, p in model.named_parameters():
+            assert torch.equal(p.to_local(), ema.shadow[name].to(p.dtype)), name
+    for name, p in model.named_parameters():
+        assert torch.equal(p.to_local(), own[name]), name
+
+
+def run_with_eval(cfg, device) -> dict:
+    session = LocalSession(device, Path(cfg.run.out))
+    loop_config = {
+        "train": cfg.to_dict(),
+        "shards": SHARDS,
+        "eval_shards": ["mem://eval-0"],
+        "data_cpus_per_worker": 1.0,
+    }
+    return loop.Trainer(loop_config, session).train()
+
+
+def test_every_evaluation_scores_the_ema_too_and_training_goes_on_as_without_it(world, monkeypatch, tmp_path):
+    """``eval_ema_accuracy`` beside ``eval_accuracy`` in the rows of evaluation steps: the EMA's weights
+    scored (at the last step, the weights `final_ema/` exports), the run's own weights back after."""
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
+    monkeypatch.setattr(finetune, "eval_batches", fake_eval_batches)
+    scored: list[tuple[int, str, dict[str, float]]] = []  # (step, weights, each parameter's sum)
+    real = finetune.evaluate_in_run
+
+    def spy(model, *args, step, weights="", **kwargs):
+        scored.append(
+            (
+                step,
+                weights,
+                {n: float(local_shard(p).detach().double().sum()) for n, p in model.named_parameters()},
+            )
+        )
+        return real(model, *args, step=step, weights=weights, **kwargs)
+
+    monkeypatch.setattr(finetune, "evaluate_in_run", spy)
+    plain = config(tmp_path / "plain", eval_every=4)
+    with_ema = config(tmp_path / "ema", eval_every=4, ema_decay=0.9)
+    run_with_eval(plain, world)
+    summary = run_with_eval(with_ema, world)
+    assert summary["error"] == ""
+    rows = [json.loads(line) for line in (tmp_path / "ema" / "metrics.jsonl").read_text().splitlines()]
+    scored_rows = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in scored_rows] == [4, 8]
+    assert all(0 <= r["eval_ema_accuracy"] <= 1 for r in scored_rows)
+    assert [(s, w) for s, w, _ in scored] == [(4, ""), (8, ""), (4, ""), (4, "EMA"), (8, ""), (8, "EMA")]
+    # At the last step the EMA pass saw the exported EMA, the other pass the exported weights.
+    for (_, _, seen), name in ((scored[-1], "final_ema"), (scored[-2], "final")):
+        exported = {n: float(t.double().sum()) for n, t in export(tmp_path / "ema", name).items()}
+        both = exported.keys() & seen.keys()  # the parameters (an export also holds the constant buffers)
+        assert both == seen.keys()
+        assert {n: seen[n] for n in both} == pytest.approx({n: exported[n] for n in both}), name
+    assert scored[-1][2] != pytest.approx(scored[-2][2])
+    assert_equal(export(tmp_path / "ema", "final"), export(tmp_path / "plain", "final"))  # training unchanged
+    card = json.loads((tmp_path / "ema" / "final_ema" / "config.json").read_text())["training"]
+    assert card["eval_accuracy"] == scored_rows[-1]["eval_ema_accuracy"]
