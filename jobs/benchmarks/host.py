@@ -275,6 +275,9 @@ def wait_step_class(device: DeviceQueue) -> type:
                 self.out.write(f"{step + 1}\t{host:.6f}\t{when:.6f}\t{since:.6f}\t{called:.6f}\n")
 
             device.launch(self.wait_s, ended)
+            # A checkpoint's copy, as the real step waits for it before it queues its update (here in
+            # the launched wait): the host holds while the device runs the step.
+            self.before_update()
             self.returned, self.drained = time.time(), device.drained_s
             count = sum(len(mb[0]) for mb in micro_batches)
             return StepStats(self.zero, self.zero.long(), count, self.zero, 0.0, self.zero.bool())

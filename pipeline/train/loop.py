@@ -174,6 +174,7 @@ class Trainer:
             session, self.model, self.step_fn.optimizer, self.ema, asynchronous=config.run.async_checkpoint
         )
         self.checkpointer = Checkpointer(saver, self.me, self.model, saved_config)
+        self.step_fn.before_update = self.checkpointer.staged  # a save's copy, before the next update
         self.peak_tflops, peak_note = mfu.peak_tflops(self.device)
         self.flops_per_image = self.objective.flops_per_image()
         self.last_metrics: dict[str, Any] = {}

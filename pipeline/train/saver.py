@@ -12,8 +12,12 @@ Design notes
 ------------
 - Synchronous (``--no-async-checkpoint``): DCP writes every rank's shards into a temporary directory,
   Ray Train uploads it, and only then does training go on: the stall is the write plus the upload.
-- Asynchronous (the default): training waits only for the copy of the state into host memory (DCP's
-  `DefaultStager`; pinned memory on CUDA). The stager keeps its buffers and refills them at every later
+- Asynchronous (the default): DCP's `DefaultStager` copies the state into host memory (pinned on CUDA)
+  on a thread of its own while the next step's forward and backward run; that step waits for the copy
+  only before it writes anything the copy holds (`TrainStep.before_update` -> `Saver.staged`: the
+  learning rate, the weights, the optimizer state; the EMA follows the update). On CUDA the copy reads
+  what the checkpoint's step wrote: the save waits for the training stream first (already idle: every
+  save first reads a device value, `Checkpointer.save`'s check that the weights are finite). The stager keeps its buffers and refills them at every later
   save, so the host memory is taken once per run, not once per save (`KeptStager`: torch 2.11 empties a
   stager after each stage and in `async_save`, which failed the next save): one copy of the rank's shards of
   model, optimizer and EMA, held until the run ends (what asynchronous saves cost). DCP writes the copy from a
@@ -28,7 +32,7 @@ Design notes
   directory counts only once `pipeline.dcp.is_complete`. A kill while a save is in flight leaves the
   checkpoint before it the latest complete one, which the next attempt resumes from.
 - What is written is the state at the checkpoint's step, whatever the steps after it change meanwhile:
-  the copy is taken before the next step runs.
+  the copy is complete before the next step's update.
 """
 
 from __future__ import annotations
@@ -85,6 +89,10 @@ class Checkpointer:
         """Until the save in flight is written and in storage; raises its error."""
         self.saver.wait()
 
+    def staged(self) -> None:
+        """Until the save in flight holds its copy of the state (`Saver.staged`)."""
+        self.saver.staged()
+
     @property
     def longest_seconds(self) -> float:
         """The longest any save of this attempt took, start to storage."""
@@ -114,6 +122,7 @@ class Saver:
         self.group = dist.new_group(backend="gloo") if asynchronous else None
         self.stager: DefaultStager | None = None  # made at the first save, kept for the buffers
         self.in_flight: list[Future] = []  # the save in flight: its write, then its upload
+        self.staging: Future | None = None  # its copy of the state, until `staged` has seen it done
         self.directory: str | None = None  # its local files
         # The longest any save took from its start until in storage: what a save before a deadline
         # needs (`pipeline.train.preemption`).
@@ -135,12 +144,17 @@ class Saver:
                 self.session.report(metrics, directory, name)
                 self._took(started)
                 return
-            written = torch_dcp.async_save(
+            if torch.cuda.is_available():  # the copy's stream reads what this step's kernels wrote
+                torch.cuda.current_stream().synchronize()  # (done already after the finite check)
+            response = torch_dcp.async_save(
                 checkpoint.prepare(directory, *parts),
                 storage_writer=_writer(directory, step),
                 process_group=self.group,
                 async_stager=self._stager(),
             )
+            # A copy on the stager's thread gives its completion apart from the write's.
+            written = getattr(response, "upload_completion", response)
+            self.staging = getattr(response, "staging_completion", None)
             self.in_flight, self.directory = [written], directory
             uploaded = self.session.report(metrics, directory, name, written=written)
         finally:
@@ -154,8 +168,16 @@ class Saver:
     def _took(self, started: float) -> None:
         self.longest_seconds = max(self.longest_seconds, time.perf_counter() - started)
 
+    def staged(self) -> None:
+        """Until the save in flight holds its copy of the state: what a step waits for before it writes
+        the learning rate, weights or optimizer state. Raises the copy's error."""
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.result()
+
     def wait(self) -> None:
         """Until the save in flight is written and in storage; raises its error."""
+        self.staging = None  # the write began from the copy: done once the write is
         in_flight, self.in_flight = self.in_flight, []
         try:
             for future in in_flight:
@@ -177,11 +199,12 @@ class Saver:
     def _stager(self) -> DefaultStager:
         if self.stager is None:
             cuda = torch.cuda.is_available()
-            # Staged in the training thread: the next step may not run before its copy is taken.
+            # Staged on the stager's thread (on CUDA, its own stream) beside the next step's forward
+            # and backward; `staged` holds that step's update until the copy is taken.
             options = StagingOptions(
                 use_pinned_memory=cuda,
                 use_shared_memory=False,
-                use_async_staging=False,
+                use_async_staging=True,
                 use_non_blocking_copy=cuda,
             )
             self.stager = KeptStager(options)

@@ -7,6 +7,7 @@ It runs under Ray Train workers, under `torchrun`, or in one plain process, whic
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,9 @@ class TrainStep:
         self.device = device
         self.objective = objective or objective_for(config)  # the loss; the step is the same for all
         self.optimizer = build_optimizer(model, config)
+        # Called once the step's gradients are in and before anything writes what a checkpoint holds
+        # (learning rate, weights, optimizer state): the loop's wait for a save's copy (`Saver.staged`).
+        self.before_update: Callable[[], None] = lambda: None
 
     def __call__(
         self,
@@ -85,6 +89,7 @@ class TrainStep:
             if hits is not None:
                 correct += hits
             count += losses.shape[0]
+        self.before_update()
         # The global norm is measured either way (it is logged, and tells a non-finite step); at a
         # threshold of inf the scale is 1, so grad_clip 0 leaves the gradients as they are.
         max_norm = self.config.optim.grad_clip or math.inf

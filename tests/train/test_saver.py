@@ -32,18 +32,37 @@ from tests.train.test_loop import SHARDS, LocalSession, config, fake_micro_batch
 CHECKPOINT_FILES = (dcp.TRAIN_STATE, dcp.CONFIG, "__0_0.distcp")
 
 
+def slow_copy(mp: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every asynchronous save's copy starts ``seconds`` late on the stager's thread: a step that did
+    not wait for it before its update would write into what the copy takes."""
+    stage = KeptStager._stage
+
+    def late(self, state_dict, **kwargs):
+        time.sleep(seconds)
+        return stage(self, state_dict, **kwargs)
+
+    mp.setattr(KeptStager, "_stage", late)
+
+
 @pytest.fixture(scope="module")
 def sync_and_async(world, tmp_path_factory):
-    """The same 8-step run saved synchronously and asynchronously."""
-    from pipeline.train import dataplan
+    """The same 8-step run saved synchronously and asynchronously; the asynchronous one uploads beside
+    training (`BackgroundSession`) with each copy 0.3 s late, so training goes on while it is taken."""
+    from pipeline.train import dataplan, loop
 
     root = tmp_path_factory.mktemp("saver")
     runs = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(dataplan, "micro_batches", fake_micro_batches)
+        slow_copy(mp, 0.3)
         for mode in (False, True):
             cfg = config(root / f"async-{mode}", async_checkpoint=mode)
-            runs[mode] = (cfg, *run(cfg, world))
+            if not mode:
+                runs[mode] = (cfg, *run(cfg, world))
+                continue
+            session = BackgroundSession(world, Path(cfg.run.out))
+            loop_config = {"train": cfg.to_dict(), "shards": SHARDS, "data_cpus_per_worker": 1.0}
+            runs[mode] = (cfg, loop.Trainer(loop_config, session).train(), session)
     return runs
 
 
@@ -113,11 +132,13 @@ class HeldSession:
     def __init__(self):
         self.uploads: list[Future] = []
         self.writes: list[Future] = []
+        self.checkpoints: list[str] = []  # the directory of each save, until its upload is released
 
     def report(self, metrics, checkpoint_dir=None, name="", written=None):
         assert written is not None and checkpoint_dir is not None
         self.uploads.append(Future())
         self.writes.append(written)
+        self.checkpoints.append(checkpoint_dir)
         return self.uploads[-1]
 
     def release(self, i: int, error: BaseException | None = None) -> None:
@@ -144,6 +165,7 @@ def test_a_save_waits_for_the_one_in_flight_and_reuses_its_host_buffers(parts):
     session = HeldSession()
     saver = Saver(session, model, optimizer, None, asynchronous=True)
     saver.start({}, {"step": 4}, {})
+    saver.staged()  # the copy taken (on the stager's thread)
     cached = dict(saver.stager._state_dict_stager._cached_storage_mapping.items())  # torch's buffer cache
     moments = sum(t.numel() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     assert moments > 2 * sum(p.numel() for p in model.parameters())  # exp_avg, exp_avg_sq (and step)
@@ -155,12 +177,55 @@ def test_a_save_waits_for_the_one_in_flight_and_reuses_its_host_buffers(parts):
     session.release(0)
     second.join(timeout=60)
     assert not second.is_alive() and len(session.uploads) == 2
+    saver.staged()
     again = dict(saver.stager._state_dict_stager._cached_storage_mapping.items())
     assert again.keys() == cached.keys()
     assert all(again[k] is cached[k] for k in cached)  # the same host buffers, refilled
     session.release(1, OSError("the store said no"))
     with pytest.raises(OSError, match="the store said no"):  # a failed upload fails the run's end
         saver.close()
+
+
+def test_the_copy_is_taken_beside_the_next_step_which_waits_for_it_before_its_update(parts, monkeypatch):
+    """`start` returns before the state is copied (the stager's thread copies it while the next step's
+    forward and backward run); `staged`, which the step calls before its update, returns once the copy
+    is taken, so the checkpoint holds its own step's weights whatever that update writes."""
+    model, optimizer = parts
+    copy_may_start = threading.Event()
+    stage = KeptStager._stage
+
+    def held(self, state_dict, **kwargs):
+        copy_may_start.wait(60)
+        return stage(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(KeptStager, "_stage", held)
+    session = HeldSession()
+    saver = Saver(session, model, optimizer, None, asynchronous=True)
+    own = {name: p.detach().clone() for name, p in model.named_parameters()}
+    try:
+        started = threading.Thread(target=saver.start, args=({}, {"step": 4}, {}))
+        started.start()
+        started.join(timeout=5)
+        assert not started.is_alive()  # returned with the copy not yet taken
+        waiting = threading.Thread(target=saver.staged)
+        waiting.start()
+        waiting.join(timeout=1)
+        assert waiting.is_alive()  # the next update waits here
+    finally:
+        copy_may_start.set()
+    waiting.join(timeout=60)
+    assert not waiting.is_alive()
+    with torch.no_grad():  # the next step's update, once `staged` returned
+        for p in model.parameters():
+            p.add_(1.0)
+    session.writes[0].result(timeout=60)
+    saved = full_state(Path(session.checkpoints[0]))  # before its upload, after which it is removed
+    session.release(0)
+    for name, value in own.items():
+        assert torch.equal(
+            saved[f"model.{name}"], value.full_tensor() if hasattr(value, "full_tensor") else value
+        )
+    saver.close()
 
 
 def test_the_host_buffers_outlive_dcp_closing_the_stager_after_each_save(parts, monkeypatch):
@@ -179,9 +244,11 @@ def test_the_host_buffers_outlive_dcp_closing_the_stager_after_each_save(parts, 
     session = HeldSession()
     saver = Saver(session, model, optimizer, None, asynchronous=True)
     saver.start({}, {"step": 4}, {})
+    saver.staged()
     cached = dict(saver.stager._state_dict_stager._cached_storage_mapping.items())
     session.release(0)
     saver.start({}, {"step": 8}, {})
+    saver.staged()
     again = saver.stager._state_dict_stager._cached_storage_mapping
     assert len(session.uploads) == 2 and cached and all(again[k] is cached[k] for k in cached)
     session.release(1)
