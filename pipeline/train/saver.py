@@ -118,6 +118,7 @@ class Saver:
     ):
         self.session, self.model, self.optimizer, self.ema = session, model, optimizer, ema
         self.asynchronous = asynchronous
+        self.cuda = next(model.parameters()).device.type == "cuda"  # a CPU run on a GPU machine: not
         # Collective: every rank makes the group at set-up, in the same order.
         self.group = dist.new_group(backend="gloo") if asynchronous else None
         self.stager: DefaultStager | None = None  # made at the first save, kept for the buffers
@@ -144,7 +145,7 @@ class Saver:
                 self.session.report(metrics, directory, name)
                 self._took(started)
                 return
-            if torch.cuda.is_available():  # the copy's stream reads what this step's kernels wrote
+            if self.cuda:  # the copy's stream reads what this step's kernels wrote
                 torch.cuda.current_stream().synchronize()  # (done already after the finite check)
             response = torch_dcp.async_save(
                 checkpoint.prepare(directory, *parts),
@@ -198,7 +199,7 @@ class Saver:
 
     def _stager(self) -> DefaultStager:
         if self.stager is None:
-            cuda = torch.cuda.is_available()
+            cuda = self.cuda
             # Staged on the stager's thread (on CUDA, its own stream) beside the next step's forward
             # and backward; `staged` holds that step's update until the copy is taken.
             options = StagingOptions(
