@@ -151,9 +151,8 @@ def main(argv: list[str]) -> dict[str, Any]:
         "probe": out / "shards" / "probe",
         "test": out / "shards" / "test",
     }
-    splits = (("train", train), ("probe", train[: args.probe_train]), ("test", test))
-    for name, indices in splits if args.probe else (splits[0], splits[2]):
-        if not shards[name].is_dir():
+    for name, indices in (("train", train), ("probe", train[: args.probe_train]), ("test", test)):
+        if (args.probe or name != "probe") and not shards[name].is_dir():
             fashion_mnist.write_shards(images, labels, indices, str(shards[name] / f"{name}-%06d.tar"), 1000)
 
     rows: list[dict[str, Any]] = []

@@ -366,12 +366,14 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
         f"step {m['step']}/{last_step} ({100 * m['step'] / last_step:.0f}%)",
         f"epoch {m['epoch']}",
         f"loss {m['loss']:.4f}",
-        *([f"acc {100 * m['accuracy']:.1f}%"] if m.get("accuracy") is not None else []),
-        *([f"eval acc {100 * m['eval_accuracy']:.1f}%"] if m.get("eval_accuracy") is not None else []),
         *(
-            [f"EMA eval acc {100 * m['eval_ema_accuracy']:.1f}%"]
-            if m.get("eval_ema_accuracy") is not None
-            else []
+            f"{label} {100 * m[key]:.1f}%"
+            for key, label in (
+                ("accuracy", "acc"),
+                ("eval_accuracy", "eval acc"),
+                ("eval_ema_accuracy", "EMA eval acc"),
+            )
+            if m.get(key) is not None
         ),
         f"lr {m['lr']:.2e}",
         f"gnorm {m['grad_norm']:.2f}",
