@@ -98,15 +98,32 @@ def registered(out: Path, step: int) -> bool:
 def killed_run(straight_run, tmp_path_factory):
     """The system tests' straight run, and the same run with a checkpoint every 2 and a worker SIGKILLed
     once checkpoint 6 (the middle of epoch 1) is registered: (straight run dir, killed run dir, its
-    summary, the victim)."""
+    summary, the victim).
+
+    The first attempt's write of checkpoint 8 is held (the saver's test hook), so that attempt cannot
+    pass the save of checkpoint 10, which waits for it: the kill lands mid-run however slowly the
+    test sees checkpoint 6 registered (unheld, a loaded machine let the run reach its last checkpoint
+    first, leaving nothing to resume). The attempt after the kill is not held."""
     shards, straight = straight_run.shards, straight_run.out
     out = tmp_path_factory.mktemp("killed") / "run"
     cfg = job_config(shards.urls, out, "--checkpoint-every", "2", "--max-failures", "2")
     result: dict = {}
 
+    def held_first_attempt(loop_config: dict) -> dict:
+        import ray.train
+
+        from pipeline.train.loop import train_loop_per_worker
+        from pipeline.train.saver import WRITE_DELAY_ENV
+
+        if ray.train.get_checkpoint() is None:
+            os.environ[WRITE_DELAY_ENV] = "8:600"
+        else:
+            os.environ.pop(WRITE_DELAY_ENV, None)
+        return train_loop_per_worker(loop_config)
+
     def run() -> None:
         try:
-            result["summary"] = fit(cfg, shards.urls)
+            result["summary"] = fit(cfg, shards.urls, worker_loop=held_first_attempt)
         except Exception as e:  # the assertion below shows it
             result["error"] = e
 
@@ -126,19 +143,17 @@ def killed_run(straight_run, tmp_path_factory):
 
 
 def test_a_killed_worker_is_replaced_and_the_run_resumes_mid_epoch_as_if_never_stopped(killed_run):
-    """The new worker group resumes from a checkpoint at or after 6, mid-epoch (4 steps an epoch),
-    re-reads what each rank had taken, and ends with the uninterrupted run's weights."""
+    """The new worker group resumes from checkpoint 6, mid-epoch (4 steps an epoch), re-reads what
+    each rank had taken, and ends with the uninterrupted run's weights."""
     straight, out, summary, victim = killed_run
     assert summary["metrics"]["step"] == 12
     assert victim not in train_workers()
 
-    # The last attempt resumed (the worker's "resumed from ... at step N" line) from a complete
-    # checkpoint at or after the one that existed before the kill.
+    # The last attempt resumed (the worker's "resumed from ... at step N" line) from the checkpoint
+    # registered before the kill (8's write was held), in epoch 1.
     resumed = summary["resumed_from"]
     assert resumed is not None, "the run started over instead of resuming"
-    assert (
-        resumed["step"] >= 6 and resumed["step"] % 2 == 0 and resumed["epoch"] == (resumed["step"] - 1) // 4
-    )
+    assert (resumed["step"], resumed["epoch"]) == (6, 1)
     assert resumed["checkpoint"].rstrip("/").endswith(dcp.checkpoint_name(resumed["step"]))
     steps = [r["step"] for r in read_metrics(str(out))]
     assert steps == list(range(2, 13, 2))  # one history: the rows after the resumed step were rewritten
