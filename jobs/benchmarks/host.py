@@ -194,15 +194,14 @@ class QueuedEvent:
 def device_reads() -> list[tuple[Any, str]]:
     """(owner, attribute) of each place where the loop (`pipeline.train.loop`) reads a device value
     queued last, and a real step's host therefore waits for every step queued. Besides these it waits only
-    at a log line, for the event behind the window's copy (`pipeline.train.metrics.HostCopy`: the log
-    line's step, not the one queued after it; `wait_at_device_reads` models it with `DeviceQueue.event`):
-    its step, the input's copy and the metrics' sums are queued and never read back in between (with
-    fused AdamW, the default on CUDA; other AdamW kernels read the gradient norm every step,
-    `pipeline.train.step`)."""
+    for an event behind a step (`pipeline.train.metrics.HostCopy`; `wait_at_device_reads` models it with
+    `DeviceQueue.event`): a log line's (its step, not the one queued after it) and a checkpoint's finite
+    check (`pipeline.train.saver.FiniteCheck`, read inside the next step). Its step, the input's copy
+    and the metrics' sums are queued and never read back in between (with fused AdamW, the default on
+    CUDA; other AdamW kernels read the gradient norm every step, `pipeline.train.step`)."""
     from pipeline.train import finetune, saver
 
     return [
-        (saver.Checkpointer, "save"),  # a checkpoint: its weights checked finite (``item``), then staged
         (saver.Checkpointer, "close"),  # the run's end: its last save, then the export of the weights
         (finetune, "evaluate_in_run"),  # an evaluation's accuracy (``item``); none in this benchmark
     ]

@@ -47,8 +47,12 @@ then finishes step N's report: it waits for the device to have run step N (an ev
 kernels), checks the skipped steps, reports to Ray Train and writes the row and the log line while the
 device runs step N+1. The rows are the same as if written at step N; what moves is when: the stop on too
 many skipped steps in a row comes one step later (after step N+1 ran), and a run that stops or is
-preempted before step N+1 writes step N's row first. A checkpoint, an evaluation and the last step keep
-the report in place: the row is stored before the checkpoint can register, and the end waits anyway.
+preempted before step N+1 writes step N's row first. A checkpoint goes one move further: at step N
+it takes what the save needs of that moment (`Checkpointer.take`: every rank's cursor, the weights'
+finite check behind the step), and its report and save are finished inside step N+1, once that step's
+forward and backward are queued and before its update (`Trainer.before_update`), so the device runs them
+while the host writes the row and starts the save; the row is still stored before the checkpoint can
+register. An evaluation and the last step keep the report in place (the end waits anyway).
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import objective_for
 from pipeline.train.optim import optimizer_kernels
 from pipeline.train.prefetch import StepInput
-from pipeline.train.saver import Checkpointer, Saver, WeightsNotFinite
+from pipeline.train.saver import Checkpointer, FiniteCheck, Saver, WeightsNotFinite
 from pipeline.train.session import RaySession
 from pipeline.train.state import (
     Rank,
@@ -93,13 +97,16 @@ class StopRun(Exception):
 @dataclass(frozen=True)
 class Pending:
     """A log line's report as of its step, taken without waiting for the device: the window closed
-    behind the step (its device values in flight to the host), and the host values its row needs."""
+    behind the step (its device values in flight to the host), and the host values its row needs; with
+    a checkpoint, what the save takes of that step (`Checkpointer.take`)."""
 
     window: MetricsWindow
     step: int
     epoch: int
     lr: float
     counts: BadSamples  # this rank's bad-sample counts as of the step's input (`EpochCursor.counts`)
+    evaluation: dict[str, float] | None = None
+    checkpoint: FiniteCheck | None = None  # a checkpoint's finite check, taken behind the step
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
@@ -174,13 +181,15 @@ class Trainer:
             session, self.model, self.step_fn.optimizer, self.ema, asynchronous=config.run.async_checkpoint
         )
         self.checkpointer = Checkpointer(saver, self.me, self.model, saved_config)
-        self.step_fn.before_update = self.checkpointer.staged  # a save's copy, before the next update
+        self.step_fn.before_update = (
+            self.before_update
+        )  # a checkpoint's save and copy, before the next update
         self.peak_tflops, peak_note = mfu.peak_tflops(self.device)
         self.flops_per_image = self.objective.flops_per_image()
         self.last_metrics: dict[str, Any] = {}
         self.first_step, self.run_start = self.state.step, time.perf_counter()
         self.window = MetricsWindow(self.device)
-        self.pending: Pending | None = None  # a plain log line's report, finished after the next step
+        self.pending: Pending | None = None  # a report finished in or after the next step
         self.upcoming: tuple[int, StepInputs] | None = None  # the next epoch's input, started ahead
         self.preemption = preemption.PreemptionWatcher(self.rank, self.world, first_step=self.state.step)
         self.announce(peak_note)
@@ -335,14 +344,26 @@ class Trainer:
         self.skipped.add(stats.skipped)
         self.finish_report()  # the last log line's, now that this step is queued behind its step
         step, config = self.state.step, self.config
-        save = step % config.run.checkpoint_every == 0 or step == config.last_step
+        last = step == config.last_step
+        save = step % config.run.checkpoint_every == 0 or last
         evaluate = bool(self.eval_shards) and (
-            step == config.last_step or (config.run.eval_every > 0 and step % config.run.eval_every == 0)
+            last or (config.run.eval_every > 0 and step % config.run.eval_every == 0)
         )
         if save or evaluate:
-            self.report(stats, save=save, evaluation=self.evaluate() if evaluate else None)
+            # A checkpoint is saved inside the next step (`before_update`); beside an evaluation or at
+            # the last step, now.
+            evaluation = self.evaluate() if evaluate else None
+            self.report(stats, save=save, evaluation=evaluation, defer=not (evaluate or last))
         elif step % config.run.log_every == 0:
             self.report(stats, save=False, defer=True)
+
+    def before_update(self) -> None:
+        """Inside each step, its forward and backward queued and its update not (`TrainStep.before_update`):
+        the checkpoint of the step before, if that step made one (the device runs this step's forward and
+        backward meanwhile), then the wait for the save's copy of the state (`Checkpointer.staged`)."""
+        if self.pending is not None and self.pending.checkpoint is not None:
+            self.finish_report()
+        self.checkpointer.staged()
 
     def evaluate(self) -> dict[str, float]:
         """Collective: the row's top-1 accuracies over the evaluation shards (`finetune.evaluate_in_run`):
@@ -374,19 +395,23 @@ class Trainer:
         self, stats: StepStats, *, save: bool, evaluation: dict[str, float] | None = None, defer: bool = False
     ) -> None:
         """Collective: a report to Ray Train (with a checkpoint), then a log line and `metrics.jsonl` row;
-        with ``defer``, only what it needs is taken now (`Pending`), and `finish_report` makes it once the
-        next step is queued. A run whose lease on --out was taken over stops here, before the row."""
+        with ``defer``, only what it needs is taken now (`Pending`, and a checkpoint's `Checkpointer.take`),
+        and `finish_report` makes it once the next step is queued (a checkpoint: its forward and backward,
+        `before_update`). A run whose lease on --out was taken over stops here, before the row."""
         if lost := lease.agreed_lost(self.lease, self.config.run_dir, self.rank, self.group):  # a rerun's?
             raise StopRun(lost)
         state = self.state
         window, self.window = self.window, self.window.close(stats.grad_norm, self.skipped)
-        self.pending = Pending(window, state.step, state.epoch, stats.lr, self.cursor.counts)
+        check = self.checkpointer.take(state, self.cursor) if save else None
+        self.pending = Pending(
+            window, state.step, state.epoch, stats.lr, self.cursor.counts, evaluation, check
+        )
         if not defer:
-            self.finish_report(save=save, evaluation=evaluation)
+            self.finish_report()
 
-    def finish_report(self, *, save: bool = False, evaluation: dict[str, float] | None = None) -> None:
+    def finish_report(self) -> None:
         """Collective: the `Pending` report, if any: wait for the device to have run its step (no later
-        step), check the skipped steps, then the report, the row and the log line (`report`)."""
+        step), check the skipped steps, then the report (and checkpoint), the row and the log line."""
         if self.pending is None:
             return
         p, self.pending = self.pending, None
@@ -406,27 +431,29 @@ class Trainer:
             has_accuracy=self.objective.has_accuracy,
             group=self.group,
         )
-        metrics.update(evaluation or {})
+        metrics.update(p.evaluation or {})
         metrics.update(self.plan.metrics(p.counts, self.group))  # mixed: where it is in each source
-        if save:
+        if p.checkpoint is not None:
             # The history is stored before the checkpoint can register: a run killed after it keeps the row.
             # That is the checkpoint's one write to an object store: its stall reaches it at the next flush.
             if self.log is not None:
                 self.log.flush(pending=metrics)
-            self.save_checkpoint(metrics)
+            self.save_checkpoint(metrics, p.checkpoint)
         else:
             self.session.report(metrics)
         if self.log is not None:
             log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
-            self.log.append(metrics, flush=save)
+            self.log.append(metrics, flush=p.checkpoint is not None)
         stacks.mark(p.step)
         self.last_metrics = metrics
 
-    def save_checkpoint(self, metrics: dict[str, Any]) -> None:
-        """Collective: a checkpoint with these metrics (`Checkpointer.save`); the seconds training waited
-        become the row's ``checkpoint_stall_s``. Weights that are not finite stop the run instead."""
+    def save_checkpoint(self, metrics: dict[str, Any], check: FiniteCheck | None = None) -> None:
+        """Collective: a checkpoint with these metrics (`Checkpointer.save`, of what ``check``'s `take` took,
+        or taken now); the seconds training waited become the row's ``checkpoint_stall_s``. Weights that
+        are not finite stop the run instead."""
+        check = check or self.checkpointer.take(self.state, self.cursor)
         try:
-            metrics["checkpoint_stall_s"] = self.checkpointer.save(self.state, self.cursor, metrics)
+            metrics["checkpoint_stall_s"] = self.checkpointer.save(self.state, check, metrics)
         except WeightsNotFinite as e:
             raise StopRun(
                 f"{e} and were not saved; resume from the last checkpoint with a lower --lr or a smaller --grad-clip"

@@ -5,8 +5,10 @@
     saver.close()                                                       # at the end: the last save whole
 
 `Checkpointer` is what the loop and the preemption check save with: a checkpoint of the run's state as
-of its step (the weights checked finite, every rank's cursor gathered, then `Saver.start`), `wait` for
-the save in flight, and `longest_seconds`, the longest a save took.
+of its step in two moves, `take` as soon as the step is queued (every rank's cursor gathered, the weights'
+finite flag queued behind the step, `FiniteCheck`: no wait for the device) and `save` (the flag agreed,
+then `Saver.start`), which the loop makes inside the next step, its forward and backward queued
+(`pipeline.train.loop`); `wait` for the save in flight, and `longest_seconds`, the longest a save took.
 
 Design notes
 ------------
@@ -16,10 +18,11 @@ Design notes
   on a thread of its own while the next step's forward and backward run; that step waits for the copy
   only before it writes anything the copy holds (`TrainStep.before_update` -> `Saver.staged`: the
   learning rate, the weights, the optimizer state; the EMA follows the update). On CUDA the copy reads
-  what the checkpoint's step wrote: the save waits for the training stream first (already idle: every
-  save first reads a device value, `Checkpointer.save`'s check that the weights are finite). The stager keeps its buffers and refills them at every later
-  save, so the host memory is taken once per run, not once per save (`KeptStager`: torch 2.11 empties a
-  stager after each stage and in `async_save`, which failed the next save): one copy of the rank's shards of
+  what the checkpoint's step wrote: a save starts once the host has seen the device run that step (the
+  finite check's event, recorded behind the step and its EMA update; the steps queued after it only read
+  the weights until their update). The stager keeps its buffers and refills them at every later save, so
+  the host memory is taken once per run, not once per save (`KeptStager`: torch 2.11 empties a stager
+  after each stage and in `async_save`, which failed the next save): one copy of the rank's shards of
   model, optimizer and EMA, held until the run ends (what asynchronous saves cost). DCP writes the copy from a
   background thread over a gloo group of its own: the training's collectives run on the default group
   meanwhile, and a process group serves one thread's collectives, in order. The upload follows the write
@@ -55,7 +58,8 @@ from pipeline import dcp
 from pipeline.train import checkpoint
 from pipeline.train.cursor import EpochCursor
 from pipeline.train.ema import WeightEMA
-from pipeline.train.state import Rank, TrainState, agree_weights_are_finite
+from pipeline.train.metrics import HostCopy
+from pipeline.train.state import Rank, TrainState, local_shard
 
 # A test hook, unset in real runs: "STEP:SECONDS" holds the background write of checkpoint STEP for
 # SECONDS on every rank, so that a test can kill a run while that save is in flight
@@ -67,22 +71,45 @@ class WeightsNotFinite(Exception):
     """The weights hold NaN or inf on some rank (every rank raises alike): nothing was saved."""
 
 
+class FiniteCheck:
+    """Whether a rank's shards of every parameter are finite (no NaN or inf), in two moves: made as soon
+    as the step is queued, its flag in flight to the host behind that step (`HostCopy`: no wait for the
+    device); `agreed`, later, waits for the device to have run that step only and agrees with every rank."""
+
+    def __init__(self, model: nn.Module):
+        finite = torch.stack([torch.isfinite(local_shard(p)).all() for p in model.parameters()])
+        self.copy = HostCopy((~finite).sum().to(torch.float64).reshape(1))
+
+    def agreed(self, group: dist.ProcessGroup | None) -> bool:
+        """Collective over the CPU ``group``: every rank's weights are finite. On return the device has
+        run the step the check was made behind (its event), and no later work is waited for."""
+        (not_finite,), _ = self.copy.wait()
+        flag = torch.tensor([not_finite], dtype=torch.float64)
+        dist.all_reduce(flag, group=group)
+        return flag.item() == 0
+
+
 class Checkpointer:
-    """One rank's checkpoints of the run: `save`, `wait`, `longest_seconds`, `close`."""
+    """One rank's checkpoints of the run: `take` and `save`, `wait`, `longest_seconds`, `close`."""
 
     def __init__(self, saver: Saver, me: Rank, model: nn.Module, saved_config: dict[str, Any]):
         self.saver, self.me, self.model, self.saved_config = saver, me, model, saved_config
 
-    def save(self, state: TrainState, cursor: EpochCursor, metrics: dict[str, Any]) -> float:
-        """Collective: every rank saves its shards of ``state``'s step, with every rank's ``cursor``, and
-        hands them to Ray Train with ``metrics``; returns the seconds training waited. Weights that are
-        not finite are never saved: `WeightsNotFinite`, and the latest checkpoint stays the one to
-        resume from."""
-        started = time.perf_counter()
-        if not agree_weights_are_finite(self.model, self.me.device):
-            raise WeightsNotFinite(f"the weights hold NaN or inf at step {state.step}")
+    def take(self, state: TrainState, cursor: EpochCursor) -> FiniteCheck:
+        """Collective, as soon as the checkpoint's step is queued (its EMA update too): every rank's
+        ``cursor`` into ``state``, and the weights' finite check behind the step; `save` with it, then or
+        inside the next step before its update."""
         cursor.save_into(state, self.me.group)
-        self.saver.start(dict(metrics), state.to_dict(), self.saved_config)
+        return FiniteCheck(self.model)
+
+    def save(self, state: TrainState, check: FiniteCheck, metrics: dict[str, Any]) -> float:
+        """Collective: every rank saves its shards of ``state``'s step (`take`) and hands them to Ray Train
+        with ``metrics``; returns the seconds training waited. Weights that are not finite are never
+        saved: `WeightsNotFinite`, and the latest checkpoint stays the one to resume from."""
+        started = time.perf_counter()
+        if not check.agreed(self.me.group):
+            raise WeightsNotFinite(f"the weights hold NaN or inf at step {state.step}")
+        self.saver.start(dict(metrics), state.to_dict(), self.saved_config, ready=True)
         return time.perf_counter() - started
 
     def wait(self) -> None:
@@ -129,10 +156,19 @@ class Saver:
         # needs (`pipeline.train.preemption`).
         self.longest_seconds = 0.0
 
-    def start(self, metrics: dict[str, Any], train_state: dict[str, Any], config: dict[str, Any]) -> None:
+    def start(
+        self,
+        metrics: dict[str, Any],
+        train_state: dict[str, Any],
+        config: dict[str, Any],
+        *,
+        ready: bool = False,
+    ) -> None:
         """Collective: wait for the save in flight, then save the state at ``train_state["step"]`` and hand
         it to the session with ``metrics``. Returns once the state is copied (asynchronous) or saved and
-        uploaded (synchronous); raises what the save before this one raised."""
+        uploaded (synchronous); raises what the save before this one raised. ``ready``: the host has seen
+        the device run the state's step (an event's wait); else, on CUDA, the training stream is waited
+        for here."""
         self.wait()
         started = time.perf_counter()
         step = train_state["step"]
@@ -145,8 +181,8 @@ class Saver:
                 self.session.report(metrics, directory, name)
                 self._took(started)
                 return
-            if self.cuda:  # the copy's stream reads what this step's kernels wrote
-                torch.cuda.current_stream().synchronize()  # (done already after the finite check)
+            if self.cuda and not ready:  # the copy's stream reads what the step's kernels wrote
+                torch.cuda.current_stream().synchronize()
             response = torch_dcp.async_save(
                 checkpoint.prepare(directory, *parts),
                 storage_writer=_writer(directory, step),

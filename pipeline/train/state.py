@@ -142,14 +142,6 @@ def gather_bad_samples(mine: BadSamples, group: dist.ProcessGroup | None) -> lis
     return gathered
 
 
-def agree_weights_are_finite(model: torch.nn.Module, device: torch.device) -> bool:
-    """Collective: whether every rank's shard of every parameter is finite (no NaN or inf)."""
-    finite = torch.stack([torch.isfinite(local_shard(p)).all() for p in model.parameters()])
-    flag = (~finite).sum().to(device=device, dtype=torch.float64).reshape(1)
-    dist.all_reduce(flag)
-    return flag.item() == 0
-
-
 def local_shard(param: torch.Tensor) -> torch.Tensor:
     """This rank's shard of an FSDP2 parameter (the DTensor's local tensor), or a plain tensor itself."""
     return param.to_local() if hasattr(param, "to_local") else param  # FSDP2 DTensor -> this rank's shard

@@ -44,7 +44,8 @@ class TrainStep:
         self.objective = objective or objective_for(config)  # the loss; the step is the same for all
         self.optimizer = build_optimizer(model, config)
         # Called once the step's gradients are in and before anything writes what a checkpoint holds
-        # (learning rate, weights, optimizer state): the loop's wait for a save's copy (`Saver.staged`).
+        # (learning rate, weights, optimizer state): the loop's checkpoint of the step before, and its
+        # wait for a save's copy (`Trainer.before_update`).
         self.before_update: Callable[[], None] = lambda: None
 
     def __call__(

@@ -28,9 +28,9 @@ def test_a_checkpoints_row_is_stored_once_and_before_its_save_on_an_object_store
             events.append(("write", [json.loads(line)["step"] for line in text.splitlines()]))
         real_write(where, text)
 
-    def save_checkpoint(self, metrics):
+    def save_checkpoint(self, metrics, check=None):
         events.append(("save", self.state.step))
-        real_save(self, metrics)
+        real_save(self, metrics, check)
 
     monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     monkeypatch.setattr(storage, "write_text", write_text)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
 from pipeline.data.masking import mask_batch
-from pipeline.train import dataplan, lease, loop
+from pipeline.train import dataplan, lease, loop, saver
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import model_config
 from pipeline.train.state import TrainState
@@ -227,6 +227,45 @@ def test_weights_that_are_not_finite_are_never_checkpointed(world, fake_data, mo
     summary, _ = run(config(tmp_path / "run"), world)
     assert summary["error"].startswith("the weights hold NaN or inf at step 4 and were not saved")
     assert not (tmp_path / "run" / dcp.checkpoint_name(4)).exists()
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_checkpoint_is_saved_inside_the_next_step_after_its_backward_and_before_its_update(
+    world, fake_data, monkeypatch, tmp_path, asynchronous
+):
+    """A checkpoint every 2 of 8 steps, 4 an epoch: checkpoints 2 and 6 are saved inside steps 3 and 7,
+    their gradients in and their updates not made (the device runs that step's forward and backward
+    while the host saves); 4, at the epoch's edge, before the next epoch's first step; 8, the last step's,
+    at once. Each row is written before its save. What the checkpoints hold is each step's own state
+    (the resume tests: the same weights as a straight run)."""
+    events: list = []
+    real_step, real_start = loop.TrainStep.__call__, saver.Saver.start
+
+    def step(self, step, micro_batches, global_count, **kwargs):
+        if not getattr(self, "watched", False):
+            self.optimizer.register_step_pre_hook(lambda *_: events.append("update"))
+            self.watched = True
+        events.append(("step", step + 1))
+        stats = real_step(self, step, micro_batches, global_count, **kwargs)
+        events.append("returned")
+        return stats
+
+    def start(self, metrics, train_state, config, **kwargs):
+        rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        grads = all(p.grad is not None for p in self.model.parameters())
+        events.append(("save", train_state["step"], json.loads(rows[-1])["step"], grads))
+        return real_start(self, metrics, train_state, config, **kwargs)
+
+    monkeypatch.setattr(loop.TrainStep, "__call__", step)
+    monkeypatch.setattr(saver.Saver, "start", start)
+    summary, _ = run(config(tmp_path / "run", checkpoint_every=2, async_checkpoint=asynchronous), world)
+    assert summary["error"] == ""
+    inside = lambda n: [("step", n + 1), ("save", n, n, True), "update", "returned"]  # noqa: E731
+    plain = lambda n: [("step", n), "update", "returned"]  # noqa: E731
+    assert events == [
+        *plain(1), *plain(2), *inside(2), *plain(4), ("save", 4, 4, False),
+        *plain(5), *plain(6), *inside(6), *plain(8), ("save", 8, 8, False),
+    ]  # fmt: skip
 
 
 def test_workers_stop_writing_once_another_run_has_taken_the_run_directory_over(
