@@ -25,7 +25,7 @@ from pipeline import dcp
 from pipeline.train.driver import read_metrics
 from pipeline.train.model import build_model
 from pipeline.train.objective import objective_for
-from pipeline.train.saver import KeptStager, Saver
+from pipeline.train.saver import FiniteCheck, KeptStager, Saver
 from pipeline.train.step import TrainStep
 from tests.train.test_loop import SHARDS, LocalSession, config, fake_micro_batches, run
 
@@ -311,3 +311,14 @@ def test_the_saver_stager_stages_every_save_after_torch_closes_its_copier():
     assert second["nested"]["b"].tolist() == [1.0, 1.0]
     assert second["w"].data_ptr() == first["w"].data_ptr()  # the same host buffer, refilled
     stager.release()
+
+
+@pytest.mark.parametrize(
+    ("value", "finite"), [(1.0, True), (1e30, True), (float("inf"), False), (float("nan"), False)]
+)
+def test_the_finite_check_refuses_nan_and_inf_and_passes_large_finite_weights(world, value, finite):
+    """Element by element: 1e30 is finite (its square, a norm's, would not be)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].weight[0, 1] = value
+    assert FiniteCheck(model).agreed(None) is finite
