@@ -111,10 +111,17 @@ def prepare(
     directory.mkdir(parents=True, exist_ok=True)
     rng = [None] * dist.get_world_size()
     dist.all_gather_object(rng, _rng_state())
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     if dist.get_rank() == 0:
         (directory / TRAIN_STATE).write_text(json.dumps({**train_state, "rng": rng}, indent=1))
         (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    return state_dict(model, optimizer, ema)
+
+
+def state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ema: WeightEMA | None = None
+) -> dict[str, Any]:
+    """The state dict DCP saves: model, optimizer and EMA, views of the live tensors (each rank's shards)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     if ema is not None:
         state[EMA_PREFIX] = ema.state_dict()

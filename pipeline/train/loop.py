@@ -337,6 +337,8 @@ class Trainer:
             self.state.step, micro_batches, global_count=agreement.samples, micro_steps=self.accum
         )
         self.state.step += 1
+        if self.state.step == self.first_step + 1:  # the optimizer's state made: the saves' buffers too
+            self.checkpointer.warm()
         self.last_stats = stats  # for a checkpoint on a preemption notice (`pipeline.train.preemption`)
         if self.ema is not None:
             self.ema.update(self.state.step)

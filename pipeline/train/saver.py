@@ -20,8 +20,9 @@ Design notes
   learning rate, the weights, the optimizer state; the EMA follows the update). On CUDA the copy reads
   what the checkpoint's step wrote: a save starts once the host has seen the device run that step (the
   finite check's event, recorded behind the step and its EMA update; the steps queued after it only read
-  the weights until their update). The stager keeps its buffers and refills them at every later save, so
-  the host memory is taken once per run, not once per save (`KeptStager`: torch 2.11 empties a stager
+  the weights until their update). The stager's buffers are built after the attempt's first step
+  (`Saver.warm`), and every save refills them (`KeptStager`), so the host memory is taken once per run,
+  not once per save, and no checkpoint's window pays for building them (torch 2.11 empties a stager
   after each stage and in `async_save`, which failed the next save): one copy of the rank's shards of
   model, optimizer and EMA, held until the run ends (what asynchronous saves cost). DCP writes the copy from a
   background thread over a gloo group of its own: the training's collectives run on the default group
@@ -40,6 +41,7 @@ Design notes
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -53,6 +55,7 @@ import torch.distributed.checkpoint as torch_dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 from pipeline import dcp
 from pipeline.train import checkpoint
@@ -120,6 +123,10 @@ class Checkpointer:
         """Until the save in flight holds its copy of the state (`Saver.staged`)."""
         self.saver.staged()
 
+    def warm(self) -> None:
+        """The host buffers of asynchronous saves made now (`Saver.warm`)."""
+        self.saver.warm()
+
     @property
     def longest_seconds(self) -> float:
         """The longest any save of this attempt took, start to storage."""
@@ -148,7 +155,7 @@ class Saver:
         self.cuda = next(model.parameters()).device.type == "cuda"  # a CPU run on a GPU machine: not
         # Collective: every rank makes the group at set-up, in the same order.
         self.group = dist.new_group(backend="gloo") if asynchronous else None
-        self.stager: DefaultStager | None = None  # made at the first save, kept for the buffers
+        self.stager: KeptStager | None = None  # made by `warm` or the first save, kept for the buffers
         self.in_flight: list[Future] = []  # the save in flight: its write, then its upload
         self.staging: Future | None = None  # its copy of the state, until `staged` has seen it done
         self.directory: str | None = None  # its local files
@@ -202,6 +209,19 @@ class Saver:
             uploaded.add_done_callback(lambda _: shutil.rmtree(directory, ignore_errors=True))
         self.in_flight[-1].add_done_callback(lambda _: self._took(started))
 
+    def warm(self) -> None:
+        """Asynchronous saves: the stager's host buffers made now, by one stage of the state that is not
+        saved, so that the run's first checkpoint refills them as every later one does (`KeptStager`)
+        rather than building them inside a window of training. Every rank, once, after the step that
+        made the optimizer's state (the first checkpoint's layout)."""
+        if not self.asynchronous or self.stager is not None:
+            return
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+        staged = self._stager().stage(checkpoint.state_dict(self.model, self.optimizer, self.ema))
+        if isinstance(staged, Future):
+            staged.result()
+
     def _took(self, started: float) -> None:
         self.longest_seconds = max(self.longest_seconds, time.perf_counter() - started)
 
@@ -249,24 +269,99 @@ class Saver:
 
 
 class KeptStager(DefaultStager):
-    """A `DefaultStager` whose host buffers and copier last until `release`. torch 2.11 closes the
-    copier inside every stage (`DefaultStager._stage` calls ``_state_dict_stager.close()``), and its
-    `async_save` closes the stager it is given once the save is staged; a closed copier has dropped its
-    buffers and the table it copies with, so the next save fails (``KeyError: <class 'type'>``, seen on
-    an H100 at a run's second checkpoint). Here both closes are no-ops and `release` frees."""
+    """A `DefaultStager` whose host buffers last until `release`, and whose later stages refill them.
+
+    The first stage (and any whose state dict is laid out otherwise: other keys, shapes or dtypes) is
+    DCP's: it builds the staged state dict, each tensor a host copy (a DTensor's around a host copy of its
+    local shard). Each later stage copies every tensor's values into the staged tensor at its place, on
+    the stager's thread (on CUDA non-blocking into the pinned buffers, on the stager's stream, then
+    synchronized), and copies the other values; DCP's per-tensor rebuilding (DTensor construction through
+    its dispatch, about half of a stage's time on a CPU, the memory copy the rest) is done once. The
+    previous save's write must be over before the next stage (`Saver.start` waits for it).
+
+    torch 2.11 closes the copier inside every stage (`DefaultStager._stage` calls
+    ``_state_dict_stager.close()``), and its `async_save` closes the stager it is given once the save is
+    staged; a closed copier has dropped its buffers and the table it copies with, so the next save fails
+    (``KeyError: <class 'type'>``, seen on an H100 at a run's second checkpoint). Here both closes are
+    no-ops and `release` frees."""
 
     def __init__(self, options: StagingOptions):
         super().__init__(options)
         copier = self._state_dict_stager
         self._release_copier = copier.close
         copier.close = lambda: None  # torch 2.11's `_stage`; later releases no longer call it
+        self.staged: Any = None  # the last staged state dict, whose tensors the next stage refills
+        self.refills = 0  # stages made by refilling (`tests/train/test_saver.py`)
+
+    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            staged = None if self.staged is None else _refilled(state_dict, self.staged, copies)
+        except _LaidOutOtherwise:
+            staged = None
+        if staged is None:
+            self.staged = super()._stage(state_dict, **kwargs)
+            return self.staged
+        with torch.no_grad():
+            if self._config.use_non_blocking_copy and self._staging_stream is not None:
+                with self._staging_stream:
+                    for staged_tensor, source in copies:
+                        staged_tensor.copy_(source, non_blocking=True)
+                self._staging_stream.synchronize()
+            else:
+                for staged_tensor, source in copies:
+                    staged_tensor.copy_(source)
+        self.staged = staged
+        self.refills += 1
+        return staged
 
     def close(self) -> None:
         pass
 
     def release(self) -> None:
+        self.staged = None
         super().close()
         self._release_copier()
+
+
+class _LaidOutOtherwise(Exception):
+    """A state dict whose layout is not the staged one's: DCP stages it anew."""
+
+
+def _refilled(source: Any, staged: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """``staged``'s layout with ``source``'s values: each tensor of ``source`` paired in ``copies`` with
+    the staged tensor at its place (its host buffer; a DTensor's local shard), every other value copied.
+    Raises `_LaidOutOtherwise` where the two differ."""
+    if isinstance(source, torch.Tensor):
+        if (
+            type(staged) is not type(source)
+            or staged.shape != source.shape
+            or staged.dtype != source.dtype
+            or staged.is_sparse
+            or source.is_sparse
+        ):
+            raise _LaidOutOtherwise
+        if isinstance(source, DTensor):
+            if staged.placements != source.placements:
+                raise _LaidOutOtherwise
+            local, into = source.to_local(), staged.to_local()
+        else:
+            local, into = source, staged
+        if into.shape != local.shape or into.device.type != "cpu":
+            raise _LaidOutOtherwise
+        copies.append((into, local))
+        return staged
+    if isinstance(source, dict):
+        if not isinstance(staged, dict) or staged.keys() != source.keys():
+            raise _LaidOutOtherwise
+        return type(source)((key, _refilled(value, staged[key], copies)) for key, value in source.items())
+    if isinstance(source, list | tuple) and not hasattr(source, "_fields"):
+        if type(staged) is not type(source) or len(staged) != len(source):
+            raise _LaidOutOtherwise
+        return type(source)(_refilled(a, b, copies) for a, b in zip(source, staged, strict=True))
+    if isinstance(staged, torch.Tensor | dict | list | tuple):
+        raise _LaidOutOtherwise
+    return copy.deepcopy(source)
 
 
 def _writer(directory: str, step: int) -> FileSystemWriter:

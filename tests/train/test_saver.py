@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
-from torch.distributed.checkpoint.staging import StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from pipeline import dcp
 from pipeline.train.driver import read_metrics
@@ -322,3 +322,54 @@ def test_the_finite_check_refuses_nan_and_inf_and_passes_large_finite_weights(wo
     with torch.no_grad():
         model[1].weight[0, 1] = value
     assert FiniteCheck(model).agreed(None) is finite
+
+
+def test_a_later_stage_refills_the_first_ones_buffers_and_a_state_laid_out_otherwise_is_staged_anew():
+    """The second stage copies each tensor into the buffer the first made (the same staged tensor, its
+    own values, not an alias of the source) and copies the other values; other shapes or keys: DCP
+    stages them anew."""
+    stager = KeptStager(StagingOptions(False, False, False, False))  # pinned, shared, async, non-blocking
+    first = stager.stage({"w": torch.ones(3), "step": 1, "groups": [{"lr": 0.1}]})
+    source = {"w": torch.full((3,), 2.0), "step": 2, "groups": [{"lr": 0.2}]}
+    second = stager.stage(source)
+    assert stager.refills == 1 and second["w"] is first["w"]
+    source["w"].add_(1.0)  # the next update, after the stage
+    assert second["w"].tolist() == [2.0, 2.0, 2.0] and (second["step"], second["groups"]) == (
+        2,
+        [{"lr": 0.2}],
+    )
+    for other in ({"w": torch.ones(4), "step": 3, "groups": [{"lr": 0.3}]},
+                  {"w": torch.ones(4), "step": 4, "groups": [{"lr": 0.3}], "ema": torch.zeros(2)}):  # fmt: skip
+        staged = stager.stage(other)
+        assert stager.refills == 1 and torch.equal(staged["w"], other["w"]) and staged["w"] is not other["w"]
+    stager.release()
+
+
+def test_a_run_makes_the_staging_buffers_after_its_first_step_and_each_checkpoint_refills_them(
+    world, monkeypatch, tmp_path
+):
+    """DCP builds the staged state once, after the step that made the optimizer's state, outside any
+    checkpoint's window; the four checkpoints of an 8-step run (every 2) each refill it."""
+    from pipeline.train import dataplan
+
+    built, refills, steps = [], [], []
+    real_stage, real_release, real_call = DefaultStager._stage, KeptStager.release, TrainStep.__call__
+
+    def build(self, state_dict, **kwargs):
+        built.append(len(steps))
+        return real_stage(self, state_dict, **kwargs)
+
+    def release(self):
+        refills.append(self.refills)
+        real_release(self)
+
+    def step(self, *args, **kwargs):
+        steps.append(1)
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "_stage", build)
+    monkeypatch.setattr(KeptStager, "release", release)
+    monkeypatch.setattr(TrainStep, "__call__", step)
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
+    summary, _ = run(config(tmp_path / "run", checkpoint_every=2, async_checkpoint=True), world)
+    assert summary["error"] == "" and built == [1] and refills == [4]
