@@ -34,6 +34,17 @@ def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
     return reader._get_metadata_path(rank)
 
 
+def dcp_stage(stager: Any, state_dict: Any, **kwargs: Any) -> Any:
+    """DCP's own staging of ``state_dict`` by ``stager``, a `DefaultStager` (its ``_stage``: the copy
+    itself, which the public ``stage`` submits to the stager's thread). `pipeline.train.saver.KeptStager`
+    overrides ``_stage`` to refill its buffers and runs DCP's for a state laid out anew; it relies on
+    ``_stage(state_dict, **kwargs)``, on the stager's ``_config``, ``_staging_stream`` and
+    ``_state_dict_stager`` (torch 2.11 to 2.13)."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    return DefaultStager._stage(stager, state_dict, **kwargs)
+
+
 def forget_compiled_graphs() -> None:
     """Drop every graph torch.compile has made in this process. Dynamo keys its caches by code object,
     so a second model of the same class counts as a recompile of the first (`torch._dynamo.reset` is

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
-from pipeline import dcp
+from pipeline import compat, dcp
 from pipeline.train import checkpoint
 from pipeline.train.cursor import EpochCursor
 from pipeline.train.ema import WeightEMA
@@ -300,7 +300,7 @@ class KeptStager(DefaultStager):
         except _LaidOutOtherwise:
             staged = None
         if staged is None:
-            self.staged = super()._stage(state_dict, **kwargs)
+            self.staged = compat.dcp_stage(self, state_dict, **kwargs)
             return self.staged
         with torch.no_grad():
             if self._config.use_non_blocking_copy and self._staging_stream is not None:
