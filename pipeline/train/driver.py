@@ -313,17 +313,13 @@ def read_metrics(out: storage.Location | str) -> list[dict[str, Any]]:
 def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     """What a finished run prints: its last step's loss and accuracy (and evaluation accuracy), the
     samples read and skipped. A run resumed at the end of its schedule trained no step: it says so."""
+    from pipeline.train.metrics import ACCURACIES
+
     metrics, bad = summary["metrics"], summary["bad_samples"]
     lost = sorted(bad.get("lost_shards", {}))
     reasons = ", ".join(f"{n} {reason}" for reason, n in bad["by_reason"].items()) or "none"
     scores = "".join(
-        f", {label} {100 * metrics[key]:.1f}%"
-        for key, label in (
-            ("accuracy", "accuracy"),
-            ("eval_accuracy", "eval accuracy"),
-            ("eval_ema_accuracy", "EMA eval accuracy"),
-        )
-        if metrics.get(key) is not None
+        f", {label} {100 * metrics[key]:.1f}%" for key, _, label in ACCURACIES if metrics.get(key) is not None
     )
     if metrics:
         finished = f"finished at step {metrics['step']}: loss {metrics['loss']:.4f}{scores}"

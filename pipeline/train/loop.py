@@ -181,9 +181,8 @@ class Trainer:
             session, self.model, self.step_fn.optimizer, self.ema, asynchronous=config.run.async_checkpoint
         )
         self.checkpointer = Checkpointer(saver, self.me, self.model, saved_config)
-        self.step_fn.before_update = (
-            self.before_update
-        )  # a checkpoint's save and copy, before the next update
+        # A checkpoint's save and the wait for its copy, inside the next step before its update.
+        self.step_fn.before_update = self.before_update
         self.peak_tflops, peak_note = mfu.peak_tflops(self.device)
         self.flops_per_image = self.objective.flops_per_image()
         self.last_metrics: dict[str, Any] = {}

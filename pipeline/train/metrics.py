@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from pipeline.train.state import TrainState
 
 METRICS_FILE = "metrics.jsonl"
+# The accuracies a row may hold, in the order they are printed: (key, the log line's label, the summary's).
+ACCURACIES = (
+    ("accuracy", "acc", "accuracy"),
+    ("eval_accuracy", "eval acc", "eval accuracy"),
+    ("eval_ema_accuracy", "EMA eval acc", "EMA eval accuracy"),
+)
 
 
 def log_line(line: str) -> None:
@@ -366,15 +372,7 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
         f"step {m['step']}/{last_step} ({100 * m['step'] / last_step:.0f}%)",
         f"epoch {m['epoch']}",
         f"loss {m['loss']:.4f}",
-        *(
-            f"{label} {100 * m[key]:.1f}%"
-            for key, label in (
-                ("accuracy", "acc"),
-                ("eval_accuracy", "eval acc"),
-                ("eval_ema_accuracy", "EMA eval acc"),
-            )
-            if m.get(key) is not None
-        ),
+        *(f"{label} {100 * m[key]:.1f}%" for key, label, _ in ACCURACIES if m.get(key) is not None),
         f"lr {m['lr']:.2e}",
         f"gnorm {m['grad_norm']:.2f}",
         f"{m['images_per_s']:,.0f} img/s ({m['images_per_s_per_worker']:,.0f}/worker)",
