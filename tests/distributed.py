@@ -15,6 +15,7 @@ destroyed, so no rank closes its connections while another still reads from them
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -45,9 +46,17 @@ multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: every socket is held open until all are bound, so the system cannot
+    hand out one port twice (closed one at a time, two calls returned the same port)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def spawn(

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port
-from tests.system.test_cluster_e2e import HEAD_PORTS
+from tests.system.test_cluster_e2e import head_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -70,7 +69,7 @@ def test_decode_runs_on_the_labelled_node_only(tmp_path):
 
     shards = write_synthetic_shards(tmp_path, 48, samples_per_shard=4, image_size=32, num_classes=4, seed=3)
     # Free ports for the head's agents: the defaults may be held by another Ray on the machine.
-    ports = {name: free_port() for name in HEAD_PORTS} | {"dashboard_port": free_port()}
+    ports = head_ports("dashboard_port")
     result = subprocess.run(
         [sys.executable, "-c", CLUSTER, json.dumps(shards.urls), json.dumps(ports)],
         cwd=ROOT,

@@ -29,8 +29,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.distributed import free_port
-from tests.system.test_cluster_e2e import HEAD_PORTS, ray_env
+from tests.system.test_cluster_e2e import head_ports, ray_env
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -203,7 +202,7 @@ def cluster_run(tmp_path_factory):
     )  # fmt: skip
     (root / "keys").mkdir()
     runs = {
-        "head_ports": {name: free_port() for name in HEAD_PORTS} | {"dashboard_port": free_port()},
+        "head_ports": head_ports("dashboard_port"),
         "config": config.to_dict(),
         "shards": shards.urls,
         "keys": str(root / "keys"),
