@@ -9,7 +9,10 @@ import re
 import subprocess
 import sys
 import tarfile
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import pytest
 from PIL import Image
@@ -164,16 +167,33 @@ def test_rays_console_lines_go_to_the_stderr_of_the_moment_not_one_closed_since(
     assert replaced.getvalue().strip() == "and the next"
 
 
+@dataclass
+class Started:
+    """A job running, its console going to a file: stdout and stderr in one stream (a file, not a pipe,
+    so that jobs run at once never wait on a full pipe)."""
+
+    process: subprocess.Popen
+    console: IO[str]
+
+
+def started(script: str, *args: str) -> Started:
+    console = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read and dropped with the Started)
+    command = [sys.executable, str(ROOT / "jobs" / script), *args]
+    return Started(subprocess.Popen(command, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT), console)
+
+
+def finished(job: Started, timeout: float = 420) -> subprocess.CompletedProcess:
+    """The job's exit code and console, once it has ended (killed past ``timeout`` seconds)."""
+    try:
+        job.process.wait(timeout=timeout)
+    finally:
+        job.process.kill()
+    job.console.seek(0)
+    return subprocess.CompletedProcess(job.process.args, job.process.returncode, job.console.read())
+
+
 def job(script: str, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:
-    """A job as a user runs it with its console going to a file: stdout and stderr in one stream."""
-    return subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / script), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
+    return finished(started(script, *args), timeout)
 
 
 def noise(console: str) -> list[str]:
@@ -306,31 +326,33 @@ def foreign(console: str) -> list[str]:
 
 @pytest.mark.slow
 def test_a_longer_run_on_busy_cpus_and_a_finetuning_print_only_vitray_lines_and_verbose_brings_ray_back(
-    tmp_path,
+    tiny_export_32px, tmp_path
 ):
-    """A pretraining with a report every step and a checkpoint every 4 while a busy loop takes a core
-    (Ray's actors then answer late, and its periodic lines come in numbers), then fine-tuning from its
-    weights on the same busy machine: every line is vitray's. With --verbose (the busy loop gone), Ray's
-    lines are back."""
+    """A pretraining with a report every step and a checkpoint every 4 and a fine-tuning, run at once
+    while a busy loop takes a core (Ray's actors then answer late, and its periodic lines come in
+    numbers): every line is vitray's. A third run beside them, with --verbose: Ray's lines are back."""
     from pipeline.data.synthetic import write_synthetic_shards
 
     shards = write_synthetic_shards(tmp_path / "shards", 128, samples_per_shard=32, image_size=32)
     held_out = write_synthetic_shards(tmp_path / "held-out", 32, samples_per_shard=32, image_size=32, seed=1)
-    run, tuned = tmp_path / "run", tmp_path / "tuned"
     small = ["--num-workers", "2", "--batch-size", "16", "--micro-batch-size", "8", "--warmup-steps", "2"]
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    busy, jobs = subprocess.Popen([sys.executable, "-c", "while True: pass"]), []
     try:
-        pretrain = job("pretrain.py", "--preset", "tiny", "--data", shards.dir, "--out", str(run), *small,
-                       "--max-steps", "8", "--log-every", "1", "--checkpoint-every", "4")  # fmt: skip
-        finetune = job("finetune.py", "--weights", str(run), "--data", shards.dir, "--eval-data", held_out.dir,
-                       "--out", str(tuned), "--image-size", "32", "--num-classes", "10", "--cpu", *small,
-                       "--max-steps", "3", "--log-every", "1", "--checkpoint-every", "2")  # fmt: skip
+        jobs += [
+            started("pretrain.py", "--preset", "tiny", "--data", shards.dir, "--out", str(tmp_path / "run"),
+                    *small, "--max-steps", "8", "--log-every", "1", "--checkpoint-every", "4"),
+            # From an export of the same model, so that it need not wait for the pretraining.
+            started("finetune.py", "--weights", tiny_export_32px, "--data", shards.dir, "--eval-data",
+                    held_out.dir, "--out", str(tmp_path / "tuned"), "--image-size", "32", "--num-classes", "10",
+                    "--cpu", *small, "--max-steps", "3", "--log-every", "1", "--checkpoint-every", "2"),
+            started("pretrain.py", "--preset", "tiny", "--data", shards.dir, "--out", str(tmp_path / "v"),
+                    *small, "--max-steps", "3", "--log-every", "1", "--verbose"),
+        ]  # fmt: skip
+        pretrain, finetune, verbose = (finished(j, timeout=600) for j in jobs)
     finally:
-        busy.kill()
+        for process in (*(j.process for j in jobs), busy):
+            process.kill()
         busy.wait()
-    # Ray's lines are back with --verbose whether or not the machine is busy: this run has both cores.
-    verbose = job("pretrain.py", "--preset", "tiny", "--data", shards.dir, "--out", str(tmp_path / "v"),
-                  *small, "--max-steps", "3", "--log-every", "1", "--verbose")  # fmt: skip
     for result in (pretrain, finetune, verbose):
         assert result.returncode == 0, result.stdout[-4000:]
     assert len(re.findall(r"^\(RayTrainWorker pid=\d+\) step \d+/8 ", pretrain.stdout, re.M)) == 8
