@@ -148,11 +148,27 @@ def body():
             time.sleep(0.05)
 
     ref = chatty.remote()
-    threading.Timer(8, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    # The SIGTERM once the task's lines reach this console, inside the ray.get below.
+    threading.Thread(target=lambda: forwarded.wait(120) and os.kill(os.getpid(), signal.SIGTERM)).start()
     ray.get(ref)  # Ray's check_status turns the SIGTERM it interrupts into SystemExit(1)
     return 0
 
 
+class Watched:  # this process's stdout, noting the first forwarded worker line
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        if "worker line" in text:
+            forwarded.set()
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+forwarded = threading.Event()
+sys.stdout = Watched(sys.stdout)
 sys.exit(cli.run_job(body))
 """
 
