@@ -72,7 +72,7 @@ from pipeline.train.cursor import EpochCursor
 from pipeline.train.dataplan import StepInputs
 from pipeline.train.ema import WeightEMA
 from pipeline.train.feeder import feeder_plan_for
-from pipeline.train.metrics import MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
+from pipeline.train.metrics import ACCURACIES, MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
 from pipeline.train.model import build_model, model_config
 from pipeline.train.objective import objective_for
 from pipeline.train.optim import optimizer_kernels
@@ -505,10 +505,7 @@ class Trainer:
                 "step": self.state.step,
                 "max_steps": config.optim.max_steps,
                 "finished": self.state.step >= config.optim.max_steps,
-                **{
-                    key: metrics.get(key)
-                    for key in ("loss", "accuracy", "eval_accuracy", "eval_ema_accuracy")
-                },
+                **{key: metrics.get(key) for key in ("loss", *(key for key, *_ in ACCURACIES))},
                 "config": config.to_dict(),
             },
         }
