@@ -149,7 +149,8 @@ def body():
 
     ref = chatty.remote()
     # The SIGTERM once the task's lines reach this console, inside the ray.get below.
-    threading.Thread(target=lambda: forwarded.wait(120) and os.kill(os.getpid(), signal.SIGTERM)).start()
+    sigterm = lambda: forwarded.wait(120) and os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=sigterm, daemon=True).start()  # an exit never waits for it
     ray.get(ref)  # Ray's check_status turns the SIGTERM it interrupts into SystemExit(1)
     return 0
 
