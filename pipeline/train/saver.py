@@ -77,11 +77,13 @@ class WeightsNotFinite(Exception):
 class FiniteCheck:
     """Whether a rank's shards of every parameter are finite (no NaN or inf), in two moves: made as soon
     as the step is queued, its flag in flight to the host behind that step (`HostCopy`: no wait for the
-    device); `agreed`, later, waits for the device to have run that step only and agrees with every rank."""
+    device); `agreed`, later, waits for the device to have run that step only and agrees with every rank.
+    ``taken``: where the run stood when it was made (`TrainState.where`), which its save must still be."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, taken: tuple[Any, ...] = ()):
         finite = torch.stack([torch.isfinite(local_shard(p)).all() for p in model.parameters()])
         self.copy = HostCopy((~finite).sum().to(torch.float64).reshape(1))
+        self.taken = taken
 
     def agreed(self, group: dist.ProcessGroup | None) -> bool:
         """Collective over the CPU ``group``: every rank's weights are finite. On return the device has
@@ -103,12 +105,19 @@ class Checkpointer:
         ``cursor`` into ``state``, and the weights' finite check behind the step; `save` with it, then or
         inside the next step before its update."""
         cursor.save_into(state, self.me.group)
-        return FiniteCheck(self.model)
+        return FiniteCheck(self.model, state.where())
 
     def save(self, state: TrainState, check: FiniteCheck, metrics: dict[str, Any]) -> float:
         """Collective: every rank saves its shards of ``state``'s step (`take`) and hands them to Ray Train
         with ``metrics``; returns the seconds training waited. Weights that are not finite are never
-        saved: `WeightsNotFinite`, and the latest checkpoint stays the one to resume from."""
+        saved: `WeightsNotFinite`, and the latest checkpoint stays the one to resume from. ``state`` must
+        stand where it stood at `take` (its step, epoch and position; a RuntimeError otherwise): only the
+        skipped steps, counted once the device has run the step, may have grown since."""
+        if state.where() != check.taken:  # the step, epoch or position moved since `take`: a loop's bug
+            raise RuntimeError(
+                f"a checkpoint taken at step {check.taken[0]} would save the state of step {state.step}; "
+                "save it before the step counter or the cursor moves"
+            )
         started = time.perf_counter()
         if not check.agreed(self.me.group):
             raise WeightsNotFinite(f"the weights hold NaN or inf at step {state.step}")

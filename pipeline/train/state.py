@@ -10,6 +10,7 @@ every rank learns the same message and ends the same way.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,11 @@ class TrainState:
     def world(self) -> int | None:
         """The number of workers that saved this state (None: a fresh run's, which none saved)."""
         return self.epoch_position.get("world") or len(self.bad_samples) or None
+
+    def where(self) -> tuple[Any, ...]:
+        """The step, the epoch and (a copy of) the epoch's position: what a checkpoint's `take` fixes until
+        its save."""
+        return (self.step, self.epoch, copy.deepcopy(self.epoch_position))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -22,10 +22,14 @@ import torch.distributed.checkpoint as torch_dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from pipeline import dcp
+from pipeline.data.bad_samples import BadSamples
+from pipeline.data.config import DataConfig
+from pipeline.train.cursor import EpochCursor
 from pipeline.train.driver import read_metrics
 from pipeline.train.model import build_model
 from pipeline.train.objective import objective_for
-from pipeline.train.saver import FiniteCheck, KeptStager, Saver
+from pipeline.train.saver import Checkpointer, FiniteCheck, KeptStager, Saver
+from pipeline.train.state import Rank, TrainState
 from pipeline.train.step import TrainStep
 from tests.train.test_loop import SHARDS, LocalSession, config, fake_micro_batches, run
 
@@ -322,6 +326,40 @@ def test_the_finite_check_refuses_nan_and_inf_and_passes_large_finite_weights(wo
     with torch.no_grad():
         model[1].weight[0, 1] = value
     assert FiniteCheck(model).agreed(None) is finite
+
+
+def test_a_checkpoint_saves_only_the_state_it_took_and_refuses_one_moved_since(parts):
+    """`Checkpointer.take` fixes the step, epoch and position its save writes; the skipped steps, counted
+    once the device has run the step, may still grow. A save after the step counter or the cursor moved
+    (a loop that deferred it too far) is refused before anything is written."""
+    model, optimizer = parts
+    session = HeldSession()
+    saver = Saver(session, model, optimizer, None, asynchronous=True)
+    me = Rank(rank=0, world=1, device=torch.device("cpu"), group=None, accum=1)
+    checkpointer = Checkpointer(saver, me, model, {})
+    cursor = EpochCursor.start(0, 1, 8, "stream", DataConfig())
+
+    def taken_at(step: int) -> tuple[TrainState, FiniteCheck]:
+        state = TrainState(step=step)
+        cursor.took(1, BadSamples.from_config(DataConfig()))
+        return state, checkpointer.take(state, cursor)
+
+    state, check = taken_at(4)
+    state.skipped_steps += 1  # the step's skipped count, known once the device has run it
+    checkpointer.save(state, check, {"step": 4})
+    assert len(session.uploads) == 1
+    session.release(0)
+    state, check = taken_at(8)
+    state.step += 1
+    with pytest.raises(RuntimeError, match="taken at step 8 would save the state of step 9"):
+        checkpointer.save(state, check, {"step": 9})
+    state, check = taken_at(12)
+    cursor.took(1, BadSamples.from_config(DataConfig()))
+    cursor.save_into(state, None)  # the next step's place written into the taken state
+    with pytest.raises(RuntimeError, match="taken at step 12"):
+        checkpointer.save(state, check, {"step": 12})
+    assert len(session.uploads) == 1
+    saver.close()
 
 
 def test_a_later_stage_refills_the_first_ones_buffers_and_a_state_laid_out_otherwise_is_staged_anew():
