@@ -50,7 +50,12 @@ CLUSTER = textwrap.dedent(
     began = time.time()
 
     def event(what, **fields):
-        print("event", json.dumps({"t": round(time.time() - began, 1), "what": what, **fields}), flush=True)
+        # To a file of their own, a line in one write: on stdout, Ray's forwarded lines, written from
+        # another thread, can split a line.
+        line = json.dumps({"t": round(time.time() - began, 1), "what": what, **fields})
+        with open(keys_dir.parent / "events.jsonl", "a") as f:
+            f.write(line + "\\n")
+        print("event", line, flush=True)
 
     def recording_loop(loop_config):
         # The worker loop, each step's keys written before it trains (a file per rank and attempt).
@@ -233,11 +238,10 @@ def cluster_run(tmp_path_factory):
         timeout=840,
     )
     console = result.stdout
-    events = {}
-    for line in console.splitlines():
-        if line.startswith("event "):
-            e = json.loads(line[len("event ") :])
-            events[e["what"]] = e
+    written = root / "events.jsonl"
+    events = (
+        {e["what"]: e for e in map(json.loads, written.read_text().splitlines())} if written.exists() else {}
+    )
     (root / "console.txt").write_text(console + result.stderr)
     print(f"multi-node module: {time.perf_counter() - started:.0f} s; events: {events}; console: {root}")
     assert result.returncode == 0, console[-4000:] + result.stderr[-4000:]
