@@ -86,7 +86,9 @@ CLUSTER = textwrap.dedent(
               unauthenticated.stdout.read().replace("\\n", " "), flush=True)
 
         train = submit("python", "jobs/pretrain.py", *runs["train"])
-        ray.init(address=cluster.address)
+        # Ray's forwarded lines off: written from another thread, they could split this script's
+        # lines, which the test parses.
+        ray.init(address=cluster.address, log_to_driver=False)
         deadline = time.time() + 180
         while time.time() < deadline and train.poll() is None:
             if any(pg["state"] == "PENDING" for pg in ray.util.placement_group_table().values()):

@@ -38,7 +38,9 @@ CLUSTER = textwrap.dedent(
     try:
         decode = cluster.add_node(num_cpus=1, labels={"vitray/role": "decode"})
         other = cluster.add_node(num_cpus=3)
-        ray.init(address=cluster.address)
+        # Ray's forwarded lines off: written from another thread, they could split this script's
+        # lines, which the test parses.
+        ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         earlier = set()  # task IDs of the runs before
         for run, label in (("labelled", "vitray/role=decode"), ("any", None)):
