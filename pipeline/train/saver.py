@@ -80,7 +80,7 @@ class FiniteCheck:
     device); `agreed`, later, waits for the device to have run that step only and agrees with every rank.
     ``taken``: where the run stood when it was made (`TrainState.where`), which its save must still be."""
 
-    def __init__(self, model: nn.Module, taken: tuple[Any, ...] = ()):
+    def __init__(self, model: nn.Module, taken: tuple[Any, ...]):
         finite = torch.stack([torch.isfinite(local_shard(p)).all() for p in model.parameters()])
         self.copy = HostCopy((~finite).sum().to(torch.float64).reshape(1))
         self.taken = taken

@@ -325,7 +325,7 @@ def test_the_finite_check_refuses_nan_and_inf_and_passes_large_finite_weights(wo
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     with torch.no_grad():
         model[1].weight[0, 1] = value
-    assert FiniteCheck(model).agreed(None) is finite
+    assert FiniteCheck(model, TrainState().where()).agreed(None) is finite
 
 
 def test_a_checkpoint_saves_only_the_state_it_took_and_refuses_one_moved_since(parts):
