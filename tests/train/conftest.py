@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from pipeline.train.model import init_distributed
+from pipeline.train.state import control_group
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +19,14 @@ def world():
     assert (rank, size) == (0, 1)
     yield device
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def control(world):
+    """That world's CPU group for the loop's agreements (`control_group`, as the loop's `Rank` holds it):
+    None on CPU, where the world itself is gloo; a gloo group beside NCCL on CUDA, where a collective over
+    CPU tensors in the default group fails ("No backend type associated with device type cpu")."""
+    return control_group()
 
 
 @pytest.fixture(autouse=True)

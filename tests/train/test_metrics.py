@@ -248,6 +248,13 @@ def test_a_host_copy_on_cuda_is_read_while_the_work_queued_after_it_still_runs()
     is still running, and a later change of the device tensor does not reach them."""
     device = torch.device("cuda")
     values = torch.arange(4, dtype=torch.float64, device=device)
+    # Every kernel launched below, launched once first: under CUDA's lazy module loading a kernel's first
+    # launch loads its module and may wait for the device to go idle, here for the spinning kernel (on
+    # an H200 the first `values += 10` waited it out, and the stream was idle by the check).
+    torch.cuda._sleep(1000)
+    values += 10
+    values -= 10
+    torch.cuda.synchronize()
     copy = metrics.HostCopy(values)
     assert copy.values.is_pinned() and copy.event is not None
     torch.cuda._sleep(4_000_000_000)  # the next step: a kernel of about 2 s queued behind the copy

@@ -226,9 +226,8 @@ def test_the_copy_is_taken_beside_the_next_step_which_waits_for_it_before_its_up
     saved = full_state(Path(session.checkpoints[0]))  # before its upload, after which it is removed
     session.release(0)
     for name, value in own.items():
-        assert torch.equal(
-            saved[f"model.{name}"], value.full_tensor() if hasattr(value, "full_tensor") else value
-        )
+        own_value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        assert torch.equal(saved[f"model.{name}"], own_value.cpu())  # read back on the CPU
     saver.close()
 
 
@@ -320,22 +319,22 @@ def test_the_saver_stager_stages_every_save_after_torch_closes_its_copier():
 @pytest.mark.parametrize(
     ("value", "finite"), [(1.0, True), (1e30, True), (float("inf"), False), (float("nan"), False)]
 )
-def test_the_finite_check_refuses_nan_and_inf_and_passes_large_finite_weights(world, value, finite):
+def test_the_finite_check_refuses_nan_and_inf_and_passes_large_finite_weights(world, control, value, finite):
     """Element by element: 1e30 is finite (its square, a norm's, would not be)."""
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(world)
     with torch.no_grad():
         model[1].weight[0, 1] = value
-    assert FiniteCheck(model, TrainState().where()).agreed(None) is finite
+    assert FiniteCheck(model, TrainState().where()).agreed(control) is finite
 
 
-def test_a_checkpoint_saves_only_the_state_it_took_and_refuses_one_moved_since(parts):
+def test_a_checkpoint_saves_only_the_state_it_took_and_refuses_one_moved_since(parts, world, control):
     """`Checkpointer.take` fixes the step, epoch and position its save writes; the skipped steps, counted
     once the device has run the step, may still grow. A save after the step counter or the cursor moved
     (a loop that deferred it too far) is refused before anything is written."""
     model, optimizer = parts
     session = HeldSession()
     saver = Saver(session, model, optimizer, None, asynchronous=True)
-    me = Rank(rank=0, world=1, device=torch.device("cpu"), group=None, accum=1)
+    me = Rank(rank=0, world=1, device=world, group=control, accum=1)
     checkpointer = Checkpointer(saver, me, model, {})
     cursor = EpochCursor.start(0, 1, 8, "stream", DataConfig())
 
@@ -355,7 +354,7 @@ def test_a_checkpoint_saves_only_the_state_it_took_and_refuses_one_moved_since(p
         checkpointer.save(state, check, {"step": 9})
     state, check = taken_at(12)
     cursor.took(1, BadSamples.from_config(DataConfig()))
-    cursor.save_into(state, None)  # the next step's place written into the taken state
+    cursor.save_into(state, control)  # the next step's place written into the taken state
     with pytest.raises(RuntimeError, match="taken at step 12"):
         checkpointer.save(state, check, {"step": 12})
     assert len(session.uploads) == 1
