@@ -31,10 +31,11 @@ from tests.configs import tiny_config
 
 SHARDS = [f"mem://shard-{i}" for i in range(4)]
 SAMPLES_PER_SHARD = 9
+# What a run measures rather than computes (mfu: images/s over the GPU's peak; None on CPU).
 TIMINGS = (
     "images_per_s", "images_per_s_per_worker", "data_wait_share", "memory_gib", "checkpoint_stall_s", "gc_s",
     "run_images_per_s", "rank_step_s", "mfu",
-)  # fmt: skip  (mfu: images/s over the GPU's peak; None on CPU)
+)  # fmt: skip
 
 
 def config(out: Path, **changes) -> TrainConfig:
