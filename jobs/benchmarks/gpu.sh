@@ -8,7 +8,7 @@
 # Items without Ray: h14-timm (with a profiler trace of one step), b16-timm, h14-model, fp8, embed,
 # mae, ac, largest, b16-step (the step the real job runs, without Ray: job-b16's batch of 256 in two
 # micro-batches of 128), test-gpu (`make test-gpu`'s
-# tests; what needs Ray is skipped without it). With Ray installed: shards, then curve-bf16 and
+# tests; what needs Ray is skipped without it), tests-cuda (the loop's and the saver's tests, on CUDA). With Ray installed: shards, then curve-bf16 and
 # curve-fp8 (the loss curves of --fp8 against bf16), job-b16 (the real job, one GPU, the config of
 # b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling; job-b16-feeder:
 # with --data-process feeder, each worker's pipeline in a process of its own), ckpt-h14
@@ -22,20 +22,33 @@
 # package fmnist.npz && xz fmnist.npz` (26 MB: beside Ray's 30 MB within a device call's 64 MiB);
 # STEPS_5K, STEPS_FULL, STEPS_S4; LEARN_CPUS: each run's local Ray, 5 CPUs).
 # DEADLINE (seconds since the epoch) cuts every item's timeout to what is left before it.
-# One 10-minute device call, Ray's wheel installed: shards b16-step job-b16 embed-job-b16
-# embed-job-b16-nvjpeg test-gpu (the job against its step at the same batch and accumulation, the
-# embedding job against its model, with CPU decode and with nvJPEG on the GPU).
-# A GPU machine with torch but no Ray (and no network) takes Ray's wheel and the few it needs that
-# such an image lacks (jsonschema, referencing, rpds-py, jsonschema-specifications, pydantic,
-# pydantic-core, annotated-types, typing-inspection, tensorboardX; the versions in constraints.txt),
-# plus torchao for fp8: `pip install --no-index --no-deps --target DIR WHEELS...`, then PYTHONPATH=DIR.
-# Ray's wheel unpacked without ray/jars and ray/dashboard/client/build (Java, the dashboard's web
-# pages) is 30 MB as a .tar.xz: `tar xJf ray.tar.xz -C DIR` installs it where a wheel would not fit.
+# A GPU machine with torch but no Ray (and no network): OFFLINE=DIR, DIR made by
+# `bash jobs/benchmarks/offline_ray.sh DIR` where pip works (Ray unpacked, 30 MB, and the wheels such an
+# image lacks), installs them once into /tmp/vitray-site and puts that on PYTHONPATH; add torchao's wheel
+# to DIR/whl for fp8. PACK=FILE.tar.xz packs OUT into one file once the items are done.
+# What one H200 took (2026-11-28, seconds, each alone unless said): tests-cuda 45 and test-gpu 54 beside
+# each other and shards (49), b16-step 39, job-b16 with its stacks 140 (its first window, compile
+# included, 47), job-b16-feeder 107; embed-job-b16 and -nvjpeg more than 90 each (4,096 JPEGs made
+# first, about 30; the job's first, untimed pass still compiling at 90). One 10-minute call holds
+# tests-cuda+test-gpu+shards, b16-step, job-b16-stacks, job-b16-feeder and one embed item; ckpt-h14,
+# h14-timm and the learn items need calls of their own.
 set -u
 out=${1:?usage: bash jobs/benchmarks/gpu.sh OUT ITEM...}
 shift
 mkdir -p "$out"
 py=${PYTHON:-python3}
+if [ -n "${PACK:-}" ]; then
+    trap 'tar cJf "$PACK" -C "$out" . && echo "packed $out into $PACK"' EXIT
+fi
+if [ -n "${OFFLINE:-}" ]; then
+    site=/tmp/vitray-site
+    if [ ! -f "$site/.installed" ]; then
+        mkdir -p "$site" && tar xJf "$OFFLINE/ray.tar.xz" -C "$site" &&
+            "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+                "$OFFLINE"/whl/*.whl && touch "$site/.installed" || { echo "OFFLINE=$OFFLINE: install failed" >&2; exit 1; }
+    fi
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+fi
 bench=("$py" jobs/benchmark.py)
 shards=${SHARDS:-/tmp/vitray-shards}
 
@@ -123,6 +136,8 @@ for item in "$@"; do
     embed-job-b16-nvjpeg) run "$item" "${bench[@]}" embed --model vit_b16 --device cuda --batch-size 256 \
         --images 4096 --per-shard 256 --repeats 1 --cpus-per-actor 2 --ray-cpus "$(nproc)" --decode gpu \
         --json "$out/embed-job-b16-nvjpeg.json" ;;  # the same with --decode gpu
+    tests-cuda)  # the loop's and the saver's tests, whose models go to CUDA where it is there
+        run "$item" "$py" -m pytest -rs -q -p no:cacheprovider tests/train/test_saver.py tests/train/test_loop.py ;;
     test-gpu)  # the files holding gpu tests: others may import what a bare GPU image lacks (s3fs, boto3)
         mapfile -t files < <(grep -rl "mark.gpu" tests --include="test_*.py")
         run "$item" "$py" -m pytest -m gpu -rs -q -p no:cacheprovider "${files[@]}" ;;
