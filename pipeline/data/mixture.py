@@ -67,10 +67,16 @@ class Source:
     weight: float = 1.0
 
 
+def is_sources_file(text: str) -> bool:
+    """Whether a ``--data`` names a YAML file of sources (`parse_sources` reads it) rather than a spec."""
+    text = text.strip()
+    return text.endswith((".yaml", ".yml")) and "," not in text
+
+
 def parse_sources(text: str) -> list[Source] | None:
     """The sources of a ``--data`` spec or YAML file, or None for one plain source (read as before)."""
     text = text.strip()
-    if text.endswith((".yaml", ".yml")) and "," not in text:
+    if is_sources_file(text):
         return _from_yaml(text)
     parts = split_top_level(text, ",")
     if not _NAMED.match(parts[0].strip()):
