@@ -28,6 +28,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 import traceback
 import types
 import typing
@@ -300,6 +301,63 @@ def connect_ray(args: argparse.Namespace, *, needed_cpus: float) -> bool:
     )
     console.after_init()
     return True
+
+
+# How long a job on a joined cluster waits for a node with its --decode-nodes label: a cloud node starts
+# in minutes. Seconds between looks at the cluster's nodes while it waits.
+DECODE_NODES_WAIT_S = 600.0
+DECODE_NODES_POLL_S = 5.0
+
+
+def check_decode_nodes(label: str | None, *, local: bool, wait_s: float | None = None) -> None:
+    """With ``--decode-nodes KEY=VALUE``, a node of the connected Ray that carries the label, or a one-line
+    ValueError: at once on a local Ray the job started (no node can join it), after a bounded wait
+    (``wait_s``, default `DECODE_NODES_WAIT_S`) on a joined cluster, whose autoscaler is asked meanwhile
+    for one CPU on such a node (`ray.autoscaler.sdk.request_resources`; the request is withdrawn after).
+    Without it the read tasks would wait for such a node for ever. Call after `connect_ray`."""
+    if label is None:
+        return
+    import ray
+
+    key, value = label.split("=", 1)
+
+    def labelled() -> bool:
+        return any(n.get("Alive") and (n.get("Labels") or {}).get(key) == value for n in ray.nodes())
+
+    if labelled():
+        return
+    if local:
+        raise ValueError(
+            f"--decode-nodes {label}: no node of the local Ray this job started carries that label, and no "
+            "node can join it; drop --decode-nodes, or pass --address (or RAY_ADDRESS) of a cluster whose "
+            "decode nodes carry it"
+        )
+    wait_s = DECODE_NODES_WAIT_S if wait_s is None else wait_s
+    print(f"waiting up to {wait_s:g} s for a node labelled {label} (--decode-nodes) to join", flush=True)
+    _request_decode_node({key: value})
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < wait_s:
+            time.sleep(min(DECODE_NODES_POLL_S, max(wait_s - (time.monotonic() - start), 0.0)))
+            if labelled():
+                return
+    finally:
+        _request_decode_node(None)
+    raise ValueError(
+        f"--decode-nodes {label}: no node of the cluster carried that label after waiting "
+        f"{round(time.monotonic() - start, 1):g} s; start nodes with it (a decode node type with min_workers, "
+        "docs/scaling.md, 'Where decode runs'), or drop --decode-nodes"
+    )
+
+
+def _request_decode_node(selector: dict[str, str] | None) -> None:
+    """Ask the cluster's autoscaler for one CPU on a node matching ``selector`` (None: withdraw it). A hint
+    only: a cluster without an autoscaler, or one that cannot take it, is waited on as it is."""
+    from ray.autoscaler import sdk
+
+    request = {"bundles": [{"CPU": 1}], "bundle_label_selectors": [selector]} if selector else {"bundles": []}
+    with contextlib.suppress(Exception):  # a hint that fails changes nothing the wait does not say
+        sdk.request_resources(**request)
 
 
 def print_config(config: Any) -> None:
