@@ -2,8 +2,10 @@
 
 A job's command line is a config dataclass (a preset, or the dataclass's defaults) plus flags made from
 its settings (`pipeline.settings`: one flag per field, its help the field's doc line); a flag left out
-keeps the base value. Every job joins Ray the
-same way (`connect_ray`: ``--address``, else ``RAY_ADDRESS``, else a local Ray with enough logical
+keeps the base value. A value no run can use (outside the bounds its setting declares, NaN, infinite, a
+word where a number goes) is one ``error: ...`` line and exit code 2, from the parser (`JobParser`) or
+from the config's ``validate``; ``--print-config`` prints only a config that validates. Every job joins
+Ray the same way (`connect_ray`: ``--address``, else ``RAY_ADDRESS``, else a local Ray with enough logical
 CPUs) and ends the same way (`run_job`; a job script's whole ``main`` is `main(parser, command, argv)`): bad input found before any cluster work is one
 ``error: ...`` line and exit code 2; a run that started and then stopped on an error is one line and
 exit code 1. Which of the two an error is depends on when it came: a job calls `start_work` where
@@ -26,6 +28,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 import traceback
 import types
 import typing
@@ -193,6 +196,17 @@ def overrides(args: argparse.Namespace, config_type: type) -> dict[str, Any]:
     return given
 
 
+class JobParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line, as every other refusal of a job is (argparse
+    would print the whole usage first: some 70 lines for a training job)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_BAD_INPUT, public_text(f"error: {message}; {self.prog} --help lists the options\n"))
+
+
 def job_parser(
     prog: str,
     description: str | None,
@@ -204,9 +218,7 @@ def job_parser(
 ) -> argparse.ArgumentParser:
     """The command line of a job: a flag per setting of ``config_type`` (`add_settings` takes
     ``options``), then Ray's flags, or with ``ray=False`` only ``--print-config``."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = JobParser(prog=prog, description=description)
     add_settings(parser, config_type, defaults=defaults, **options)
     if ray:
         add_ray_flags(parser)
@@ -221,8 +233,9 @@ def add_ray_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
     parser.add_argument(
         "--num-cpus",
-        type=int,
-        help="logical CPUs of a local Ray (default: this machine's, or what the job needs if more)",
+        type=bounded_int(1, MAX_LOCAL_CPUS),
+        help="logical CPUs of a local Ray (default: this machine's, or what the job needs if more); "
+        f"from 1 to {MAX_LOCAL_CPUS:,}",
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved configuration as JSON and exit"
@@ -232,6 +245,24 @@ def add_ray_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="show Ray's own console output too (its INFO logs, progress bars, every forwarded line)",
     )
+
+
+MAX_LOCAL_CPUS = 65_536  # logical CPUs a local Ray may declare: far above any one machine's
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """The parser of a whole-number flag that is no setting (``--num-cpus``): ``low`` to ``high``."""
+
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from e
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low:,} to {high:,}, got {value:,}")
+        return value
+
+    return whole_number
 
 
 def ray_address(args: argparse.Namespace) -> str | None:
@@ -272,6 +303,63 @@ def connect_ray(args: argparse.Namespace, *, needed_cpus: float) -> bool:
     return True
 
 
+# How long a job on a joined cluster waits for a node with its --decode-nodes label: a cloud node starts
+# in minutes. Seconds between looks at the cluster's nodes while it waits.
+DECODE_NODES_WAIT_S = 600.0
+DECODE_NODES_POLL_S = 5.0
+
+
+def check_decode_nodes(label: str | None, *, local: bool, wait_s: float | None = None) -> None:
+    """With ``--decode-nodes KEY=VALUE``, a node of the connected Ray that carries the label, or a one-line
+    ValueError: at once on a local Ray the job started (no node can join it), after a bounded wait
+    (``wait_s``, default `DECODE_NODES_WAIT_S`) on a joined cluster, whose autoscaler is asked meanwhile
+    for one CPU on such a node (`ray.autoscaler.sdk.request_resources`; the request is withdrawn after).
+    Without it the read tasks would wait for such a node for ever. Call after `connect_ray`."""
+    if label is None:
+        return
+    import ray
+
+    key, value = label.split("=", 1)
+
+    def labelled() -> bool:
+        return any(n.get("Alive") and (n.get("Labels") or {}).get(key) == value for n in ray.nodes())
+
+    if labelled():
+        return
+    if local:
+        raise ValueError(
+            f"--decode-nodes {label}: no node of the local Ray this job started carries that label, and no "
+            "node can join it; drop --decode-nodes, or pass --address (or RAY_ADDRESS) of a cluster whose "
+            "decode nodes carry it"
+        )
+    wait_s = DECODE_NODES_WAIT_S if wait_s is None else wait_s
+    print(f"waiting up to {wait_s:g} s for a node labelled {label} (--decode-nodes) to join", flush=True)
+    _request_decode_node({key: value})
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < wait_s:
+            time.sleep(min(DECODE_NODES_POLL_S, max(wait_s - (time.monotonic() - start), 0.0)))
+            if labelled():
+                return
+    finally:
+        _request_decode_node(None)
+    raise ValueError(
+        f"--decode-nodes {label}: no node of the cluster carried that label after waiting "
+        f"{round(time.monotonic() - start, 1):g} s; start nodes with it (a decode node type with min_workers, "
+        "docs/scaling.md, 'Where decode runs'), or drop --decode-nodes"
+    )
+
+
+def _request_decode_node(selector: dict[str, str] | None) -> None:
+    """Ask the cluster's autoscaler for one CPU on a node matching ``selector`` (None: withdraw it). A hint
+    only: a cluster without an autoscaler, or one that cannot take it, is waited on as it is."""
+    from ray.autoscaler import sdk
+
+    request = {"bundles": [{"CPU": 1}], "bundle_label_selectors": [selector]} if selector else {"bundles": []}
+    with contextlib.suppress(Exception):  # a hint that fails changes nothing the wait does not say
+        sdk.request_resources(**request)
+
+
 def print_config(config: Any) -> None:
     print(json.dumps(settings.to_dict(config), indent=2, sort_keys=True))
 
@@ -284,9 +372,16 @@ def configured(args: argparse.Namespace, config_type: type, **fields: Any) -> An
 
 
 def printed(args: argparse.Namespace, config: Any) -> bool:
-    """Under ``--print-config``: print ``config`` and say so (the job then ends with exit code 0)."""
+    """Under ``--print-config``: print ``config`` and say so (the job then ends with exit code 0), once
+    it validates (its ``validate``, else the bounds of its settings): a config no run could use is its
+    one-line ValueError, not printed."""
     if not getattr(args, "print_config", False):
         return False
+    validate = getattr(config, "validate", None)
+    if callable(validate):
+        validate()
+    else:
+        settings.check(config)
     print_config(config)
     return True
 
@@ -384,7 +479,7 @@ def main(
 ) -> int:
     """The whole of a job script's ``main``: ``argv`` (else ``sys.argv``) through ``parser``, then
     ``command(args)`` under `run_job`, which turns whatever ends it into an exit code and one line.
-    A usage error is argparse's (its line, exit code 2)."""
+    A usage error is one line (`JobParser`), exit code 2."""
     args = parser.parse_args(argv)
     return run_job(lambda: command(args), failures=failures)
 

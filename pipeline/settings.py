@@ -11,7 +11,9 @@ owned by the modules that read them (`pipeline.train.config.TrainConfig`). Each 
 - its bounds (``ge=``, ``gt=``, ``le=``, ``lt=``, ``choices=``, ``required=``): shown in the flag's help and
   in docs/options.md (`bounds_text`), and enforced by `check`, which a config's ``validate`` calls first,
   with one line that names the flag, the value and the bound; checks that compare fields stay in
-  ``validate``;
+  ``validate``. Every numeric flag declares a lower and an upper bound (tests/test_bounds.py walks them
+  all), and NaN and infinities are within none: a setting's "no limit" is a value of its own, in its doc
+  line (``0: off``, ``none: ...``);
 - replacing fields by their leaf names across sections (`replace`), which presets and the command line
   share: leaf names are unique within a config, checked when it is first walked;
 - JSON both ways (`to_dict` / `from_dict`): strict about unknown keys, tuples restored from the
@@ -38,6 +40,13 @@ from pipeline.redaction import REDACTED, public_text, redacted
 _HELP = "help"
 _FLAG = "flag"
 _UNSET = object()
+
+# Upper bounds that settings share (every numeric setting declares both of its bounds: NaN, infinities
+# and values no run can use are refused in one line that names the flag, before any work).
+MAX_COUNT = 2**31 - 1  # a count of steps, samples, rows, tries: what a C int holds (FAISS, Arrow, torch)
+# A seed: torch.manual_seed takes 64 bits, and a resumed checkpoint seeds (seed * 1_000_003 + step) * 1_009
+# + rank (`pipeline.train.checkpoint`), which 32-bit seeds keep within them.
+MAX_SEED = 2**32 - 1
 
 
 def setting(
@@ -166,10 +175,11 @@ def bounds_text(field: dataclasses.Field) -> str:
     b = field.metadata.get("bounds") or {}
     low = ("[", b["ge"]) if "ge" in b else ("(", b["gt"]) if "gt" in b else None
     high = ("]", b["le"]) if "le" in b else (")", b["lt"]) if "lt" in b else None
-    whole = str(field.type).split(" |")[0] in ("int", "<class 'int'>")  # an int field, or int | None
+    kind = str(field.type).split(" |")[0]
+    whole = kind in ("int", "<class 'int'>") or kind.startswith("tuple[int")  # int, int | None, ints
     if low and high and (low[0], high[0]) == ("[", "]") and whole:  # no comma inside the brackets
         return f"from {_number(low[1])} to {_number(high[1])}"
-    if low and high == (")", math.inf):
+    if low and (high is None or high == (")", math.inf)) and not whole:  # NaN and inf are never within
         return f"a finite number {'at least' if low[0] == '[' else 'more than'} {_number(low[1])}"
     if low and high:
         return f"in {low[0]}{_number(low[1])}, {_number(high[1])}{high[0]}"
@@ -189,7 +199,10 @@ _COMPARE = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": opera
 
 
 def _within(value: float, bounds: dict[str, float]) -> bool:
-    """Whether a number is within ``bounds`` (NaN never is)."""
+    """Whether a number is within ``bounds``: NaN and infinities never are (a setting's meaning of "no
+    limit" is a value of its own, such as 0 or none, and its doc line says so)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
     return all(_COMPARE[name](value, bound) for name, bound in bounds.items())
 
 

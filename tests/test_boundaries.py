@@ -49,6 +49,7 @@ ALLOWED = {
     },
     "pipeline.data": {
         "pipeline.data",
+        "pipeline.redaction",  # a shard's name is its URL as outputs write it (pipeline.data.shards.shard_id)
         "pipeline.settings",
         "pipeline.cli",  # the make_shards job's exit codes (pipeline.data.make_shards.command)
         "pipeline.storage",

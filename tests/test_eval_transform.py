@@ -166,13 +166,13 @@ def test_the_jobs_that_read_a_model_take_its_eval_knobs_from_the_one_declaration
 def test_a_knob_added_to_the_section_is_a_flag_a_bound_and_an_override_of_the_jobs():
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class Grown(EvalTransform):
-        eval_margin: float = settings.setting(0.0, "a knob added for this test", ge=0)
+        eval_margin: float = settings.setting(0.0, "a knob added for this test", ge=0, le=1)
 
     overrides = settings.optional(
         Grown, "GrownOverrides", unset="the model's own", flag=lambda o: o.removeprefix("eval-")
     )
     assert [settings.flag_name(f) for f in dataclasses.fields(overrides)][-1] == "margin"
-    with pytest.raises(ValueError, match=r"^--margin must be at least 0, got -1.0$"):
+    with pytest.raises(ValueError, match=r"^--margin must be in \[0, 1\], got -1.0$"):
         settings.check(overrides(eval_margin=-1.0))
     assert overrides().eval_margin is None  # the model's own unless given
     # each knob of the section is part of what an embedding output is of

@@ -79,7 +79,7 @@ def test_a_bool_setting_is_a_pair_of_switches_and_none_clears_an_optional_one():
 def test_validation_messages_name_the_flag_the_field_makes():
     assert settings.flag(TrainConfig, "scale") == "--crop-scale"
     assert settings.flag(TrainConfig, "shards") == "--data"
-    with pytest.raises(ValueError, match=r"^--micro-batch-size must be at least 1, got 0$"):
+    with pytest.raises(ValueError, match=r"^--micro-batch-size must be from 1 to 2,147,483,647, got 0$"):
         tiny_config(micro_batch_size=0).validate()
     with pytest.raises(ValueError, match=r"^--placement-strategy must be one of PACK, SPREAD"):
         tiny_config(placement_strategy="ANYWHERE").validate()
@@ -94,14 +94,15 @@ def test_validation_messages_name_the_flag_the_field_makes():
             {"min_lr": 0.5, "lr": 0.002},
             "--min-lr 0.5 must be in [0, --lr 0.002]: the schedule decays from --lr",
         ),
-        ({"min_lr": -1e-5}, "--min-lr -1e-05 must be in [0, --lr "),
-        ({"weight_decay": -0.1}, "--weight-decay must be a finite number at least 0, got -0.1"),
-        ({"weight_decay": float("nan")}, "--weight-decay must be a finite number at least 0, got nan"),
+        ({"min_lr": -1e-5}, "--min-lr must be in [0, 100], got -1e-05"),
+        ({"weight_decay": -0.1}, "--weight-decay must be in [0, 10], got -0.1"),
+        ({"weight_decay": float("nan")}, "--weight-decay must be in [0, 10], got nan"),
+        ({"weight_decay": float("inf")}, "--weight-decay must be in [0, 10], got inf"),
         ({"betas": (1.5, 0.9)}, "--betas must each be in [0, 1), got 1.5,0.9"),
         ({"betas": (0.9, 1.0)}, "--betas must each be in [0, 1), got 0.9,1"),
-        ({"keep_checkpoints": 0}, "--keep-checkpoints must be at least 1, got 0"),
-        ({"stop_at_step": 0}, "--stop-at-step must be at least 1, got 0"),
-        ({"image_size": 0}, "--image-size must be at least 1, got 0"),
+        ({"keep_checkpoints": 0}, "--keep-checkpoints must be from 1 to 2,147,483,647, got 0"),
+        ({"stop_at_step": 0}, "--stop-at-step must be from 1 to 2,147,483,647, got 0"),
+        ({"image_size": 0}, "--image-size must be from 1 to 65,536, got 0"),
         ({"num_classes": 0}, "--num-classes must be at least 1, got 0"),
     ],
 )
@@ -241,7 +242,10 @@ def test_the_bounds_are_in_the_flags_help_and_the_options_reference():
     assert helps["--share"] == "a share; in (0, 1] (default: 0.5)"
     assert "--knob" not in helps
     reference = (Path(__file__).parents[1] / "docs" / "options.md").read_text()
-    assert "neighbours in the k-NN vote (cosine similarity, one vote each); at least 1 |" in reference
+    assert (
+        "neighbours in the k-NN vote (cosine similarity, one vote each); from 1 to 2,147,483,647 |"
+        in reference
+    )
 
 
 def test_the_jobs_refuse_a_value_outside_a_bound_before_any_work(tmp_path):
@@ -249,8 +253,11 @@ def test_the_jobs_refuse_a_value_outside_a_bound_before_any_work(tmp_path):
     from pipeline.index.config import IndexConfig
 
     cases = [
-        (EvaluateConfig(train="a", test="b", probe_c=0.0), "--probe-c must be more than 0, got 0.0"),
-        (EvaluateConfig(train="a", test="b", shots=(5, 0)), "--shots must each be at least 1, got 5,0"),
+        (EvaluateConfig(train="a", test="b", probe_c=0.0), "--probe-c must be in (0, 1e+09], got 0.0"),
+        (
+            EvaluateConfig(train="a", test="b", shots=(5, 0)),
+            "--shots must each be from 1 to 2,147,483,647, got 5,0",
+        ),
         (AnalyzeConfig(weights="w", data="d", out=""), "--out is required: directory for the PNGs"),
         (EmbedConfig(data="d", weights="w", out="o", crop_fraction=1.5), "--crop-fraction must be in (0, 1]"),
         (
@@ -258,7 +265,7 @@ def test_the_jobs_refuse_a_value_outside_a_bound_before_any_work(tmp_path):
             "--dtype must be one of float32, float16",
         ),
         (ExportConfig(weights="w", to="onnx", out="o"), "--to must be one of timm, hf, got 'onnx'"),
-        (IndexConfig(embeddings="e", out="o", ray_tasks=-1), "--ray-tasks must be at least 0, got -1"),
+        (IndexConfig(embeddings="e", out="o", ray_tasks=-1), "--ray-tasks must be from 0 to 65,536, got -1"),
     ]
     for config, message in cases:
         with pytest.raises(ValueError) as info:

@@ -22,7 +22,7 @@ from typing import Any
 
 from pipeline import settings
 from pipeline.data.rows import Retry, RowSpec
-from pipeline.settings import setting
+from pipeline.settings import MAX_COUNT, setting
 from pipeline.storage import Storage
 
 # Resampling filters by name (`pipeline.data.decode.RESAMPLE` maps them to PIL's).
@@ -33,6 +33,8 @@ _LABEL_PART = r"[A-Za-z0-9]([-_.A-Za-z0-9]{0,61}[A-Za-z0-9])?"
 DECODE_LABEL = re.compile(rf"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?{_LABEL_PART}={_LABEL_PART}")
 # The top of RandAugment's magnitude scale (timm's and big_vision's level scale; `pipeline.data.augment`).
 MAX_MAGNITUDE = 10.0
+# The largest image side a job may ask for: far above any ViT's (a 65,536 px square is 4 gigapixels).
+MAX_IMAGE_SIZE = 65_536
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,22 +62,29 @@ EvalOverrides = settings.optional(
 class DataConfig(EvalTransform, Storage):
     """Everything that decides which pixels a sample becomes; saved with every checkpoint."""
 
-    image_size: int = setting(224, "input resolution in pixels (a multiple of the patch size)", ge=1)
+    image_size: int = setting(
+        224, "input resolution in pixels (a multiple of the patch size)", ge=1, le=MAX_IMAGE_SIZE
+    )
     # None until the model is known (`TrainConfig.data_for`); every dataset is built with one.
-    patch_size: int | None = setting(16, "pixels per patch side: the model's", flag=None, gt=0)
+    patch_size: int | None = setting(
+        16, "pixels per patch side: the model's", flag=None, ge=1, le=MAX_IMAGE_SIZE
+    )
     scale: tuple[float, float] = setting(
         (0.08, 1.0),
         "random-resized-crop area share MIN,MAX, e.g. 0.08,1",
         flag="crop-scale",
         metavar="MIN,MAX",
+        gt=0,
+        le=1,
     )
+    # An aspect past 100:1 is a strip a pixel or two wide at any ViT's size.
     ratio: tuple[float, float] = setting(
         (3 / 4, 4 / 3), "random-resized-crop aspect (w/h) MIN,MAX, e.g. 0.75,1.33", flag="crop-ratio",
-        metavar="MIN,MAX",
+        metavar="MIN,MAX", gt=0, le=100,
     )  # fmt: skip
     hflip: bool = setting(True, "random horizontal flips in training")
     randaug_ops: int = setting(
-        0, "RandAugment: ops per training image, drawn from 14 (0: none; AugReg and DeiT use 2)", ge=0
+        0, "RandAugment: ops per training image, drawn from 14 (0: none; AugReg and DeiT use 2)", ge=0, le=100
     )
     randaug_magnitude: float = setting(
         9.0,
@@ -92,8 +101,10 @@ class DataConfig(EvalTransform, Storage):
     )
     train_interpolation: str = setting("bilinear", "resize filter of training crops", choices=INTERPOLATIONS)
     jpeg_draft: bool = setting(True, "DCT-domain downscale of JPEGs while the crop stays >= image_size")
+    # PIL takes a gap of 1 or more (below: every image fails to resize, as if the shards were bad);
+    # past 100 it pre-reduces nothing a ViT's input needs.
     reducing_gap: float | None = setting(
-        None, "PIL resize pre-reduction (none: the exact filter over all pixels)"
+        None, "PIL resize pre-reduction (none: the exact filter over all pixels)", ge=1, le=100
     )
     image_keys: tuple[str, ...] = setting(
         ("jpg", "jpeg", "png", "webp"),
@@ -105,35 +116,45 @@ class DataConfig(EvalTransform, Storage):
         "where labels are: a member extension (cls), json:<field>, or none (unlabeled, --objective mae)",
     )
     require_labels: bool = setting(True, "a sample without a label is a bad sample", flag=None)
+    # Set from training's --num-classes and --seed (`pipeline.train.config.TrainConfig`), whose bounds hold.
     num_classes: int | None = setting(
         None, "labels outside [0, num_classes) are bad samples (None: no check)", flag=None
     )
     seed: int = setting(0, "seed of shard order, crops and shuffling", flag=None)
-    shuffle_buffer: int = setting(1024, "samples in each worker's local shuffle buffer (0: none)", ge=0)
+    shuffle_buffer: int = setting(
+        1024, "samples in each worker's local shuffle buffer (0: none)", ge=0, le=MAX_COUNT
+    )
     max_bad_fraction: float = setting(0.01, "share of corrupt samples that fails the job", ge=0, le=1)
     max_lost_shards: int = setting(
         0,
         "shards that give no readable sample (zeros, an HTML page, an empty tar) before the job fails",
         ge=0,
+        le=MAX_COUNT,
     )
     bad_grace_samples: int = setting(
-        1000, "bad samples are held to --max-bad-fraction of at least this many samples seen"
+        1000,
+        "bad samples are held to --max-bad-fraction of at least this many samples seen",
+        ge=0,
+        le=MAX_COUNT,
     )
     max_image_pixels: int = setting(
-        89_478_485, "decompression-bomb limit (PIL's default), checked from the header"
+        89_478_485, "decompression-bomb limit (PIL's default), checked from the header", ge=1, le=MAX_COUNT
     )
-    block_rows: int = setting(256, "samples per read block", ge=1)
+    block_rows: int = setting(256, "samples per read block", ge=1, le=MAX_COUNT)
     # Ray's target block size for this dataset: a decode batch is up to this much encoded data (often a
     # whole shard), an output block about this much patch data (~430 rows at 224 px, patch 14). Fewer,
     # larger blocks cost the consumer less per image (BENCHMARKS.md, "Data pipeline"); peak memory per
     # read task is about 4 blocks.
-    block_bytes: int = setting(64 << 20, "Ray Data's target block size in bytes")
-    read_concurrency: int | None = setting(None, "read tasks at once (none: as many as CPUs allow)")
+    block_bytes: int = setting(64 << 20, "Ray Data's target block size in bytes", ge=1, le=MAX_COUNT)
+    read_concurrency: int | None = setting(
+        None, "read tasks at once (none: as many as CPUs allow)", ge=1, le=MAX_COUNT
+    )
     # A shard whose storage fails is tried read_attempts times in all, waiting read_backoff_s, then
-    # twice that, ... between tries (at most 3.5 s with the defaults), before it counts as lost.
-    read_attempts: int = setting(4, "tries of a shard whose storage fails", ge=1)
+    # twice that, ... between tries (at most 3.5 s with the defaults), before it counts as lost. The
+    # bounds keep that wait within hours (60 s doubled 8 times: 8.5 h), never without an end.
+    read_attempts: int = setting(4, "tries of a shard whose storage fails", ge=1, le=10)
     read_backoff_s: float = setting(
-        0.5, "seconds before the second try of a shard, doubled each try after", ge=0
+        0.5, "seconds before the second try of a shard, doubled each try after", ge=0, le=60
     )
     # A Ray label selector on the read + decode tasks (`build_dataset`): the shipped cluster configs
     # label their CPU-only decode nodes vitray/role=decode (docs/scaling.md, "Where decode runs").

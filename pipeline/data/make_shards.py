@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import cli, settings
+from pipeline.data.config import MAX_IMAGE_SIZE
 from pipeline.data.shards import SHARD_SUFFIXES
 from pipeline.data.synthetic import CLASSES, write_synthetic_shards
 from pipeline.data.writing import ShardSet, brace_url, class_folders, folder_samples, write_shards
-from pipeline.settings import setting
+from pipeline.settings import MAX_COUNT, MAX_SEED, setting
 from pipeline.storage import check_output_dir, is_temporary
 
 FORMATS = ("jpeg", "png")  # how generated or re-encoded images are stored
@@ -31,16 +32,17 @@ class MakeShardsConfig:
 
     out: str = setting(help="directory to write the shards into", metavar="DIR", required=True)
     synthetic: int | None = setting(
-        None, "generate N synthetic images of visibly different classes", metavar="N", ge=1
+        None, "generate N synthetic images of visibly different classes", metavar="N", ge=1, le=MAX_COUNT
     )
     from_folder: str | None = setting(
         None, "read DIR/<class>/<image>; labels are class indices in sorted class-name order", metavar="DIR"
     )
     samples_per_shard: int = setting(
-        128, "samples per shard; use at least as many shards as training workers", metavar="N", ge=1
-    )
+        128, "samples per shard; use at least as many shards as training workers", metavar="N", ge=1,
+        le=MAX_COUNT,
+    )  # fmt: skip
     image_size: int = setting(
-        64, "side of the generated images in pixels, --synthetic only", metavar="N", ge=1
+        64, "side of the generated images in pixels, --synthetic only", metavar="N", ge=1, le=MAX_IMAGE_SIZE
     )
     num_classes: int = setting(
         len(CLASSES), "number of synthetic classes, --synthetic only", metavar="N", ge=1, le=len(CLASSES)
@@ -50,10 +52,13 @@ class MakeShardsConfig:
         "re-encode folder images whose short side exceeds N down to N (none: keep original bytes)",
         metavar="N",
         ge=1,
+        le=MAX_IMAGE_SIZE,
     )
     format: str = setting("jpeg", "encoding of generated or re-encoded images", choices=FORMATS)
     quality: int = setting(90, "JPEG quality", metavar="Q", ge=1, le=95)
-    seed: int = setting(0, "seed of the synthetic content and of the folder's sample order")
+    seed: int = setting(
+        0, "seed of the synthetic content and of the folder's sample order", ge=0, le=MAX_SEED
+    )
     prefix: str = setting("train", "shard file name prefix: <prefix>-000000.tar")
     gzip: bool = setting(False, "write gzip-compressed .tar.gz shards")
     overwrite: bool = setting(

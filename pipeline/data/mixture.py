@@ -44,7 +44,7 @@ import numpy as np
 
 from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples
 from pipeline.data.config import sample_seed
-from pipeline.data.shards import split_top_level
+from pipeline.data.shards import shard_id, split_top_level
 
 Batch = dict[str, np.ndarray]
 
@@ -67,10 +67,16 @@ class Source:
     weight: float = 1.0
 
 
+def is_sources_file(text: str) -> bool:
+    """Whether a ``--data`` names a YAML file of sources (`parse_sources` reads it) rather than a spec."""
+    text = text.strip()
+    return text.endswith((".yaml", ".yml")) and "," not in text
+
+
 def parse_sources(text: str) -> list[Source] | None:
     """The sources of a ``--data`` spec or YAML file, or None for one plain source (read as before)."""
     text = text.strip()
-    if text.endswith((".yaml", ".yml")) and "," not in text:
+    if is_sources_file(text):
         return _from_yaml(text)
     parts = split_top_level(text, ",")
     if not _NAMED.match(parts[0].strip()):
@@ -195,11 +201,12 @@ def _from_yaml(path: str) -> list[Source]:
 
 
 def check_disjoint(shards: dict[str, list[str]]) -> None:
-    """Refuse shards named by two sources (source name -> its expanded shard URLs): each of their samples
-    would be trained twice an epoch, with the same crops. A `MixtureError` naming the sources and shards."""
+    """Refuse shards named by two sources (source name -> its expanded shard URLs; a shard by its name,
+    `shard_id`, however each signs it): each of their samples would be trained twice an epoch, with the
+    same crops. A `MixtureError` naming the sources and shards."""
     owner: dict[str, str] = {}
     for name, urls in shards.items():
-        shared = [url for url in urls if owner.setdefault(url, name) != name]
+        shared = [shard_id(url) for url in urls if owner.setdefault(shard_id(url), name) != name]
         if shared:
             first = owner[shared[0]]
             listed = ", ".join(shared[:3]) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")

@@ -3,7 +3,7 @@
 Rows (one per sample, Arrow blocks of up to ``block_rows`` samples, no per-sample pandas frames):
 
 - ``key``: str, the WebDataset ``__key__``
-- ``url``: str, the shard the sample came from
+- ``url``: str, the shard the sample came from, by its name (`pipeline.data.shards.shard_id`: no query string)
 - ``image``: binary, the encoded image member (b"" on error rows)
 - ``label``: int64, -1 when the sample has none
 - ``error``: str, "" for a good sample, otherwise ``"<category>: <detail>"``
@@ -41,8 +41,9 @@ import pyarrow as pa
 
 from pipeline.data.bad_samples import LOST_SHARD, BadSampleBudgetError
 from pipeline.data.consumed import Consumed
-from pipeline.data.shards import open_shard
+from pipeline.data.shards import open_shard, shard_id
 from pipeline.data.tar import Sample, ShardReadError, iter_samples, open_tar_stream
+from pipeline.redaction import public_text
 from pipeline.storage import Location
 
 SCHEMA = pa.schema(
@@ -219,7 +220,7 @@ def read_shard(
     The samples in ``skip`` (consumed before: `pipeline.data.consumed`) are read past, never made
     into rows; a shard read before is not lost for giving no row now.
     """
-    retry, url = retry or Retry(), str(shard)
+    retry, url = retry or Retry(), shard_id(str(shard))  # rows name the shard, never its signature
     rows: list[Row] = []
     held: Row | None = None  # the latest row, kept back until the next: the last one carries the size
     nbytes, done, last_key = 0, 0, ""  # done: samples read past or made into rows, by every try so far
@@ -299,7 +300,7 @@ def _opened(shard: Location | str) -> Iterator[IO[bytes]]:
         raise ShardReadError(f"{type(e).__name__}: {_one_line(e)}") from e
     try:
         try:
-            stream = open_tar_stream(fileobj, str(shard))  # reads the first bytes (gzip or not)
+            stream = open_tar_stream(fileobj, shard_id(str(shard)))  # reads the first bytes (gzip or not)
         except Exception as e:
             raise ShardReadError(f"{type(e).__name__}: {_one_line(e)}") from e
         yield stream
@@ -336,5 +337,7 @@ def _table(rows: list[Row], url: str) -> pa.Table:
 
 
 def _one_line(e: BaseException) -> str:
+    """The first line of an error's message, its URLs without query string (a storage error names the URL
+    it read, signature and all; error rows go into outputs)."""
     text = str(e).strip().splitlines()
-    return text[0][:200] if text else ""
+    return public_text(text[0])[:200] if text else ""

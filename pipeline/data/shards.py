@@ -13,6 +13,13 @@
 It checks that every shard exists (local shards one by one, stopping at the first missing one; remote
 ones with one listing per directory, not one request per shard) and fails with a `ShardError` naming
 what is wrong and what to do, before any Ray work starts.
+
+A shard is its name, not the URL that reads it: `shard_id` is its URL without userinfo, query string or
+fragment (a signed URL's signature, a SAS token), a local path as it is. Everything that names a shard
+takes it from there: the ``url`` column of its rows (`pipeline.data.rows`), its samples' seeds and its
+place in a checkpoint (its name within the dataset, `shard_name`), the embedding output's file names,
+manifest and records. The query string reaches the storage that reads the shard and nothing else, so
+the same shards signed again, or read from another store or disk, are the same shards.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, Any
 
 from pipeline import compat
+from pipeline.redaction import public_url
 from pipeline.storage import Location, as_location, is_local, local_path
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -56,16 +64,38 @@ def expand_shards(urls: Location | str | Sequence[str]) -> list[str]:
             shards.extend(_expand_one(Location(item, options)))
         except RecursionError as e:  # braces nested thousands deep
             raise ShardError(f"braces nested too deeply in {item[:80]!r}; write plain ranges") from e
-    return list(dict.fromkeys(shards))  # keeps the first occurrence: a shard read twice would repeat samples
+    return distinct(shards)
+
+
+def shard_id(url: str) -> str:
+    """A shard's name: its URL without the userinfo, query string or fragment that reach it (a signed
+    URL's signature, a SAS token; `pipeline.redaction.public_url`), a local path as it is. What names the
+    shard in every output, record and seed (module docstring); the URL whole is only for reading it."""
+    return public_url(url)
+
+
+def distinct(shards: Iterable[str]) -> list[str]:
+    """``shards`` in order, each once: a URL given twice is read once (its samples would repeat). Two URLs
+    of one name (`shard_id`: the same shard signed twice) are a `ShardError`: which one reads it?"""
+    first: dict[str, str] = {}
+    for url in shards:
+        name = shard_id(url)
+        if first.setdefault(name, url) != url:
+            raise ShardError(
+                f"shard {name} is given twice, by URLs that differ only in their query string; a shard is "
+                "named by its URL without it: give each shard once"
+            )
+    return list(first.values())
 
 
 def dataset_root(shards: Sequence[str]) -> str:
-    """The directory (or URL prefix) that holds every shard of a dataset: their longest common prefix,
-    cut back to its last ``/``. A shard's name relative to it (`shard_name`) is what seeds its crops,
-    masks and augmentations, so a dataset copied to another directory or bucket trains the same."""
+    """The directory (or URL prefix) that holds every shard of a dataset: the longest common prefix of
+    their names (`shard_id`), cut back to its last ``/``. A shard's name relative to it (`shard_name`) is
+    what seeds its crops, masks and augmentations, so a dataset copied to another directory or bucket, or
+    signed again, trains the same."""
     common: list[str] | None = None
     for url in shards:
-        parts = url.split("/")[:-1]  # the directories above the shard
+        parts = shard_id(url).split("/")[:-1]  # the directories above the shard
         if common is None:
             common = parts
             continue
@@ -77,8 +107,17 @@ def dataset_root(shards: Sequence[str]) -> str:
 
 
 def shard_name(url: str, root: str) -> str:
-    """``url`` relative to its dataset's `dataset_root` (the whole URL when it is not under ``root``)."""
-    return url[len(root) :] if root and url.startswith(root) else url
+    """The shard's name (`shard_id`) relative to its dataset's `dataset_root` (its whole name when it is
+    not under ``root``)."""
+    name = shard_id(url)
+    return name[len(root) :] if root and name.startswith(root) else name
+
+
+def shard_names(shards: Sequence[str]) -> list[str]:
+    """Every shard's name within its dataset (`shard_name` under their `dataset_root`): what a checkpoint
+    fingerprints a shard list by."""
+    root = dataset_root(shards)
+    return [shard_name(url, root) for url in shards]
 
 
 def split_top_level(text: str, sep: str) -> list[str]:

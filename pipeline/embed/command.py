@@ -44,6 +44,8 @@ def command(args: argparse.Namespace) -> int:
         if not connected:
             cli.connect_ray(args, needed_cpus=devices.local_cpus_needed(plan.config))
         devices.describe_actors(plan.config)
+    if connected or plan.work.pending:  # Ray joined or started: its read tasks need a labelled node
+        cli.check_decode_nodes(plan.config.decode_nodes, local=local)
     cli.start_work()
     summary = job.run(plan, on_commit=progress.EmbedProgress(len(plan.work.pending)).on_commit)
     print("\n" + summary.format(), flush=True)

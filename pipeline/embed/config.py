@@ -7,10 +7,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pipeline import cli, settings
-from pipeline.data.config import DataConfig, EvalOverrides
+from pipeline.data.config import MAX_IMAGE_SIZE, DataConfig, EvalOverrides
 from pipeline.model_source import Weights
-from pipeline.settings import setting
+from pipeline.settings import MAX_COUNT, setting
 from pipeline.storage import Output
+
+MAX_ACTORS = 65_536  # model actors: one GPU each, far above any cluster's GPUs
+MAX_CPUS = 1_024  # CPUs of one actor: a node's, at most
 
 EMBEDDINGS = ("cls", "pre_logits")
 DTYPES = ("float32", "float16")  # how the embedding column is stored
@@ -46,10 +49,12 @@ class EmbedConfig(EvalOverrides, Weights, Output):
         "float32", "storage type of the embedding column (float16: half the bytes)", choices=DTYPES
     )
     image_size: int | None = setting(
-        None, "input resolution (none: the model's; others resample pos_embed)", ge=1
+        None, "input resolution (none: the model's; others resample pos_embed)", ge=1, le=MAX_IMAGE_SIZE
     )
-    batch_size: int | None = setting(None, "images per forward pass (none: 64 on CPU, 256 per GPU)", ge=1)
-    concurrency: int = setting(1, "model actors, one GPU each on GPU", ge=1)
+    batch_size: int | None = setting(
+        None, "images per forward pass (none: 64 on CPU, 256 per GPU)", ge=1, le=MAX_COUNT
+    )
+    concurrency: int = setting(1, "model actors, one GPU each on GPU", ge=1, le=MAX_ACTORS)
     # Chosen by --gpu / --cpu or from the cluster (`pipeline.embed.devices.choose_device`).
     use_gpu: bool = setting(False, "one GPU per model actor, bf16", flag=None)
     cpus_per_actor: float = setting(
@@ -57,6 +62,7 @@ class EmbedConfig(EvalOverrides, Weights, Output):
         "CPUs per model actor, its torch threads on CPU (1 with GPUs or a cluster; "
         "this machine's cores / --concurrency on a local CPU run when not given)",
         gt=0,
+        le=MAX_CPUS,
     )
     label_key: str | None = setting(
         "auto",
@@ -67,6 +73,7 @@ class EmbedConfig(EvalOverrides, Weights, Output):
         0,
         "shards that give no readable sample (zeros, an HTML page, an empty tar) before the job fails",
         ge=0,
+        le=MAX_COUNT,
     )
     # The data stage's own setting, passed to it (`pipeline.embed.job.eval_data_config`): the model's
     # actors run wherever their GPUs are, only the read + decode tasks follow the label.

@@ -37,7 +37,7 @@ from pipeline.data.bad_samples import BadSamples, reason_category
 from pipeline.data.config import DataConfig
 from pipeline.data.dataset import build_dataset, check_shards
 from pipeline.data.mixture import parse_sources
-from pipeline.data.shards import expand_shards
+from pipeline.data.shards import distinct, expand_shards, shard_id
 from pipeline.embed import device_decode, identity
 from pipeline.embed.actor import Embedder, actor_memory, embedding_dim
 from pipeline.embed.config import DEFAULT_LABEL_KEY, EmbedConfig
@@ -57,7 +57,7 @@ class EmbedPlan:
     """Everything `prepare` found out: shards, the loaded model, the eval transform, what is left to do."""
 
     config: EmbedConfig
-    shards: list[str]
+    shards: list[str]  # the URLs that read them; the output knows each by its name (`shard_id`)
     source: ModelSource
     data_config: DataConfig
     header: dict[str, Any]
@@ -173,7 +173,7 @@ def prepare(config: EmbedConfig) -> EmbedPlan:
     # Several named sources (`pipeline.data.mixture`): every source's shards, each keeping its keys.
     sources = parse_sources(config.data)
     parts = [s.urls for s in sources] if sources else [config.data]
-    shards = list(dict.fromkeys(url for urls in parts for url in expand_shards(config.location(urls))))
+    shards = distinct(url for urls in parts for url in expand_shards(config.location(urls)))
     source = load_model_source(
         config.location(config.weights),
         weights_format=config.weights_format,
@@ -203,7 +203,8 @@ def prepare(config: EmbedConfig) -> EmbedPlan:
     }
     header = json.loads(json.dumps(header))
     output = EmbeddingOutput(out, header)
-    work = output.plan(shards, overwrite=config.overwrite)
+    # The output knows a shard by its name: signed again, a committed shard is still done.
+    work = output.plan([shard_id(url) for url in shards], overwrite=config.overwrite)
     return EmbedPlan(config, shards, source, data_config, header, output, work)
 
 
@@ -222,7 +223,9 @@ def run(plan: EmbedPlan, *, on_commit: Callable[[str, dict], None] | None = None
 
         weights = ray.put(pack_state_dict(plan.source.state_dict))
         gpu_decode = config.decode == "gpu"
-        ds = build_dataset(plan.work.pending, plan.data_config, train=False, encoded=gpu_decode)
+        read = {shard_id(url): url for url in plan.shards}  # a pending shard's name -> the URL that reads it
+        pending = [read[name] for name in plan.work.pending]
+        ds = build_dataset(pending, plan.data_config, train=False, encoded=gpu_decode)
         ds = ds.map_batches(
             Embedder,
             fn_constructor_kwargs={

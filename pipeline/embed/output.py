@@ -11,10 +11,16 @@ each row has unit L2 norm. Both are part of the output's identity, its manifest 
 The underscore names stay out of directory reads: pyarrow, pandas, Spark and DuckDB globs skip ``_`` and
 ``.`` names, so ``pandas.read_parquet(out)`` reads exactly the embeddings.
 
-File names: ``<stem>-<first 8 hex of sha256(shard url)>.parquet``, where the stem is the shard's file name
+Shards by name: the output knows a shard by its URL without userinfo, query string or fragment
+(`pipeline.data.shards.shard_id`): its rows' ``url``, its file name, its record and the manifest hold that
+name, never a signature, and the same shards signed again are the same shards (done ones stay done). An
+older version named a shard read through a signed URL by the URL whole; its records and footers are read
+by the shard's name, so such an output resumes, its files under the names they have.
+
+File names: ``<stem>-<first 8 hex of sha256(shard name)>.parquet``, where the stem is the shard's file name
 without its .tar/.tar.gz/.tgz suffix, every run of characters other than letters, digits, ``_`` and ``-``
 made one ``-``, and leading or trailing ``-``/``_`` dropped (``shard`` if nothing is left). A pure function
-of the URL: a rerun maps each shard to the same file (so committed shards are skipped), and two URLs never
+of the name: a rerun maps each shard to the same file (so committed shards are skipped), and two URLs never
 share a name, whatever runs embed them, in any order or at once (``a/x.tar`` and ``b/x.tar`` give two
 hashes). No name starts with ``_`` or ``.`` (``_a.tar`` and ``.b.tar`` give ``a-…`` and ``b-…``, which
 every reader sees), and none holds a dot before ``.parquet``, so none is taken for the job's temporaries
@@ -66,7 +72,7 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.data.bad_samples import LOST_SHARD, reason_category
-from pipeline.data.shards import SHARD_SUFFIXES
+from pipeline.data.shards import SHARD_SUFFIXES, shard_id
 from pipeline.embed import identity
 from pipeline.embed.identity import difference
 
@@ -82,7 +88,8 @@ DTYPES = {"float32": (np.float32, pa.float32()), "float16": (np.float16, pa.floa
 
 def output_name(url: str) -> str:
     """``.../train-000003.tar.gz`` -> ``train-000003-<8 hex of sha256(url)>.parquet``, visible to every
-    Parquet reader and never a temporary's name (see the module docstring)."""
+    Parquet reader and never a temporary's name (see the module docstring); ``url`` is the shard's name
+    (`shard_id`), as everything here takes it."""
     base = url.rstrip("/").rsplit("/", 1)[-1]
     for suffix in SHARD_SUFFIXES:
         if base.lower().endswith(suffix):
@@ -206,7 +213,8 @@ class EmbeddingOutput:
         held = identity.read(self.out) or old
         temporaries = sorted(n for n in files if storage.is_temporary(n) and self._stale(n))
         commits, _ = self.read_records()
-        listed = {**(old or {}).get("shards", {}), **commits}  # records are newer than any manifest
+        manifested = {shard_id(u): r for u, r in (old or {}).get("shards", {}).items()}
+        listed = {**manifested, **commits}  # records are newer than any manifest
         if held is not None and not overwrite:
             why = difference(held, self.header)
             if why is not None:
@@ -317,10 +325,12 @@ class EmbeddingOutput:
             if not isinstance(record, dict) or "url" not in record:
                 continue
             self._read_cache[(name, size)] = record
+            # By the shard's name: an older version's record may name it by a signed URL.
+            url = shard_id(str(record["url"]))
             if name.endswith(FAILED):
-                failures[record["url"]] = str(record.get("reason", ""))
+                failures[url] = str(record.get("reason", ""))
             else:
-                commits[record["url"]] = {k: v for k, v in record.items() if k != "url"}
+                commits[url] = {k: v for k, v in record.items() if k != "url"}
         return commits, {u: r for u, r in failures.items() if u not in commits}
 
     def _record_path(self, name: str, suffix: str = ".json") -> storage.Location:
@@ -348,7 +358,8 @@ class EmbeddingOutput:
                 about = json.loads(meta.metadata[METADATA_KEY])
             except (OSError, KeyError, ValueError, TypeError, pa.ArrowException):
                 return url, None
-            mine = about.get("shard", {}).get("url") == url and difference(about, self.header) is None
+            named = shard_id(str(about.get("shard", {}).get("url")))  # an older version's: maybe signed
+            mine = named == url and difference(about, self.header) is None
             return url, meta.num_rows if mine else None
 
         if not names:

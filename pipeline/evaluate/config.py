@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from pipeline import cli, settings
 from pipeline.data.config import EvalOverrides
 from pipeline.model_source import Weights
-from pipeline.settings import setting
+from pipeline.settings import MAX_COUNT, setting
 from pipeline.storage import Output, Storage
 
 FEW_SHOTS = (1, 5, 10, 25)  # images per class, as in the paper's few-shot table
@@ -33,21 +33,25 @@ class EvaluateConfig(Storage):
     )
     test: str = setting(help="embedding output to score on", required=True)
     json: str | None = setting(None, "also write the figures to this JSON file (local, s3://, gs://)")
-    k: int = setting(20, "neighbours in the k-NN vote (cosine similarity, one vote each)", ge=1)
+    k: int = setting(20, "neighbours in the k-NN vote (cosine similarity, one vote each)", ge=1, le=MAX_COUNT)
     shots: tuple[int, ...] = setting(
         FEW_SHOTS,
         "few-shot sizes, images per class, comma-separated",
         parse=shot_list,
         metavar="N,N,...",
         ge=1,
+        le=MAX_COUNT,
         required=True,
     )
-    seeds: int = setting(5, "few-shot draws per size, averaged", ge=1)
-    l2_reg: float = setting(1.0, "few-shot ridge penalty (features centered, intercept not penalized)", ge=0)
-    probe_c: float = setting(
-        1.0, "inverse L2 strength of the logistic-regression probe (scikit-learn's C)", gt=0
+    seeds: int = setting(5, "few-shot draws per size, averaged", ge=1, le=1000)
+    # A penalty or an inverse one past 1e9 is, for unit-scale features, none at all or an infinite one.
+    l2_reg: float = setting(
+        1.0, "few-shot ridge penalty (features centered, intercept not penalized)", ge=0, le=1e9
     )
-    probe_max_iter: int = setting(1000, "L-BFGS iterations of the probe", ge=1)
+    probe_c: float = setting(
+        1.0, "inverse L2 strength of the logistic-regression probe (scikit-learn's C)", gt=0, le=1e9
+    )
+    probe_max_iter: int = setting(1000, "L-BFGS iterations of the probe", ge=1, le=MAX_COUNT)
     overwrite: bool = setting(False, "replace a --json file that is no evaluation report")
 
     def __post_init__(self) -> None:
@@ -74,8 +78,10 @@ class AnalyzeConfig(EvalOverrides, Weights, Output):
     data: str = setting(
         help="shards to take the images from (path, directory, glob, brace range, s3://, ...)", required=True
     )
-    images: int = setting(32, "images the attention distances are averaged over", ge=1)
-    batch_size: int = setting(8, "images per forward pass (attention maps are (B, H, T, T) per layer)", ge=1)
+    images: int = setting(32, "images the attention distances are averaged over", ge=1, le=MAX_COUNT)
+    batch_size: int = setting(
+        8, "images per forward pass (attention maps are (B, H, T, T) per layer)", ge=1, le=MAX_COUNT
+    )
     cpu: bool = setting(False, "stay on CPU where a GPU is")
 
     def validate(self) -> None:

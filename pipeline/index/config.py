@@ -34,9 +34,11 @@ class IndexConfig(Output):
         "auto: flat up to 50,000 rows, else hnsw where it fits --memory-gb, else ivfpq",
         choices=KINDS,
     )
-    memory_gb: float = setting(8.0, "memory the index may take while it is built and searched (GiB)", gt=0)
+    memory_gb: float = setting(  # a million GiB: a thousand of today's largest hosts
+        8.0, "memory the index may take while it is built and searched (GiB)", gt=0, le=1e6
+    )
     batch_rows: int = setting(
-        65536, "rows read from the Parquet files at a time (streamed, never all at once)", ge=1
+        65536, "rows read from the Parquet files at a time (streamed, never all at once)", ge=1, le=MAX_KNOB
     )
     ray_tasks: int = setting(
         0,
@@ -44,6 +46,7 @@ class IndexConfig(Output):
         "(flat or ivfpq: --kind auto skips hnsw); 0: all in this process, no Ray",
         metavar="N",
         ge=0,
+        le=65_536,
     )
 
     def validate(self) -> None:
@@ -70,6 +73,8 @@ class SearchConfig(Storage):
         "write every pair of rows at least this similar (cosine, normalized outputs) or at most this far "
         "(L2 distance, others) to --out, among each row's --k nearest",
         metavar="THRESHOLD",
+        ge=-1,  # a cosine similarity's least
+        le=1e6,  # an L2 distance past any two embeddings' (their norms are tens)
     )
     out: str | None = setting(None, "Parquet file for --near-duplicates pairs (local, s3://, gs://)")
     nprobe: int | None = setting(

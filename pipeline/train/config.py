@@ -16,6 +16,7 @@ configs of older runs, version 1, still load).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -113,7 +114,8 @@ class TrainConfig:
     def check_batch(self) -> None:
         """A one-line ValueError for a global batch that some world size of ``--num-workers`` cannot
         split into micro-batches: for a range, refused at the start, with the batch sizes that work at
-        every size, rather than found at the first resize."""
+        every size, rather than found at the first resize. Its arithmetic does not grow with the range:
+        the sizes that split the batch are divisors of batch / micro-batch (at most ~46,000 tried)."""
         cluster, micro, batch = self.cluster, self.optim.micro_batch_size, self.optim.batch_size
         if isinstance(cluster.num_workers, int):
             if self.accumulation(cluster.num_workers) is None:
@@ -122,17 +124,26 @@ class TrainConfig:
                     f"= {micro * cluster.num_workers}; pick a batch size divisible by it"
                 )
             return
-        failing = [n for n in cluster.world_sizes if self.accumulation(n) is None]
+        low, high = cluster.min_workers, cluster.max_workers
+        works = [n for n in _divisors(batch // micro) if low <= n <= high] if batch % micro == 0 else []
+        failing = high - low + 1 - len(works)
         if not failing:
             return
-        works = [n for n in cluster.world_sizes if self.accumulation(n) is not None]
-        unit = micro * math.lcm(*cluster.world_sizes)  # the smallest batch that splits at every size
+        taken = set(works)
+        first = list(itertools.islice((n for n in range(low, high + 1) if n not in taken), _SHOWN))
+        # The smallest batch that splits at every size: micro x lcm(low..high), named only when it is
+        # within 64 batches (the lcm of a wide range is astronomical; it stops growing there).
+        unit, most = micro, 64 * batch
+        for n in range(low, high + 1):
+            unit = math.lcm(unit, micro * n)
+            if unit > most:
+                break
         raise ValueError(
-            f"--batch-size {batch} with --micro-batch-size {micro} does not split over {_listed(failing)} "
-            f"worker(s) of --num-workers {shown_workers(cluster.num_workers)}"
-            + (f" (it does over {_listed(works)})" if works else "")
+            f"--batch-size {batch} with --micro-batch-size {micro} does not split over "
+            f"{_listed(first, failing)} worker(s) of --num-workers {shown_workers(cluster.num_workers)}"
+            + (f" (it does over {_listed(works, len(works))})" if works else "")
             + "; an elastic run keeps the global batch at every size: "
-            + (f"pick a multiple of {unit} (e.g. {unit}, {2 * unit}), or " if unit <= 64 * batch else "")
+            + (f"pick a multiple of {unit} (e.g. {unit}, {2 * unit}), or " if unit <= most else "")
             + "narrow the range to sizes that split it"
         )
 
@@ -167,10 +178,20 @@ class TrainConfig:
         return nested
 
 
-def _listed(numbers: list[int], most: int = 6) -> str:
-    """``2, 3, 5`` or, past ``most`` numbers, ``65, 66, 67, 68, 69, 70, ... (52 in all)``."""
-    shown = ", ".join(map(str, numbers[:most]))
-    return shown if len(numbers) <= most else f"{shown}, ... ({len(numbers)} in all)"
+_SHOWN = 6  # sizes a message lists before it counts the rest
+
+
+def _listed(numbers: list[int], total: int) -> str:
+    """``2, 3, 5`` or, of more than `_SHOWN` numbers (``total``), ``65, 66, 67, 68, 69, 70, ... (52 in
+    all)``."""
+    shown = ", ".join(map(str, numbers[:_SHOWN]))
+    return shown if total <= _SHOWN else f"{shown}, ... ({total:,} in all)"
+
+
+def _divisors(number: int) -> list[int]:
+    """The divisors of ``number`` (>= 1) in order, in about sqrt(number) steps."""
+    small = [d for d in range(1, math.isqrt(number) + 1) if number % d == 0]
+    return small + [number // d for d in reversed(small) if d * d != number]
 
 
 def worker_config(loop_config: dict[str, Any]) -> TrainConfig:

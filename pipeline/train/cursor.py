@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
-from pipeline.data.shards import dataset_root, shard_name
+from pipeline.data.shards import shard_names
 from pipeline.train.position import EpochPosition
 from pipeline.train.source_position import SourcesPosition
 from pipeline.train.state import TrainState, gather_bad_samples
@@ -97,10 +97,9 @@ def changed_parts(saved: str, now: str) -> str:
 def stream_fingerprint(shards: list[str], seed: int, shuffle_buffer: int) -> str:
     """What fixes the order of every rank's samples in an epoch, beside the layout: a resume re-reads
     a position only in the stream it was taken from. The shards count by their names within the
-    dataset (`shard_name`), as the seeds of their samples do, so data moved to another directory or
-    bucket is the same stream."""
-    root = dataset_root(shards)
-    names = [shard_name(url, root) for url in shards]
+    dataset (`shard_names`), as the seeds of their samples do, so data moved to another directory or
+    bucket, or signed again, is the same stream."""
+    names = shard_names(shards)
     return fingerprint([names, seed, shuffle_buffer], shards=names, seed=seed, shuffle=shuffle_buffer)
 
 

@@ -48,7 +48,7 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig, shard_order
 from pipeline.data.dataset import Batch, micro_batches
 from pipeline.data.mixture import SourceReader, mixed_micro_batches, pass_epoch, shares
-from pipeline.data.shards import dataset_root, shard_name
+from pipeline.data.shards import dataset_root, shard_names
 from pipeline.train.config import TrainConfig
 from pipeline.train.cursor import EpochCursor, Position, fingerprint, stream_fingerprint
 from pipeline.train.position import EpochPosition
@@ -137,10 +137,7 @@ class Mixture:
         """What fixes every rank's mixed stream beside the layout (as `pipeline.train.cursor.
         stream_fingerprint` for one source): each source's shard names, its weight, the seed, the shuffle
         buffer and what a source that runs out does."""
-        named = [
-            [name, [shard_name(url, dataset_root(shards)) for url in shards]]
-            for name, shards in zip(self.names, self.shards, strict=True)
-        ]
+        named = [[name, shard_names(shards)] for name, shards in zip(self.names, self.shards, strict=True)]
         whole = [[[n, w, s] for (n, s), w in zip(named, self.weights, strict=True)], seed, shuffle_buffer]
         return fingerprint(
             [*whole, self.exhausted],

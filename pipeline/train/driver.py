@@ -202,9 +202,12 @@ def check_cluster(config: TrainConfig, *, local_ray: bool) -> None:
 
     A local Ray must have the GPUs the run asks for (a joined cluster's autoscaler may still bring
     them). A joined cluster must not get a local `--out` that its nodes do not share
-    (`pipeline.train.resources.local_out_problem`).
+    (`pipeline.train.resources.local_out_problem`). With ``--decode-nodes``, a node must carry the label:
+    at once on a local Ray, within a bounded wait on a cluster (`pipeline.cli.check_decode_nodes`).
     """
     import ray
+
+    cli.check_decode_nodes(config.data.decode_nodes, local=local_ray)
 
     if local_ray:
         gpus = ray.cluster_resources().get("GPU", 0)

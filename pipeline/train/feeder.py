@@ -29,8 +29,10 @@ reach the same steps as inline, at the same and at another world size. The train
 cursor, the agreements and the checkpoints; the feeder has none of them.
 
 Head start. The feeder's `Prefetcher` builds ``--prefetch-steps`` ahead, and the training process keeps as
-many ``next`` calls in flight (at least one) from a thread that receives the replies (`FeederInputs`), so a
-step's arrays are in shared memory, and copied out of it, before the training thread asks.
+many ``next`` calls in flight (at least one; at most as many as a share of the node's object store holds,
+`calls_in_flight`: each reply in flight is a step's input there) from a thread that receives the replies
+(`FeederInputs`), so a step's arrays are in shared memory, and copied out of it, before the training
+thread asks.
 When the feeder's stream runs dry, its final counts ride on its next reply, and the loop's ``on_dry``
 opens the next epoch on the same feeder while this epoch's last steps train.
 
@@ -58,6 +60,7 @@ from typing import Any
 
 import numpy as np
 import ray
+import ray.train
 import torch
 import torch.distributed as dist
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -74,6 +77,40 @@ from pipeline.train.state import Rank
 # builds ahead: a wait this long is a feeder that is stuck, whose rank is failed rather than left to
 # hang the run. Far above the slowest first input of an epoch seen (a new pipeline: seconds).
 WAIT_S = 600.0
+# The share of its node's object store that one rank's replies in flight may fill, split between the
+# ranks of the node: the rest holds the decode tasks' blocks and what else the run puts there.
+IN_FLIGHT_SHARE = 0.25
+
+
+def calls_in_flight(depth: int, step_bytes: int, store_bytes: float, ranks_on_node: int) -> int:
+    """How many ``next`` calls a rank keeps in flight: ``depth`` (``--prefetch-steps``), at most as many
+    step inputs of ``step_bytes`` as its part of `IN_FLIGHT_SHARE` of the node's object store
+    (``store_bytes``, shared by ``ranks_on_node``) holds, and at least one."""
+    room = int(store_bytes * IN_FLIGHT_SHARE / max(ranks_on_node, 1)) // max(step_bytes, 1)
+    return max(1, min(depth, room))
+
+
+def step_bytes(config: TrainConfig, data_config: DataConfig, accum: int) -> int:
+    """The bytes of one step's input on a rank, its uint8 patches and (MAE) an int64 index a patch."""
+    patches = (data_config.image_size // data_config.patch_size) ** 2
+    return config.optim.micro_batch_size * accum * patches * (data_config.patch_size**2 * 3 + 8)
+
+
+def node_store_bytes() -> float:
+    """This node's object store, in bytes (the cluster's where Ray does not list the node)."""
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == here:
+            return float(node.get("Resources", {}).get("object_store_memory", 0.0))
+    return float(ray.cluster_resources().get("object_store_memory", 0.0))
+
+
+def ranks_on_node() -> int:
+    """The training ranks on this node (Ray Train's local world size; 1 outside a Train run: a test's)."""
+    try:
+        return ray.train.get_context().get_local_world_size()
+    except RuntimeError:
+        return 1
 
 
 class Feeder:
@@ -282,7 +319,8 @@ class FeederInputs:
 
 class FeederPlan:
     """The rank's plan with its pipeline in a feeder (module docstring); what the loop asks of the plan
-    beside the step inputs (position, fingerprint, decode CPUs, metrics) is the inline plan's."""
+    beside the step inputs (position, fingerprint, decode CPUs, metrics) is the inline plan's. ``depth``:
+    the ``next`` calls its step inputs keep in flight (`calls_in_flight`)."""
 
     def __init__(self, inline: DataPlan, me: Rank, depth: int):
         self.inline, self.me, self.depth = inline, me, depth
@@ -347,4 +385,10 @@ def feeder_plan_for(
     plan = plan_for(loop_config, config, data_config, me, columns)
     if config.speed.data_process != "feeder":
         return plan
-    return FeederPlan(plan, me, config.speed.prefetch_steps)
+    in_flight = calls_in_flight(
+        config.speed.prefetch_steps,
+        step_bytes(config, data_config, me.accum),
+        node_store_bytes(),
+        ranks_on_node(),
+    )
+    return FeederPlan(plan, me, in_flight)

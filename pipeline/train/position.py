@@ -34,13 +34,13 @@ from typing import Any
 import torch.distributed as dist
 
 from pipeline.data.consumed import Consumed
-from pipeline.data.shards import dataset_root, shard_name
+from pipeline.data.shards import shard_id, shard_names
 
 
 def shards_fingerprint(shards: list[str]) -> str:
-    """The shard list by the shards' names within their dataset (data moved elsewhere keeps it)."""
-    root = dataset_root(shards)
-    names = json.dumps([shard_name(url, root) for url in shards])
+    """The shard list by the shards' names within their dataset (data moved elsewhere, or signed again,
+    keeps it)."""
+    names = json.dumps(shard_names(shards))
     return hashlib.sha256(names.encode()).hexdigest()[:16]
 
 
@@ -50,7 +50,8 @@ class EpochPosition:
     def __init__(self, shards: list[str]):
         self.shards = shards
         self.fingerprint = shards_fingerprint(shards)
-        self.slots = {url: i for i, url in enumerate(shards)}
+        # By the shard's name (`shard_id`), as rows give it: a shard list may hold signed URLs.
+        self.slots = {shard_id(url): i for i, url in enumerate(shards)}
         self.done: set[int] = set()
         self.partial: dict[int, Consumed] = {}
         self.sizes: dict[int, int] = {}
@@ -64,7 +65,8 @@ class EpochPosition:
         self.add(counted)
 
     def add(self, samples: Iterable[tuple[str, int, int]]) -> None:
-        """Samples as (url, index, shard_size: -1 unless the shard's last row)."""
+        """Samples as (url, index, shard_size: -1 unless the shard's last row), the url a shard's name as
+        rows give it (`pipeline.data.shards.shard_id`)."""
         by_slot: dict[int, list[int]] = {}
         for url, index, size in samples:
             slot = self.slots.get(url)
@@ -150,11 +152,10 @@ class EpochPosition:
     def deal(self, order: list[str], rank: int, world: int) -> tuple[list[str], dict[str, Consumed]]:
         """(A rank's shards: every ``world``-th of the shards in ``order``, the epoch's shard order, that
         still hold a sample to consume; for the read stage, the consumed samples of each that has some)."""
-        remaining = [url for url in order if self.slots[url] not in self.done]
+        slot = {url: self.slots[shard_id(url)] for url in order}
+        remaining = [url for url in order if slot[url] not in self.done]
         shards = remaining[rank::world]
-        return shards, {
-            url: self.partial[self.slots[url]] for url in shards if self.slots[url] in self.partial
-        }
+        return shards, {url: self.partial[slot[url]] for url in shards if slot[url] in self.partial}
 
     @property
     def samples(self) -> int:

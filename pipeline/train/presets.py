@@ -329,9 +329,7 @@ def training_parser(
 ) -> argparse.ArgumentParser:
     """The command line of a training job: ``--preset``, a flag per `TrainConfig` setting (less
     ``exclude``), and Ray's flags."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.JobParser(prog=prog, description=description)
     parser.add_argument(
         "--preset",
         default=default_preset,

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from pipeline import settings
-from pipeline.data.mixture import EXHAUSTED, parse_sources
-from pipeline.settings import setting
+from pipeline.data.mixture import EXHAUSTED, is_sources_file, parse_sources
+from pipeline.settings import MAX_COUNT, MAX_SEED, setting
 from vit.config import REGULARIZATION_FIELDS
 
 OBJECTIVES = ("supervised", "mae")  # pipeline.train.objective has one class for each
@@ -27,22 +26,13 @@ LR_SCHEDULES = ("cosine", "linear")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DATA_PROCESSES = ("inline", "feeder")  # pipeline.train.feeder runs the second
 HEAD_INITS = ("zero", "probe")  # pipeline.train.finetune starts the new head from one of them
-
-
-def _at_least(section: Any, names: tuple[str, ...], minimum: int = 1) -> None:
-    for name in names:
-        if getattr(section, name) < minimum:
-            raise ValueError(
-                f"{settings.flag(type(section), name)} must be at least {minimum}, got {getattr(section, name)}"
-            )
-
-
-def _one_of(section: Any, name: str, allowed: tuple[str, ...]) -> None:
-    if getattr(section, name) not in allowed:
-        raise ValueError(
-            f"{settings.flag(type(section), name)} must be one of {', '.join(allowed)}, "
-            f"got {getattr(section, name)!r}"
-        )
+# The largest group of training workers (--num-workers N or MAX): far above any Ray cluster run so far
+# (Ray documents clusters of ~2,000 nodes), and the bound that keeps the checks over a range quick.
+MAX_WORKERS = 65_536
+# The widest and deepest an MAE decoder may be set: far above any published one (MAE's: 512 wide, 8 deep).
+MAX_WIDTH, MAX_DEPTH = 16_384, 1_024
+# CPUs one worker may reserve: a node's, at most (the largest today have a few hundred).
+MAX_CPUS = 1_024
 
 
 def worker_count(text: str) -> int | tuple[int, int]:
@@ -68,7 +58,7 @@ class ArchConfig:
     """Which network is trained, and from what."""
 
     model: str = setting("vit_b16", "model variant, e.g. vit_b16, vit_h14 (see vit.VARIANTS)")
-    num_classes: int = setting(1000, "number of label classes of the head", ge=1)
+    num_classes: int = setting(1000, "number of label classes of the head", ge=1, le=MAX_COUNT)
     model_overrides: dict[str, Any] = setting(
         help="ViTConfig fields that replace the variant's, as JSON", factory=dict, flag=None
     )
@@ -113,11 +103,15 @@ class TaskConfig:
         "supervised (labels, classifier) or mae (masked autoencoding, no labels)",
         choices=OBJECTIVES,
     )
-    mask_ratio: float = setting(0.75, "MAE: share of each image's patches hidden from the encoder")
+    mask_ratio: float = setting(
+        0.75, "MAE: share of each image's patches hidden from the encoder", gt=0, lt=1
+    )
     norm_pix_loss: bool = setting(True, "MAE: reconstruct each patch's standardized pixels, not raw ones")
-    decoder_dim: int = setting(512, "MAE: width of the decoder's tokens")
-    decoder_depth: int = setting(8, "MAE: decoder blocks")
-    decoder_num_heads: int = setting(16, "MAE: decoder attention heads (must divide the decoder's width)")
+    decoder_dim: int = setting(512, "MAE: width of the decoder's tokens", ge=1, le=MAX_WIDTH)
+    decoder_depth: int = setting(8, "MAE: decoder blocks", ge=1, le=MAX_DEPTH)
+    decoder_num_heads: int = setting(
+        16, "MAE: decoder attention heads (must divide the decoder's width)", ge=1, le=MAX_WIDTH
+    )
     label_smoothing: float = setting(
         0.0, "supervised: share of each target spread evenly over all classes (0: off; DeiT: 0.1)", ge=0, lt=1
     )
@@ -126,14 +120,14 @@ class TaskConfig:
         "supervised: Mixup, each micro-batch blended with itself reversed by a weight ~ Beta(a, a) "
         "(0: off; DeiT: 0.8)",
         ge=0,
-        lt=math.inf,
+        le=100,  # Beta(a, a) past a = 100 is 0.5 within a few percent: no mix of its own
     )
     cutmix_alpha: float = setting(
         0.0,
         "supervised: CutMix, a box of the reversed micro-batch pasted in, its share ~ Beta(a, a) "
         "(0: off; DeiT: 1.0)",
         ge=0,
-        lt=math.inf,
+        le=100,
     )
     mix_prob: float = setting(
         1.0, "with --mixup-alpha or --cutmix-alpha: chance that a micro-batch is mixed", ge=0, le=1
@@ -152,11 +146,6 @@ class TaskConfig:
                 f"{', '.join(settings.flag(type(self), n) for n in soft)}: soft targets of supervised "
                 f"training; drop them for --objective {self.objective}"
             )
-        if not 0 < self.mask_ratio < 1:
-            raise ValueError(
-                f"--mask-ratio must be strictly between 0 and 1 (MAE's is 0.75), got {self.mask_ratio}"
-            )
-        _at_least(self, ("decoder_dim", "decoder_depth", "decoder_num_heads"))
         if self.decoder_dim % 4 or self.decoder_dim % self.decoder_num_heads:
             raise ValueError(
                 f"--decoder-dim {self.decoder_dim} must be a multiple of 4 and of --decoder-num-heads "
@@ -172,24 +161,25 @@ class OptimConfig:
         "adamw", "adamw, or sgd with momentum (the paper's fine-tuning)", choices=OPTIMIZERS
     )
     momentum: float = setting(0.9, "SGD momentum", ge=0, lt=1)
-    batch_size: int = setting(4096, "global batch: images per optimizer step across all workers", ge=1)
+    batch_size: int = setting(
+        4096, "global batch: images per optimizer step across all workers", ge=1, le=MAX_COUNT
+    )
     micro_batch_size: int = setting(
-        64, "images per worker per forward/backward (accumulation covers the rest)", ge=1
+        64, "images per worker per forward/backward (accumulation covers the rest)", ge=1, le=MAX_COUNT
     )
-    lr: float = setting(1e-3, "peak learning rate, after warmup", gt=0, lt=math.inf)
-    min_lr: float = setting(0.0, "learning rate at the end of the decay")
-    weight_decay: float = setting(
-        0.1, "weight decay (not on biases, norms, pos/CLS embeddings)", ge=0, lt=math.inf
-    )
+    # No recipe trains at a rate past 100 (LARS at a batch of 32k: ~13), nor decays weights past 10.
+    lr: float = setting(1e-3, "peak learning rate, after warmup", gt=0, le=100)
+    min_lr: float = setting(0.0, "learning rate at the end of the decay", ge=0, le=100)
+    weight_decay: float = setting(0.1, "weight decay (not on biases, norms, pos/CLS embeddings)", ge=0, le=10)
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas B1,B2", metavar="B1,B2", ge=0, lt=1)
-    warmup_steps: int = setting(10_000, "linear warmup steps")
-    max_steps: int = setting(100_000, "optimizer steps of the schedule", ge=1)
+    warmup_steps: int = setting(10_000, "linear warmup steps", ge=0, le=MAX_COUNT)
+    max_steps: int = setting(100_000, "optimizer steps of the schedule", ge=1, le=MAX_COUNT)
     lr_schedule: str = setting("cosine", "decay after warmup: cosine or linear", choices=LR_SCHEDULES)
     grad_clip: float = setting(
-        1.0, "global gradient-norm clipping threshold (0: no clipping; DeiT trains without)", ge=0
+        1.0, "global gradient-norm clipping threshold (0: no clipping; DeiT trains without)", ge=0, le=1e9
     )
     max_skipped_steps: int = setting(
-        5, "steps in a row skipped for a non-finite loss or gradient that fail the run", ge=1
+        5, "steps in a row skipped for a non-finite loss or gradient that fail the run", ge=1, le=MAX_COUNT
     )
     layer_decay: float = setting(
         1.0,
@@ -209,6 +199,7 @@ class OptimConfig:
         1,
         "with --ema-decay: steps between EMA updates, each then by decay^N (the same horizon in steps)",
         ge=1,
+        le=MAX_COUNT,
     )
 
     def validate(self) -> None:
@@ -255,6 +246,7 @@ class SpeedConfig:
         "steps of input built ahead on a background thread, hence the steps the next epoch's "
         "pipeline starts ahead (0: built by the step)",
         ge=0,
+        le=256,  # each one is a step's input held in memory (and, with a feeder, a call in flight)
     )
     data_process: str = setting(
         "inline", "where each worker's data pipeline runs: inline (a thread of the training process) or "
@@ -278,18 +270,27 @@ class ClusterConfig:
         "grown or shrunk from the latest checkpoint as nodes join or leave (docs/scaling.md)",
         metavar="N|MIN-MAX",
         parse=worker_count,
+        ge=1,
+        le=MAX_WORKERS,
     )
     use_gpu: bool = setting(True, "train on GPU workers (NCCL); --cpu: CPU workers (gloo)", negative="cpu")
-    cpus_per_worker: float = setting(1.0, "CPUs reserved per training worker; the rest decode data")
+    cpus_per_worker: float = setting(
+        1.0, "CPUs reserved per training worker; the rest decode data", gt=0, le=MAX_CPUS
+    )
     placement_strategy: str = setting(
         "PACK", "workers over nodes: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD", choices=PLACEMENTS
     )
     data_cpus_per_worker: float | None = setting(
         None,
         "decode CPUs of each worker's data pipeline (none: the cluster's spare CPUs, re-read each epoch)",
+        gt=0,
+        le=MAX_CPUS,
     )
     shard_group_size: int | None = setting(
-        None, "workers per FSDP shard group; groups replicate each other (HSDP) (none: the workers of a node)"
+        None,
+        "workers per FSDP shard group; groups replicate each other (HSDP) (none: the workers of a node)",
+        ge=1,
+        le=MAX_WORKERS,
     )
     shared_out: bool = setting(
         False, "a local --out is one filesystem mounted at the same path on every node"
@@ -311,21 +312,19 @@ class ClusterConfig:
         return range(self.min_workers, self.max_workers + 1)
 
     def validate(self) -> None:
-        if isinstance(self.num_workers, int):
-            _at_least(self, ("num_workers",))
-        elif self.min_workers < 1 or self.max_workers < self.min_workers:
+        low, high = self.min_workers, self.max_workers
+        if not isinstance(self.num_workers, int) and not 1 <= low <= high <= MAX_WORKERS:
             raise ValueError(
-                f"--num-workers {shown_workers(self.num_workers)} must be N or MIN-MAX with 1 <= MIN <= MAX, "
-                "e.g. 8 or 2-8"
+                f"--num-workers {shown_workers(self.num_workers)} must be N or MIN-MAX with "
+                f"1 <= MIN <= MAX <= {MAX_WORKERS:,}, e.g. 8 or 2-8"
             )
-        _one_of(self, "placement_strategy", PLACEMENTS)
-        if self.data_cpus_per_worker is not None and self.data_cpus_per_worker <= 0:
-            raise ValueError(f"--data-cpus-per-worker must be positive, got {self.data_cpus_per_worker}")
+        settings.check(self)  # every bound declared above, before any arithmetic over the range
         group = self.shard_group_size
-        if group is not None and (group < 1 or any(n % group for n in self.world_sizes)):
+        # A group divides every size of the range: one size it divides, or a group of one.
+        if group is not None and not (group == 1 or (low == high and low % group == 0)):
             raise ValueError(
                 f"--shard-group-size {group} does not divide --num-workers {shown_workers(self.num_workers)}"
-                f"{' at every size' if self.min_workers < self.max_workers else ''}; use a divisor of it "
+                f"{' at every size' if low < high else ''}; use a divisor of it "
                 "(usually the GPUs of one node), or leave it out"
             )
 
@@ -353,19 +352,23 @@ class RunConfig:
     overwrite: bool = setting(
         False, "write into an --out that holds files no training run wrote (they may be replaced)"
     )
-    seed: int = setting(0, "seed of initialization, shard order, crops and shuffling")
-    eval_every: int = setting(0, "steps between evaluations of --eval-data (0: only at the end)", ge=0)
-    log_every: int = setting(10, "steps between log lines / metrics.jsonl rows", ge=1)
-    checkpoint_every: int = setting(1000, "steps between checkpoints", ge=1)
-    keep_checkpoints: int = setting(3, "checkpoints kept (oldest deleted first)", ge=1)
+    seed: int = setting(0, "seed of initialization, shard order, crops and shuffling", ge=0, le=MAX_SEED)
+    eval_every: int = setting(
+        0, "steps between evaluations of --eval-data (0: only at the end)", ge=0, le=MAX_COUNT
+    )
+    log_every: int = setting(10, "steps between log lines / metrics.jsonl rows", ge=1, le=MAX_COUNT)
+    checkpoint_every: int = setting(1000, "steps between checkpoints", ge=1, le=MAX_COUNT)
+    keep_checkpoints: int = setting(3, "checkpoints kept (oldest deleted first)", ge=1, le=MAX_COUNT)
     async_checkpoint: bool = setting(
         True,
         "save checkpoints beside training: a step waits only for the state's copy to host memory, "
         "not for the write and upload (off: it waits for both)",
     )
-    max_failures: int = setting(3, "worker-group restarts from the latest checkpoint after a failure")
+    max_failures: int = setting(
+        3, "worker-group restarts from the latest checkpoint after a failure", ge=0, le=MAX_COUNT
+    )
     stop_at_step: int | None = setting(
-        None, "end this run at that step (schedule unchanged); rerun to continue", ge=1
+        None, "end this run at that step (schedule unchanged); rerun to continue", ge=1, le=MAX_COUNT
     )
     tensorboard: bool = setting(False, "also write TensorBoard event files under <out>/tensorboard/")
     wandb: str | None = setting(
@@ -377,7 +380,8 @@ class RunConfig:
             raise ValueError(
                 "no training data: pass --data with a shard URL (path, glob, brace range, s3://...)"
             )
-        parse_sources(self.shards)  # a mixture's syntax and weights (one line)
+        if not is_sources_file(self.shards):  # a YAML file is read with the data (`prepare_data`)
+            parse_sources(self.shards)  # a mixture's syntax and weights (one line)
         if not self.out:
             raise ValueError(
                 "no output location: pass --out with a run directory (local path, s3:// or gs://)"

@@ -1,20 +1,31 @@
-"""Shard URL expansion: paths, directories, globs, brace ranges, fsspec URLs, and the one-line errors."""
+"""Shard URL expansion: paths, directories, globs, brace ranges, fsspec URLs, and the one-line errors;
+a shard's name (its URL without a signature) and what is named by it: rows, seeds."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import fsspec
+import numpy as np
 import pytest
 
+from pipeline.data.config import DataConfig
+from pipeline.data.decode import preprocess_batch
+from pipeline.data.rows import Retry, RowSpec, read_shard
 from pipeline.data.shards import (
     MAX_SHARDS_PER_URL,
     ShardError,
     brace_count,
     dataset_root,
+    distinct,
     expand_braces,
     expand_shards,
+    shard_id,
     shard_name,
+    shard_names,
     split_top_level,
 )
+from tests.signed_http import SignedStore
 
 
 @pytest.mark.parametrize(
@@ -152,3 +163,56 @@ def test_fsspec_urls_expand_with_one_listing_per_directory():
     assert expand_shards("memory://bucket/shards") == want
     with pytest.raises(ShardError, match=r"train-000004.tar and 1 more of 6"):
         expand_shards("memory://bucket/shards/train-{000000..000005}.tar")
+
+
+def test_a_shard_is_named_by_its_url_without_userinfo_query_string_or_fragment():
+    assert shard_id("https://acct.blob.core.windows.net/c/train-000.tar?sv=2024&sig=a%2Fb") == (
+        "https://acct.blob.core.windows.net/c/train-000.tar"
+    )
+    assert shard_id("https://user:pw@host/d/x.tar.gz?X-Amz-Signature=1#f") == "https://host/d/x.tar.gz"
+    assert shard_id("/data/what?.tar") == "/data/what?.tar"  # a local name: "?" is a character of it
+    signed = [f"https://host/in1k/train-00{i}.tar?se=2030&sig=s{i}%2Fx" for i in range(3)]
+    local = [f"/data/in1k/train-00{i}.tar" for i in range(3)]
+    # A query string with slashes in it moves neither the dataset's root nor a shard's name in it.
+    assert dataset_root(signed) == "https://host/in1k/"
+    assert shard_names(signed) == shard_names(local) == ["train-000.tar", "train-001.tar", "train-002.tar"]
+    assert shard_names([url.replace("sig=s", "sig=renewed") for url in signed]) == shard_names(signed)
+    assert [shard_name(url, dataset_root(signed)) for url in signed] == shard_names(local)
+
+
+def test_one_shard_signed_twice_is_refused_and_a_url_given_twice_read_once():
+    a1, a2 = "https://h/d/a.tar?sig=1", "https://h/d/a.tar?sig=2"
+    assert distinct([a1, "https://h/d/b.tar", a1]) == [a1, "https://h/d/b.tar"]
+    with pytest.raises(ShardError, match=r"shard https://h/d/a\.tar is given twice") as info:
+        distinct([a1, a2])
+    assert "sig=" not in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def signed_store(synthetic_shards):
+    store = SignedStore(Path(synthetic_shards.dir)).start()
+    yield store
+    store.stop()
+
+
+def test_signed_shards_expand_read_and_seed_crops_by_their_names(signed_store, synthetic_shards):
+    """Shards read through signed URLs: the URL whole reads them (the store refuses any other), their
+    rows name them without the signature, and a training crop is the one their local copy gets."""
+    names = [Path(url).name for url in synthetic_shards.urls[:2]]
+    signed = expand_shards(",".join(signed_store.url(name) for name in names))
+    assert signed == [signed_store.url(name) for name in names]  # what reads them keeps its query string
+    spec = RowSpec(("jpg",), "cls", True, synthetic_shards.num_classes)
+    rows = {c: np.concatenate([t[c].to_numpy(zero_copy_only=False) for t in read_shard(signed[0], spec, 256)])
+            for c in ("key", "url", "image", "label", "error")}  # fmt: skip
+    assert set(rows["url"]) == {f"{signed_store.base}/data/{names[0]}"} and not any(rows["error"])
+    config = DataConfig(image_size=32, patch_size=8)
+    local = synthetic_shards.urls[:2]
+    from_store = preprocess_batch(rows, config=config, train=True, epoch=3, root=dataset_root(signed))
+    rows_here = {**rows, "url": np.array([local[0]] * len(rows["key"]))}
+    from_disk = preprocess_batch(rows_here, config=config, train=True, epoch=3, root=dataset_root(local))
+    np.testing.assert_array_equal(from_store["patches"], from_disk["patches"])  # the same crops
+    signed_store.resign()  # the old signature expires: the shard is unreadable, its rows still unsigned
+    failed = [t for t in read_shard(signed[0], spec, 256, Retry(1, 0.0))]
+    errors = [e for t in failed for e in t["error"].to_pylist()]
+    assert errors and errors[-1].startswith("unreadable shard") and "sig=" not in "".join(errors)
+    assert set(failed[-1]["url"].to_pylist()) == {shard_id(signed[0])}

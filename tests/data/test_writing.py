@@ -164,15 +164,18 @@ def test_unreadable_files_are_counted_and_a_folder_of_none_readable_writes_nothi
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--synthetic", "4", "--image-size", "0"], "--image-size must be at least 1, got 0"),
-        (["--synthetic", "4", "--max-size", "0"], "--max-size must be at least 1, got 0"),
-        (["--synthetic", "0"], "--synthetic must be at least 1, got 0"),
+        (["--synthetic", "4", "--image-size", "0"], "--image-size must be from 1 to 65,536, got 0"),
+        (["--synthetic", "4", "--max-size", "0"], "--max-size must be from 1 to 65,536, got 0"),
+        (["--synthetic", "0"], "--synthetic must be from 1 to 2,147,483,647, got 0"),
         (["--synthetic", "4", "--quality", "96"], "--quality must be from 1 to 95, got 96"),
         (
             ["--synthetic", "4", "--num-classes", "0"],
             f"--num-classes must be from 1 to {len(CLASSES)}, got 0",
         ),
-        (["--synthetic", "4", "--samples-per-shard", "0"], "--samples-per-shard must be at least 1, got 0"),
+        (
+            ["--synthetic", "4", "--samples-per-shard", "0"],
+            "--samples-per-shard must be from 1 to 2,147,483,647, got 0",
+        ),
         ([], "pass one source: --synthetic N (generated images) or --from-folder DIR"),
         (["--synthetic", "4", "--from-folder", "x"], "pass one source: --synthetic N"),
         (["--synthetic", "4", "--prefix", "../x"], "--prefix '../x' must be a plain file name part"),

@@ -84,7 +84,7 @@ def test_the_forward_batch_follows_the_device_unless_given():
     assert config.forward_batch_size() == 64  # CPU: activations in host memory
     assert config.replace(use_gpu=True).forward_batch_size() == 256  # a GPU needs more to stay busy
     assert config.replace(use_gpu=True, batch_size=32).forward_batch_size() == 32
-    with pytest.raises(ValueError, match=r"^--batch-size must be at least 1, got 0$"):
+    with pytest.raises(ValueError, match=r"^--batch-size must be from 1 to 2,147,483,647, got 0$"):
         config.replace(batch_size=0).validate()
 
 

@@ -33,6 +33,7 @@ from pipeline.embed.identity import CLAIM
 from pipeline.embed.job import prepare, run
 from pipeline.embed.output import MANIFEST, METADATA_KEY, RECORDS, output_name
 from tests.job_scripts import load_job
+from tests.signed_http import SignedStore
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "vit_tiny_test"
@@ -231,6 +232,36 @@ def test_other_weights_into_the_same_output_fail_unless_overwrite(first_run, tmp
     with pytest.raises(ValueError, match="preprocessing eval_interpolation 'bilinear' there, 'bicubic' now"):
         prepare(config.replace(interpolation="bicubic"))
     assert prepare(config.replace(weights=str(tmp_path), overwrite=True)).work.pending  # allowed, not run
+
+
+def test_shards_read_through_signed_urls_are_embedded_once_under_their_names(
+    ray_session, synthetic_shards, export, tmp_path
+):
+    """Shards read through signed URLs (the store refuses any other, and an expired signature): no output
+    holds the signature (rows, file names, footers, records, manifest), and the same command run again
+    once the URLs are signed anew embeds nothing twice."""
+    store = SignedStore(Path(synthetic_shards.dir)).start()
+    try:
+        names = [Path(url).name for url in synthetic_shards.urls[:2]]
+        out = tmp_path / "out"
+
+        def embed_signed():
+            data = ",".join(store.url(name) for name in names)
+            return run(prepare(EmbedConfig(data=data, weights=export[0], out=str(out), batch_size=8)))
+
+        first = embed_signed()
+        store.resign()  # the first URLs expire
+        again = embed_signed()
+    finally:
+        store.stop()
+    assert (first.committed, first.rows) == (2, 24)
+    assert (again.committed, again.already_done, again.rows_in_output) == (0, 2, 24)
+    shards = [f"{store.base}/data/{name}" for name in names]
+    assert sorted(p.name for p in out.glob("*.parquet")) == sorted(output_name(url) for url in shards)
+    rows = pq.read_table(out)
+    assert sorted(set(rows["url"].to_pylist())) == shards and len(set(rows["key"].to_pylist())) == 24
+    assert sorted(manifest(out)["shards"]) == shards
+    assert not [p for p in out.rglob("*") if p.is_file() and b"sig=" in p.read_bytes()]
 
 
 def test_an_interrupted_run_resumes_to_exactly_one_row_per_key(

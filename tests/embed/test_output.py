@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -291,6 +292,37 @@ def test_older_outputs_resume_under_their_names_unless_readers_skip_them(tmp_pat
         EmbeddingOutput(str(tmp_path), HEADER).plan(["/d/b.tar"], overwrite=False)
     redo = EmbeddingOutput(str(tmp_path), HEADER).plan(["/d/_a.tar", "/d/b.tar"], overwrite=True)
     assert "_a.parquet" in redo.delete and all(visible(n) for n in redo.names.values())
+
+
+RECORDED = Path(__file__).with_name("recorded")
+
+
+def test_an_output_an_older_version_wrote_from_signed_urls_resumes_by_the_shards_names(tmp_path):
+    """``recorded/signed_urls``: an output as vitray wrote it (at 336f444) before shards were named
+    without their query strings: two shards read through URLs signed ``sig=first`` (their file names,
+    records, footers and rows hold the signature) and a local one. Signed again, the same shards are
+    done, under the files they have; another configuration is refused as before; what is written now
+    holds names only."""
+    out = tmp_path / "out"
+    shutil.copytree(RECORDED / "signed_urls", out)
+    old = manifest(out)["shards"]
+    shards = ["https://store.example/d/a.tar", "https://store.example/d/b.tar", "/d/c.tar"]
+    plan = EmbeddingOutput(str(out), HEADER).plan(shards, overwrite=False)
+    assert (sorted(plan.done), plan.pending, plan.strays) == (sorted(shards), [], [])
+    assert [plan.names[u] for u in shards] == [r["file"] for r in old.values()]  # the files it has
+    with pytest.raises(ValueError, match="holds embeddings of another configuration") as info:
+        EmbeddingOutput(str(out), OTHER).plan(shards, overwrite=False)
+    assert "\n" not in str(info.value)
+    output = EmbeddingOutput(str(out), HEADER)
+    plan = output.plan([*shards, "https://store.example/d/e.tar"], overwrite=False)
+    assert plan.pending == ["https://store.example/d/e.tar"]
+    output.start(plan)
+    commit(output, plan, "https://store.example/d/e.tar")
+    output.finish()
+    assert sorted(manifest(out)["shards"]) == sorted([*shards, "https://store.example/d/e.tar"])
+    assert "sig=" not in (out / MANIFEST).read_text()
+    assert "sig=" not in (out / RECORDS / f"{output_name('https://store.example/d/e.tar')}.json").read_text()
+    assert len(load_embeddings(str(out)).keys) == 12  # evaluate reads every file the manifest lists
 
 
 # --- real runs on Ray ------------------------------------------------------------------------

@@ -153,4 +153,4 @@ def test_analyze_bad_input_is_one_line_and_exit_code_2(export, tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
     assert analyze_job.main(["--weights", export, "--data", "x", "--out", "y", "--images", "0"]) == 2
-    assert capsys.readouterr().err == "error: --images must be at least 1, got 0\n"
+    assert capsys.readouterr().err == "error: --images must be from 1 to 2,147,483,647, got 0\n"

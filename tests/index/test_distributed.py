@@ -80,7 +80,9 @@ def test_hnsw_is_refused_and_auto_takes_a_kind_that_merges(tmp_path, monkeypatch
         "pass --kind ivfpq or --kind flat",
     )  # fmt: skip
     one_line_error(
-        capsys, index_job.main([*args[:4], "--ray-tasks", "-1"]), "--ray-tasks must be at least 0, got -1"
+        capsys,
+        index_job.main([*args[:4], "--ray-tasks", "-1"]),
+        "--ray-tasks must be from 0 to 65,536, got -1",
     )
     gib = build.GIB
     assert build.choose("auto", 1_000_000, 768, "ip", 8 * gib).kind == "hnsw"

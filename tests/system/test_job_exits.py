@@ -354,3 +354,70 @@ def test_make_shards_from_a_missing_folder_is_bad_input_in_one_line(tmp_path, ca
     assert code == cli.EXIT_BAD_INPUT
     assert "is not a directory" in one_error_line(capsys)
     assert not (tmp_path / "s").exists()
+
+
+# --- --decode-nodes with a label no node has: no wait without an end ---------------------------------
+
+
+def nodes(*labels: dict[str, str]) -> list[dict]:
+    """What `ray.nodes()` gives for live nodes with these labels."""
+    return [{"Alive": True, "Labels": {"ray.io/node-id": f"n{i}", **label}} for i, label in enumerate(labels)]
+
+
+def test_a_label_no_node_of_a_local_ray_has_is_refused_at_once_by_both_jobs(
+    synthetic_shards, tiny_export, tmp_path, monkeypatch, capsys
+):
+    """Before: the job printed its epoch line and waited, for ever, for a labelled node to run its reads."""
+    import ray
+
+    monkeypatch.setattr(cli, "connect_ray", lambda args, needed_cpus: True)  # a local Ray, started
+    monkeypatch.setattr(ray, "nodes", lambda: nodes({}))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    label = ["--decode-nodes", "vitray/role=decode"]
+    train = ["--preset", "tiny", "--data", synthetic_shards.dir, "--out", str(tmp_path / "run"), "--cpu"]
+    embed = [
+        "--data",
+        synthetic_shards.dir,
+        "--weights",
+        tiny_export,
+        "--out",
+        str(tmp_path / "emb"),
+        "--cpu",
+    ]
+    for name, args in (("pretrain", [*train, "--num-workers", "1"]), ("embed", embed)):
+        assert job(name).main([*args, *label]) == cli.EXIT_BAD_INPUT
+        assert one_error_line(capsys) == (
+            "error: --decode-nodes vitray/role=decode: no node of the local Ray this job started carries "
+            "that label, and no node can join it; drop --decode-nodes, or pass --address (or RAY_ADDRESS) "
+            "of a cluster whose decode nodes carry it"
+        )
+    assert not (tmp_path / "emb" / "_manifest.json").exists()  # nothing written
+
+
+def test_on_a_cluster_a_label_is_waited_for_within_a_bound_that_the_line_names(monkeypatch, capsys):
+    import ray
+    from ray.autoscaler import sdk
+
+    asked: list[dict] = []
+    monkeypatch.setattr(sdk, "request_resources", lambda **request: asked.append(request))
+    monkeypatch.setattr(cli, "DECODE_NODES_POLL_S", 0.01)
+    seen = iter([nodes({}), nodes({}), nodes({}, {"vitray/role": "decode"})])
+    monkeypatch.setattr(ray, "nodes", lambda: next(seen))
+    cli.check_decode_nodes("vitray/role=decode", local=False, wait_s=5)  # the node joins on the third look
+    assert "waiting up to 5 s for a node labelled vitray/role=decode (--decode-nodes) to join" in (
+        capsys.readouterr().out
+    )
+    # The autoscaler was asked for one CPU on such a node while the job waited, and the request withdrawn.
+    assert asked == [
+        {"bundles": [{"CPU": 1}], "bundle_label_selectors": [{"vitray/role": "decode"}]},
+        {"bundles": []},
+    ]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes({"vitray/role": "train"}))
+    with pytest.raises(ValueError) as info:
+        cli.check_decode_nodes("vitray/role=decode", local=False, wait_s=0.2)
+    assert str(info.value).startswith(
+        "--decode-nodes vitray/role=decode: no node of the cluster carried that label after waiting 0.2 s"
+    )
+    assert "\n" not in str(info.value)
+    cli.check_decode_nodes("vitray/role=train", local=True)  # a node that has it: nothing to wait for
+    cli.check_decode_nodes(None, local=True)

@@ -107,7 +107,7 @@ def test_augmentation_flags_reach_the_data_stage():
         (["--image-size", "30"], "image_size 30 is not divisible by patch_size 8"),
         (["--batch-size", "48"], "is not a multiple of --micro-batch-size"),
         (["--randaug-magnitude", "12"], "--randaug-magnitude must be in [0, 10], got 12.0"),
-        (["--randaug-ops", "-1"], "--randaug-ops must be at least 0, got -1"),
+        (["--randaug-ops", "-1"], "--randaug-ops must be from 0 to 100, got -1"),
         (["--data", "a=/x/{0..3}.tar:0.5,b=/y:0"], "source b: weight 0.0 must be a positive number"),
     ],
 )

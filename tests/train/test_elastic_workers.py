@@ -30,12 +30,12 @@ def test_a_number_is_a_fixed_group_and_min_max_an_elastic_one():
 def test_the_range_travels_through_the_command_line_and_the_saved_config(tmp_path, capsys):
     pretrain = load_job("pretrain")
     args = ["--preset", "tiny", "--data", "x", "--out", str(tmp_path / "run"), "--print-config"]
-    assert pretrain.main([*args, "--num-workers", "1-4", "--batch-size", "96"]) == 0
+    assert pretrain.main([*args, "--num-workers", "1-4", "--batch-size", "384"]) == 0  # 32 x lcm(1..4)
     printed = capsys.readouterr().out
     config = TrainConfig.from_dict(__import__("json").loads(printed))
     assert config.cluster.num_workers == (1, 4)
     assert (config.cluster.min_workers, config.cluster.max_workers) == (1, 4)
-    assert pretrain.main([*args, "--num-workers", "3"]) == 0  # a number stays a number
+    assert pretrain.main([*args, "--num-workers", "3", "--batch-size", "96"]) == 0  # a number stays a number
     assert '"num_workers": 3' in capsys.readouterr().out
 
 
@@ -69,7 +69,7 @@ def test_a_batch_that_some_size_of_the_range_cannot_split_is_refused_with_the_si
     [
         ({"num_workers": (3, 2)}, "--num-workers 3-2 must be N or MIN-MAX with 1 <= MIN <= MAX"),
         ({"num_workers": (0, 2)}, "--num-workers 0-2 must be N or MIN-MAX"),
-        ({"num_workers": 0}, "--num-workers must be at least 1, got 0"),
+        ({"num_workers": 0}, "--num-workers must be from 1 to 65,536, got 0"),
         (
             {"num_workers": (2, 4), "batch_size": 96, "shard_group_size": 2},
             "--shard-group-size 2 does not divide --num-workers 2-4 at every size",

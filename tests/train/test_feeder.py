@@ -191,3 +191,48 @@ def test_a_feeder_silent_past_the_bound_fails_its_rank_instead_of_hanging(ray_se
     assert time.monotonic() - started < 30
     inputs.close()
     ray.kill(silent)
+
+
+def test_the_calls_in_flight_are_capped_by_the_object_store_and_the_setting_is_bounded():
+    """Before: --prefetch-steps 10^9 was taken, and the training thread submitted that many calls to its
+    feeder before its first step."""
+    from pipeline.train.feeder import calls_in_flight, step_bytes
+    from tests.configs import tiny_config
+
+    with pytest.raises(ValueError, match=r"^--prefetch-steps must be from 0 to 256, got 1,000,000,000$"):
+        tiny_config(prefetch_steps=10**9).validate()
+    # ViT-H/14 at 224 px, 32 images a micro-batch, 8 micro-batches a step: 39 MB a step.
+    h14 = tiny_config(image_size=224, micro_batch_size=32, batch_size=256, num_workers=1)
+    size = step_bytes(h14, h14.data_for(14), accum=8)
+    assert size == 32 * 8 * 256 * (14 * 14 * 3 + 8)
+    gib = 1 << 30
+    # 8 ranks sharing 64 GiB of object store: a quarter of it is 2 GiB each for replies in flight, 54 steps.
+    assert calls_in_flight(256, size, 64 * gib, 8) == 54
+    assert calls_in_flight(8, size, 64 * gib, 8) == 8  # the setting, where memory holds it
+    assert calls_in_flight(256, size, 256 << 20, 8) == 1  # never fewer than one
+    assert calls_in_flight(0, size, 64 * gib, 8) == 1
+
+
+def test_a_plan_in_a_feeder_keeps_no_more_calls_in_flight_than_its_node_holds(ray_session, monkeypatch):
+    """The shared Ray's object store (2 GiB): a quarter of it holds 55 steps of 9.7 MB, not 256."""
+    from pipeline.train import feeder as feeder_module
+    from pipeline.train.state import Rank
+    from tests.configs import tiny_config
+
+    config = tiny_config(
+        image_size=224, micro_batch_size=32, batch_size=64, num_workers=1, prefetch_steps=256
+    )
+    config = config.replace(data_process="feeder")
+    data_config = config.data_for(16)
+    me = Rank(0, 1, torch.device("cpu"), None, 2)
+    monkeypatch.setattr(feeder_module, "plan_for", lambda *args: FakeInline())
+    plan = feeder_module.feeder_plan_for({}, config, data_config, me, ("patches", "label"))
+    per_step = 32 * 2 * 196 * (16 * 16 * 3 + 8)
+    assert plan.depth == (2 << 30) // 4 // per_step == 55
+
+
+class FakeInline:
+    """What `FeederPlan` reads of an inline plan when it is made."""
+
+    fingerprint = "f"
+    columns = ("patches", "label")

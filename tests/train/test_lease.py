@@ -99,3 +99,74 @@ def test_checking_that_out_is_free_writes_nothing_and_refuses_a_live_holder(tmp_
         lease.check_free(str(tmp_path / "held"))
     held.release()
     lease.check_free(str(tmp_path / "held"))
+
+
+# A lease file as no run writes it: its text (None: a directory of that name), and what the line says.
+UNREADABLE = [
+    ("", "empty"),
+    ("null", "JSON null, not an object"),
+    ("[]", "JSON [], not an object"),
+    ('{"run": "r", "host": "h", "pid": 1}', "its renewed is missing"),
+    ('{"run": "r", "host": "h", "pid": 1, "renewed": "soon"}', 'its renewed is "soon", not int or float'),
+    ('{"run": "r", "host": "h", "pid": 1, "renewed": [1]}', "its renewed is [1], not int or float"),
+    ('{"run": "r", "host": "h", "pid": "1", "renewed": 1}', 'its pid is "1", not int'),
+    ('{"run": "r", "host": "h", "pid": -1, "renewed": 1}', "its pid is -1, not a process id"),
+    ('{"run": 7, "host": "h", "pid": 1, "renewed": 1}', "its run is 7, not str"),
+    ('{"run": "r", "host": "h", "pid": 1, "renewed": NaN}', "its renewed is nan, not a time"),
+    ('{"run": "r", "host": "h", "pid": true, "renewed": 1}', "its pid is true, not int"),
+    ("\x00\xff", "not JSON"),
+    (None, "a directory"),
+]
+
+
+@pytest.mark.parametrize(("text", "why"), UNREADABLE, ids=[why for _, why in UNREADABLE])
+def test_a_lease_file_that_does_not_read_is_one_line_naming_it_not_a_run_that_holds_out(tmp_path, text, why):
+    """Before: an empty, null or [] lease passed the check as no lease, then the exclusive create failed
+    on every try with "in use by ... run None (pid None on None, renewed 1795880154 s ago)"; a field of
+    another type raised ValueError or TypeError, a directory IsADirectoryError."""
+    run_dir = storage.as_location(str(tmp_path / "run"))
+    path = tmp_path / "run" / lease.LEASE
+    if text is None:
+        path.mkdir(parents=True)
+    else:
+        path.parent.mkdir()
+        path.write_text(text)
+    for check in (lease.check_free, lease.acquire, lease.read):
+        with pytest.raises(lease.LeaseUnreadableError) as info:
+            check(run_dir)
+        message = str(info.value)
+        assert message.startswith(f"{path} is not a training run's lease ({why}") and "\n" not in message
+        assert message.endswith("if no training run is using this --out, remove that file and run again")
+    assert lease.lost(run_dir, "mine") == (
+        f"the lease on {run_dir.url} does not read ({info.value.why}): this run "
+        "stops and writes nothing more there"
+    )
+    assert path.is_dir() if text is None else path.read_text() == text  # left as it was
+
+
+def test_a_pretraining_run_into_an_out_with_an_empty_lease_is_refused_before_ray(tmp_path, synthetic_shards):
+    from tests.job_scripts import run_without_ray
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / lease.LEASE).write_text("")
+    done = run_without_ray(
+        "pretrain", "--preset", "tiny", "--data", synthetic_shards.dir, "--out", str(out), "--cpu",
+        "--num-workers", "1", "--image-size", "32",
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert (
+        done.stderr
+        == f"error: {out / lease.LEASE} is not a training run's lease (empty); if no training run is using this --out, remove that file and run again\n"
+    )
+
+
+def test_a_renewal_ahead_of_this_hosts_clock_is_fresh_within_stale_s_and_not_for_days(tmp_path):
+    run_dir = storage.as_location(str(tmp_path / "run"))
+    write(run_dir, run="ahead", host="another-host", pid=1, renewed=time.time() + 30)  # a clock 30 s ahead
+    with pytest.raises(lease.LeaseHeldError, match=r"run ahead \(pid 1 on another-host, renewed 3\d s ahead"):
+        lease.acquire(run_dir)
+    write(run_dir, run="ahead", host="another-host", pid=1, renewed=time.time() + 3 * 86400)
+    taken = lease.acquire(run_dir)  # before: refused as live for three days
+    assert lease.read(run_dir)["run"] == taken.run
+    taken.release()

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
 from pipeline.data.masking import mask_batch
+from pipeline.data.shards import shard_id
 from pipeline.train import dataplan, lease, loop, saver
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import model_config
@@ -52,7 +53,7 @@ def fake_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, d
     patch_dim = data_config.patch_size**2 * 3
 
     def rows():
-        for url in shards:
+        for url in map(shard_id, shards):  # rows name their shard without a query string, as real rows do
             g = np.random.default_rng([int(url.rsplit("-", 1)[1]), epoch])
             n = SAMPLES_PER_SHARD
             batch = {

@@ -160,7 +160,7 @@ def test_the_step_seeds_each_micro_batch_by_seed_step_rank_and_index(world, monk
             "--label-smoothing, --mixup-alpha: soft targets of supervised training; drop them for --objective mae",
         ),
         ({"label_smoothing": 1.0}, "--label-smoothing must be in [0, 1), got 1.0"),
-        ({"cutmix_alpha": -1.0}, "--cutmix-alpha must be a finite number at least 0, got -1.0"),
+        ({"cutmix_alpha": -1.0}, "--cutmix-alpha must be in [0, 100], got -1.0"),
         ({"mix_prob": 1.5}, "--mix-prob must be in [0, 1], got 1.5"),
         ({"switch_prob": -0.1}, "--switch-prob must be in [0, 1], got -0.1"),
     ],

@@ -149,7 +149,7 @@ def test_mae_model_config_is_an_encoder_without_classifier_pooled_by_average():
     "changes, message",
     [
         ({"label_key": None}, "--label-key none leaves supervised training without labels"),
-        ({"objective": "mae", "mask_ratio": 1.0}, "--mask-ratio must be strictly between 0 and 1"),
+        ({"objective": "mae", "mask_ratio": 1.0}, "--mask-ratio must be in .0, 1., got 1.0"),
         ({"objective": "mae", "decoder_dim": 30}, "--decoder-dim 30 must be a multiple of 4"),
         ({"objective": "mae", "eval_data": "x"}, "fine-tuning and --eval-data are supervised"),
         ({"objective": "clip"}, "--objective must be one of supervised, mae"),
