@@ -18,7 +18,7 @@ from pipeline import dcp
 from pipeline.data.config import DataConfig
 from pipeline.embed.actor import build_embedding_model
 from pipeline.model_source import load_model_source, pack_state_dict, state_dict_sha256, unpack_state_dict
-from pipeline.train import checkpoint
+from pipeline.train.checkpointing import checkpoint
 from tests.configs import tiny_config
 
 TINY = "vit_tiny_test"  # embed_dim 64, depth 2, mlp_dim 128, patch 8, 4 heads, image 32
@@ -38,8 +38,8 @@ def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 def run_dir(tmp_path_factory):
     """A training run's directory written by the training code itself, in one process: a complete
     checkpoint (step 1), an unfinished one (step 2), and final/ exported from the same model."""
-    from pipeline.train.model import build_model, init_distributed, model_config
-    from pipeline.train.step import TrainStep
+    from pipeline.train.step.model import build_model, init_distributed, model_config
+    from pipeline.train.step.train_step import TrainStep
 
     root = tmp_path_factory.mktemp("run")
     created = not dist.is_initialized()
@@ -376,8 +376,8 @@ def test_a_training_resume_reads_its_checkpoint_as_data_only(run_dir, tmp_path):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from pipeline.train.model import build_model, init_distributed
-    from pipeline.train.step import TrainStep
+    from pipeline.train.step.model import build_model, init_distributed
+    from pipeline.train.step.train_step import TrainStep
 
     sentinel = tmp_path / "pwned"
     bad = tmp_path / "checkpoint_00000001"

@@ -246,7 +246,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         "model_only_images_per_s": ceiling,
     }
     if device.type == "cuda":
-        from pipeline.train import mfu
+        from pipeline.train.observe import mfu
 
         peak, _ = mfu.peak_tflops(device)
         if peak:  # inference: the forward's FLOPs alone

@@ -7,42 +7,42 @@ What the loop holds besides the model, its optimizer step and the run's state, e
 
 - ``me``, a `pipeline.train.state.Rank`: rank, world size, device, the agreements' CPU group and the
   micro-batches per step, fixed at set-up;
-- ``plan``, a `pipeline.train.dataplan.DataPlan`: everything the loop asks of its data, the same for a
+- ``plan``, a `pipeline.train.input.dataplan.DataPlan`: everything the loop asks of its data, the same for a
   plain ``--data`` (`OneSource`) and a mixture (`MixedSources`), its pipeline in the training process or
-  in a feeder process (`pipeline.train.feeder`): an epoch's step inputs, the empty position by sample its
+  in a feeder process (`pipeline.train.input.feeder`): an epoch's step inputs, the empty position by sample its
   checkpoints record, its streams' fingerprint and what its metrics rows add;
-- ``cursor``, a `pipeline.train.cursor.EpochCursor`: where this rank stands in the epoch;
-- ``checkpointer``, a `pipeline.train.saver.Checkpointer`: save, wait, the longest save; the preemption
-  check (`pipeline.train.preemption.checkpoint_and_stop`) saves with it too.
+- ``cursor``, a `pipeline.train.input.cursor.EpochCursor`: where this rank stands in the epoch;
+- ``checkpointer``, a `pipeline.train.checkpointing.saver.Checkpointer`: save, wait, the longest save; the preemption
+  check (`pipeline.train.checkpointing.preemption.checkpoint_and_stop`) saves with it too.
 
 Data: each epoch has one shard order, a pure function of (seed, epoch). Rank r streams
 `order[r::world]` through its own Ray Data pipeline (read -> decode -> crop -> patchify), so which
 sample lands on which rank at which step is deterministic. (Ray's `get_dataset_shard` balances
 blocks across workers on demand, which is neither reproducible nor resumable mid-epoch; that is why
-the split is done here.) Mixed sources: `pipeline.train.dataplan`.
+the split is done here.) Mixed sources: `pipeline.train.input.dataplan`.
 
 Resume at the sample: a checkpoint holds how many micro-batches each rank has taken from its stream
 this epoch. A run resumed at the same world size and micro-batch size rebuilds the same streams,
 re-reads those micro-batches without training on them and goes on from the next sample, so a
 stopped and resumed run trains on the same samples, in the same order, as a straight one (the re-read
 runs at the data pipeline's speed). At another layout the checkpoint's position by sample deals the
-epoch's remaining samples to the new ranks, each once, in another order (`pipeline.train.position`).
+epoch's remaining samples to the new ranks, each once, in another order (`pipeline.train.input.position`).
 
 An epoch is every good sample once: its rules (streams of unequal length, the smaller last steps, a short
 first step) are written in docs/design.md, "Training"; here, `pipeline.train.state.StepAgreement` is how
 the ranks agree every step on how many samples it holds, until every rank's stream has run dry.
 A preemption notice on any rank rides on the same agreement: every rank checkpoints at that step
-boundary and stops, and Ray Train restarts the run from there (`pipeline.train.preemption`).
+boundary and stops, and Ray Train restarts the run from there (`pipeline.train.checkpointing.preemption`).
 
 The GPU is not kept waiting on the host: the next steps' input is built on a background thread
-(`pipeline.train.prefetch`), which starts the next epoch's pipeline as soon as this one's runs dry, the
+(`pipeline.train.input.prefetch`), which starts the next epoch's pipeline as soon as this one's runs dry, the
 ranks' agreements go through a CPU group, and loss and accuracy
 stay on the device until a log line is due, as do the counts of skipped steps: with fused AdamW a
-step waits for nothing (`pipeline.train.step`); other AdamW kernels read the gradient norm back.
+step waits for nothing (`pipeline.train.step.train_step`); other AdamW kernels read the gradient norm back.
 
 A log line does not leave the device idle either. At a plain log step N (no checkpoint, no evaluation,
 not the last step) the loop takes what the row needs without waiting for the device (`Pending`: the
-window closed behind step N, `pipeline.train.metrics.MetricsWindow.close`), queues step N+1, and only
+window closed behind step N, `pipeline.train.observe.metrics.MetricsWindow.close`), queues step N+1, and only
 then finishes step N's report: it waits for the device to have run step N (an event, not step N+1's
 kernels), checks the skipped steps, reports to Ray Train and writes the row and the log line while the
 device runs step N+1. The rows are the same as if written at step N; what moves is when: the stop on too
@@ -66,18 +66,23 @@ import torch.distributed as dist
 
 from pipeline import dcp
 from pipeline.data.bad_samples import BadSamples
-from pipeline.train import checkpoint, finetune, lease, mfu, preemption, sinks, stacks
+from pipeline.train import finetune
+from pipeline.train.checkpointing import checkpoint, lease, preemption
+from pipeline.train.checkpointing.saver import Checkpointer, FiniteCheck, Saver, WeightsNotFinite
 from pipeline.train.config import TrainConfig, worker_config
-from pipeline.train.cursor import EpochCursor
-from pipeline.train.dataplan import StepInputs
-from pipeline.train.ema import WeightEMA
-from pipeline.train.feeder import feeder_plan_for
-from pipeline.train.metrics import ACCURACIES, MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
-from pipeline.train.model import build_model, model_config
-from pipeline.train.objective import objective_for
-from pipeline.train.optim import optimizer_kernels
-from pipeline.train.prefetch import StepInput
-from pipeline.train.saver import Checkpointer, FiniteCheck, Saver, WeightsNotFinite
+from pipeline.train.input.cursor import EpochCursor
+from pipeline.train.input.dataplan import StepInputs
+from pipeline.train.input.feeder import feeder_plan_for
+from pipeline.train.input.prefetch import StepInput
+from pipeline.train.observe import mfu, sinks, stacks
+from pipeline.train.observe.metrics import (
+    ACCURACIES,
+    MetricsLog,
+    MetricsWindow,
+    SkippedSteps,
+    format_line,
+    log_line,
+)
 from pipeline.train.session import RaySession
 from pipeline.train.state import (
     Rank,
@@ -87,7 +92,11 @@ from pipeline.train.state import (
     control_group,
     gather_bad_samples,
 )
-from pipeline.train.step import StepStats, TrainStep
+from pipeline.train.step.ema import WeightEMA
+from pipeline.train.step.model import build_model, model_config
+from pipeline.train.step.objective import objective_for
+from pipeline.train.step.optim import optimizer_kernels
+from pipeline.train.step.train_step import StepStats, TrainStep
 
 
 class StopRun(Exception):
@@ -160,7 +169,7 @@ class Trainer:
         self.plan = feeder_plan_for(loop_config, config, self.data_config, self.me, columns)
         self.model = build_model(config, self.device)
         self.step_fn = TrainStep(self.model, config, self.device, self.objective)
-        decay = config.optim.ema_decay  # the EMA of the weights (`pipeline.train.ema`), or None
+        decay = config.optim.ema_decay  # the EMA of the weights (`pipeline.train.step.ema`), or None
         self.ema = None if decay is None else WeightEMA(self.model, decay, config.optim.ema_every)
         self.group = self.me.group  # before resume: --head-init probe agrees on its batches with it
         self.state = self.resume()
@@ -338,7 +347,9 @@ class Trainer:
         self.state.step += 1
         if self.state.step == self.first_step + 1:  # the optimizer's state made: the saves' buffers too
             self.checkpointer.warm()
-        self.last_stats = stats  # for a checkpoint on a preemption notice (`pipeline.train.preemption`)
+        self.last_stats = (
+            stats  # for a checkpoint on a preemption notice (`pipeline.train.checkpointing.preemption`)
+        )
         if self.ema is not None:
             self.ema.update(self.state.step)
         self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
@@ -461,7 +472,7 @@ class Trainer:
             ) from e
 
     def checkpoint_and_stop(self) -> None:
-        """Collective, on a preemption notice: `pipeline.train.preemption.checkpoint_and_stop`."""
+        """Collective, on a preemption notice: `pipeline.train.checkpointing.preemption.checkpoint_and_stop`."""
         step, resumed = self.state.step, self.resumed_from
 
         def save() -> None:

@@ -50,7 +50,7 @@ def data_cpus_per_worker(config: TrainConfig, world: int, rank: int, epoch: int)
     cpus = 0.0 if config.cluster.data_cpus_per_worker is not None else ray.cluster_resources().get("CPU", 0.0)
     budget, source = decode_cpus(config, world, cpus)
     if rank == 0 and _logged_budget.get("value") != budget:  # a line when it changes, not every epoch
-        from pipeline.train.metrics import log_line
+        from pipeline.train.observe.metrics import log_line
 
         log_line(f"epoch {epoch}: {budget:g} decode CPUs per worker ({source})")
         _logged_budget["value"] = budget

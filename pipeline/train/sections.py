@@ -21,11 +21,11 @@ from pipeline.data.mixture import EXHAUSTED, parse_sources
 from pipeline.settings import setting
 from vit.config import REGULARIZATION_FIELDS
 
-OBJECTIVES = ("supervised", "mae")  # pipeline.train.objective has one class for each
+OBJECTIVES = ("supervised", "mae")  # pipeline.train.step.objective has one class for each
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("cosine", "linear")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-DATA_PROCESSES = ("inline", "feeder")  # pipeline.train.feeder runs the second
+DATA_PROCESSES = ("inline", "feeder")  # pipeline.train.input.feeder runs the second
 HEAD_INITS = ("zero", "probe")  # pipeline.train.finetune starts the new head from one of them
 
 

@@ -11,9 +11,9 @@ import torch.distributed as dist
 import vit
 from pipeline.embed.actor import Embedder, build_embedding_model, embed_rows
 from pipeline.model_source import pack_state_dict
-from pipeline.train.mfu import peak_tflops
-from pipeline.train.model import build_model, init_distributed, model_config
-from pipeline.train.step import TrainStep
+from pipeline.train.observe.mfu import peak_tflops
+from pipeline.train.step.model import build_model, init_distributed, model_config
+from pipeline.train.step.train_step import TrainStep
 from tests.configs import tiny_config
 
 pytestmark = pytest.mark.gpu

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 
 from pipeline import storage
-from pipeline.train import dataplan, loop
-from pipeline.train.metrics import METRICS_FILE, MetricsLog
+from pipeline.train import loop
+from pipeline.train.input import dataplan
+from pipeline.train.observe.metrics import METRICS_FILE, MetricsLog
 from tests.train.test_loop import config, fake_micro_batches, run
 
 

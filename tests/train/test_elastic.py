@@ -1,4 +1,4 @@
-"""Resume at another world size or micro-batch size, by sample (`pipeline.train.position`): the worker
+"""Resume at another world size or micro-batch size, by sample (`pipeline.train.input.position`): the worker
 loop in-process, ranks as processes (gloo), over a stream that stands in for the Ray Data pipeline
 with the read stage's columns (``index``, ``shard_size``), its skipping of consumed samples, a seeded
 shuffle buffer before bad rows are counted and removed, and the real `rebatch`.
@@ -118,7 +118,8 @@ def _run(
     ``root``/<name>.json. ``mixed``: (sources, sizes, corrupt) of a mixed run over a `stand_in`
     whose keys end with ``@`` and the epoch number their pass reads with, else the shards of `SIZES`.
     ``ray_address``: the Ray each rank joins, for runs whose pipeline is in a feeder (``data_process``)."""
-    from pipeline.train import dataplan, loop
+    from pipeline.train import loop
+    from pipeline.train.input import dataplan
 
     if ray_address is not None:
         import ray
@@ -234,7 +235,8 @@ def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(
 ):
     """One worker, batch 8: 7 steps an epoch. Stopped at step 3 with micro-batches of 4, resumed with
     micro-batches of 2: epoch 0 still trains every good sample once, and counts each bad one once."""
-    from pipeline.train import dataplan, loop
+    from pipeline.train import loop
+    from pipeline.train.input import dataplan
 
     monkeypatch.setattr(dataplan, "micro_batches", indexed_micro_batches)
     steps: list = []

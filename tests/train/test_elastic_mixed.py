@@ -1,4 +1,4 @@
-"""Mixed sources resumed at another world size, by sample (`pipeline.train.source_position`): the worker
+"""Mixed sources resumed at another world size, by sample (`pipeline.train.input.source_position`): the worker
 loop in-process, ranks as processes (gloo), over `tests.train.test_elastic`'s stand-in for the Ray Data
 pipeline, whose keys name the pass they were read in (``@`` and the epoch number of the pass).
 

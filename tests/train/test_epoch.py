@@ -66,7 +66,8 @@ def config(out: Path, **changes):
 def _runs(rank: int, root: str) -> None:
     """A straight run, then the same run stopped at a step where a rank trained on nothing and resumed;
     rank 0 writes every step's (epoch, keys of each rank) and the summaries to ``root``/runs.json."""
-    from pipeline.train import dataplan, loop
+    from pipeline.train import loop
+    from pipeline.train.input import dataplan
 
     dataplan.micro_batches = uneven_micro_batches  # this process is the test's own
     steps: list[tuple[int, list[str]]] = []

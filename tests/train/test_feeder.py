@@ -1,4 +1,4 @@
-"""The data plane in a feeder process (`pipeline.train.feeder`): a feeder killed mid-epoch fails its rank
+"""The data plane in a feeder process (`pipeline.train.input.feeder`): a feeder killed mid-epoch fails its rank
 at once, and the run resumed from its last checkpoint trains the keys a straight run trains at the same
 steps (the recorded ones of `tests.train.test_golden`, which `test_golden` checks with the feeder on too).
 The worker loop runs in this process (gloo, one rank), its feeder an actor of the shared local Ray.
@@ -20,8 +20,9 @@ import ray
 import torch
 
 from pipeline.data.bad_samples import BadSamples
-from pipeline.train import feeder, loop
-from pipeline.train.feeder import DeviceCopies, FeederInputs, FeederPlan
+from pipeline.train import loop
+from pipeline.train.input import feeder
+from pipeline.train.input.feeder import DeviceCopies, FeederInputs, FeederPlan
 from tests.train import test_golden
 from tests.train.test_golden import data_of, keys_config, record_keys, run, stream_of, use_stream
 

@@ -29,10 +29,11 @@ import torch
 
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
-from pipeline.train import dataplan, loop
+from pipeline.train import loop
 from pipeline.train.config import TrainConfig
-from pipeline.train.model import model_config
+from pipeline.train.input import dataplan
 from pipeline.train.presets import PRESETS
+from pipeline.train.step.model import model_config
 from tests.train import test_loop, test_sources
 from tests.train.test_loop import LocalSession
 
@@ -201,7 +202,7 @@ def test_a_checkpoint_in_the_recorded_form_resumes_with_the_recorded_keys_and_we
 
 def record(root: Path) -> None:
     """Writes `GOLDEN` from the loop as it is now."""
-    from pipeline.train.model import init_distributed
+    from pipeline.train.step.model import init_distributed
 
     _, _, device = init_distributed()
     golden = {"losses": losses_now(device, root / "losses")}

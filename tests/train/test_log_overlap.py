@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from pipeline import dcp
-from pipeline.train import loop, preemption
-from pipeline.train.preemption import Preempted
-from pipeline.train.step import TrainStep
+from pipeline.train import loop
+from pipeline.train.checkpointing import preemption
+from pipeline.train.checkpointing.preemption import Preempted
+from pipeline.train.step.train_step import TrainStep
 from tests.train import test_loop
 from tests.train.test_loop import config, patch_nan_loss, run, untimed
 

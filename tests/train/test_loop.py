@@ -22,11 +22,13 @@ from safetensors.torch import load_file
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
 from pipeline.data.masking import mask_batch
-from pipeline.train import dataplan, lease, loop, saver
+from pipeline.train import loop
+from pipeline.train.checkpointing import lease, saver
 from pipeline.train.config import TrainConfig
-from pipeline.train.model import model_config
+from pipeline.train.input import dataplan
 from pipeline.train.state import TrainState
-from pipeline.train.step import TrainStep
+from pipeline.train.step.model import model_config
+from pipeline.train.step.train_step import TrainStep
 from tests.configs import tiny_config
 
 SHARDS = [f"mem://shard-{i}" for i in range(4)]

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from pipeline.train import metrics, stacks
-from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, plot_training_curve
+from pipeline.train.observe import metrics, stacks
+from pipeline.train.observe.metrics import MetricsLog, MetricsWindow, format_line, plot_training_curve
 
 
 def row(step: int, loss: float = 1.0) -> dict:
@@ -229,7 +229,7 @@ def test_each_ranks_step_time_is_recorded_and_a_slow_one_named_in_the_log_line(t
 
 
 def test_a_rank_is_named_only_past_twenty_percent_over_the_median():
-    from pipeline.train.metrics import straggler
+    from pipeline.train.observe.metrics import straggler
 
     assert straggler([1.0, 1.0, 1.19]) == ""
     assert straggler([1.0, 1.0, 1.0, 1.0]) == ""

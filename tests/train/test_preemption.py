@@ -1,4 +1,4 @@
-"""A checkpoint on a preemption notice (`pipeline.train.preemption`), without Ray: the watcher's flag from
+"""A checkpoint on a preemption notice (`pipeline.train.checkpointing.preemption`), without Ray: the watcher's flag from
 a SIGTERM and from Ray's notice, the test hook, the ranks' agreement (any rank's notice stops every
 rank at the same step, with the same plan), and the worker loop in one process, stopped by a notice and
 by a SIGTERM and resumed.
@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from pipeline import dcp
-from pipeline.train import preemption
-from pipeline.train.preemption import Notice, Plan, Preempted, PreemptionWatcher, decide
+from pipeline.train.checkpointing import preemption
+from pipeline.train.checkpointing.preemption import Notice, Plan, Preempted, PreemptionWatcher, decide
 from pipeline.train.state import StepAgreement, agree_on_step
-from pipeline.train.step import TrainStep
+from pipeline.train.step.train_step import TrainStep
 from tests.distributed import spawn
 
 HOOK = preemption.TEST_HOOK

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples
-from pipeline.train.prefetch import Prefetcher
+from pipeline.train.input.prefetch import Prefetcher
 
 
 def micro_batch(i: int, size: int = 4) -> dict[str, np.ndarray]:

@@ -19,8 +19,9 @@ import pytest
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
 from pipeline.data.shards import ShardError
-from pipeline.train import dataplan, driver, loop
-from pipeline.train.metrics import format_line
+from pipeline.train import driver, loop
+from pipeline.train.input import dataplan
+from pipeline.train.observe.metrics import format_line
 from pipeline.train.presets import PRESETS
 from tests.train.test_loop import LocalSession, assert_same_weights, config, record_keys
 
@@ -202,7 +203,7 @@ def test_the_deal_type_says_what_the_cursor_deals():
     """`dataplan.Deal` stands for `EpochCursor.deal`: the same parameters, defaults and return type."""
     import inspect
 
-    from pipeline.train.cursor import EpochCursor
+    from pipeline.train.input.cursor import EpochCursor
 
     deal = inspect.signature(EpochCursor.deal)
     typed = inspect.signature(dataplan.Deal.__call__)

@@ -32,7 +32,8 @@ def config(out: Path, **changes):
 def _runs(rank: int, root: str) -> None:
     """A straight run, then the same run stopped at `STOP` and resumed; rank 0 writes every step's keys
     of each rank, the summaries and the last metrics rows to ``root``/runs.json."""
-    from pipeline.train import dataplan, loop
+    from pipeline.train import loop
+    from pipeline.train.input import dataplan
 
     dataplan.micro_batches = fake_micro_batches  # this process is the test's own
     steps: list[list[str]] = []

@@ -1,12 +1,12 @@
-"""The training thread's stack sampler (`pipeline.train.stacks`) and its per-window summary."""
+"""The training thread's stack sampler (`pipeline.train.observe.stacks`) and its per-window summary."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from pipeline.train import stacks
-from pipeline.train.stacks import table, windows
+from pipeline.train.observe import stacks
+from pipeline.train.observe.stacks import table, windows
 
 # Two functions whose frames look like the loop's: waiting for input, and the step.
 LOOP = (

@@ -3,7 +3,7 @@ feeder, a Ray actor on the rank's node, and the training process only copies fin
 the device and steps.
 
     training process (rank r)                          feeder (an actor on rank r's node, no GPU)
-    FeederPlan.epoch_input --- open(epoch, cursor) --> the rank's own plan (`pipeline.train.dataplan`):
+    FeederPlan.epoch_input --- open(epoch, cursor) --> the rank's own plan (`pipeline.train.input.dataplan`):
     FeederInputs.next <------- next(epoch) ----------- Ray Data's executor, the shuffle buffer, rebatch,
       uint8 patches, labels, keys (the object store)   bad samples, the position's columns (`Prefetcher`)
 
@@ -65,9 +65,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.train.config import TrainConfig
-from pipeline.train.cursor import EpochCursor, Position
-from pipeline.train.dataplan import DataPlan, StepInputs, plan_for
-from pipeline.train.prefetch import PinnedPool, StepInput
+from pipeline.train.input.cursor import EpochCursor, Position
+from pipeline.train.input.dataplan import DataPlan, StepInputs, plan_for
+from pipeline.train.input.prefetch import PinnedPool, StepInput
 from pipeline.train.state import Rank
 
 # The longest a rank waits for one reply of its feeder. A reply is a step's input, which a feeder
@@ -155,7 +155,7 @@ class DeviceCopies:
 
 
 class FeederInputs:
-    """An epoch's step inputs from the rank's feeder (`pipeline.train.dataplan.StepInputs`).
+    """An epoch's step inputs from the rank's feeder (`pipeline.train.input.dataplan.StepInputs`).
 
     Its replies are received on a thread of its own (`start`): the ``in_flight`` calls kept waiting on the
     feeder, the reply mapped from the object store and its arrays copied into pinned buffers (a ViT-B/16
@@ -343,7 +343,7 @@ def feeder_plan_for(
     me: Rank,
     columns: tuple[str, ...],
 ) -> DataPlan:
-    """`pipeline.train.dataplan.plan_for`, its pipeline in a feeder with ``--data-process feeder``."""
+    """`pipeline.train.input.dataplan.plan_for`, its pipeline in a feeder with ``--data-process feeder``."""
     plan = plan_for(loop_config, config, data_config, me, columns)
     if config.speed.data_process != "feeder":
         return plan

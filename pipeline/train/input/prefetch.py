@@ -9,7 +9,7 @@ the (non-blocking) copies to the device.
 A rank's stream ends before the epoch does when other ranks still hold samples: its last input holds
 what was left (fewer micro-batches than a step takes, the last one maybe smaller), and every input
 after it is empty, so the rank joins the epoch's last steps with nothing to train on
-(`pipeline.train.step.TrainStep` makes its passes with zero loss).
+(`pipeline.train.step.train_step.TrainStep` makes its passes with zero loss).
 
 When the stream runs dry, `on_dry` is called with its final bad-sample counts, on the thread that
 found it, before the step that input belongs to is handed over: the loop starts the next epoch's
@@ -52,7 +52,7 @@ class StepInput:
     error: str  # a data error's one line (bad-sample budget, unlabeled shards), "" when none
     bad_samples: BadSamples  # this rank's counts as of this step's last micro-batch (a copy)
     buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)  # pinned, back to the pool after use
-    # For the data position (`pipeline.train.position`): the micro-batches' samples as (url, index,
+    # For the data position (`pipeline.train.input.position`): the micro-batches' samples as (url, index,
     # shard_size) columns, and the bad samples counted while building this input (url, index, shard_size);
     # a mixed run's also hold each sample's source and pass (`POSITION`).
     consumed: list[tuple[np.ndarray, ...]] = field(default_factory=list)

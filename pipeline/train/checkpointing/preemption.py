@@ -22,7 +22,7 @@ Agreement. A notice may reach one rank only (a SIGTERM) or the ranks at differen
 agreement folds every rank's flag into the all-reduce it makes anyway, so every rank stops at the same
 step boundary, before that step: the checkpoint holds the steps up to N and every rank's cursor as of
 step N, as a periodic checkpoint at step N would, and a resume goes on at the sample
-(`pipeline.train.cursor`). One gather then settles the plan, the same on every rank: every rank's
+(`pipeline.train.input.cursor`). One gather then settles the plan, the same on every rank: every rank's
 reason, the least time left before a deadline, the longest a checkpoint took in this attempt.
 
 Stop. The checkpoint is a normal one (`dcp.checkpoint_name(step)`), reported to Ray Train with its
@@ -50,8 +50,8 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from pipeline import compat, dcp
-from pipeline.train.metrics import log_line
-from pipeline.train.saver import Checkpointer
+from pipeline.train.checkpointing.saver import Checkpointer
+from pipeline.train.observe.metrics import log_line
 from pipeline.train.state import Rank
 
 POLL_SECONDS = 2.0  # between two reads of Ray's notice: a drain gives minutes, a step may take ms

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline import storage
-from pipeline.train import stacks
-from pipeline.train.mfu import mfu
+from pipeline.train.observe import stacks
+from pipeline.train.observe.mfu import mfu
 
 if TYPE_CHECKING:
     from pipeline.train.state import TrainState
@@ -354,7 +354,7 @@ BASELINE = 3  # earlier windows (after the first) before a median is one: a run 
 def slow_window(row: dict[str, Any], rates: list[float], window: stacks.Window) -> str:
     """One line for a window more than `SLOW` under the median of ``rates`` (the earlier windows after
     the first, `BASELINE` of them at least; this row's rate is added to them), saying where the training
-    thread was (`pipeline.train.stacks.summary`); "" for the others."""
+    thread was (`pipeline.train.observe.stacks.summary`); "" for the others."""
     rate = row.get("images_per_s") or 0.0
     median = statistics.median(rates) if rates else rate
     rates.append(rate)

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.train.config import TrainConfig
-from pipeline.train.mixing import mix_seed
-from pipeline.train.objective import Objective, objective_for
-from pipeline.train.optim import build_optimizer, lr_factor
+from pipeline.train.step.mixing import mix_seed
+from pipeline.train.step.objective import Objective, objective_for
+from pipeline.train.step.optim import build_optimizer, lr_factor
 
 
 @dataclass

@@ -58,11 +58,11 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from pipeline import compat, dcp
-from pipeline.train import checkpoint
-from pipeline.train.cursor import EpochCursor
-from pipeline.train.ema import WeightEMA
-from pipeline.train.metrics import HostCopy
+from pipeline.train.checkpointing import checkpoint
+from pipeline.train.input.cursor import EpochCursor
+from pipeline.train.observe.metrics import HostCopy
 from pipeline.train.state import Rank, TrainState, local_shard
+from pipeline.train.step.ema import WeightEMA
 
 # A test hook, unset in real runs: "STEP:SECONDS" holds the background write of checkpoint STEP for
 # SECONDS on every rank, so that a test can kill a run while that save is in flight
@@ -169,7 +169,7 @@ class Saver:
         self.staging: Future | None = None  # its copy of the state, until `staged` has seen it done
         self.directory: str | None = None  # its local files
         # The longest any save took from its start until in storage: what a save before a deadline
-        # needs (`pipeline.train.preemption`).
+        # needs (`pipeline.train.checkpointing.preemption`).
         self.longest_seconds = 0.0
 
     def start(
