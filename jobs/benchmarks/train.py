@@ -44,7 +44,6 @@ from jobs.benchmarks.timing import matmul_tflops, time_step
 from pipeline import compat
 from pipeline.train.config import TrainConfig
 from pipeline.train.observe import mfu
-from pipeline.train.resources import largest_micro_batch
 from pipeline.train.step.ema import WeightEMA
 from pipeline.train.step.model import build_model, init_distributed
 from pipeline.train.step.objective import Objective, objective_for
@@ -77,6 +76,25 @@ def switches(name: str) -> dict:
             )
         fields.update(SWITCHES[part])
     return fields
+
+
+def largest_micro_batch(fits: Callable[[int], bool], start: int, limit: int, multiple: int = 8) -> int | None:
+    """The largest micro-batch `fits` accepts, at most `limit` and a multiple of `multiple` (or `start`):
+    double from `start` until a size fails, then bisect between the last that fit and the first that did
+    not. `fits` must be monotone (a size that fits, every smaller one does). None when `start` fails."""
+    if not fits(start):
+        return None
+    good, bad = start, None
+    while bad is None:
+        size = min(good * 2, limit)
+        if size == good:
+            return good
+        good, bad = (size, None) if fits(size) else (good, size)
+    while True:
+        middle = (good + bad) // 2 // multiple * multiple
+        if middle <= good:
+            return good
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
