@@ -229,13 +229,14 @@ def _after_drain(device: DeviceQueue, read: Callable[..., Any]) -> Callable[...,
 
 def wait_step_class(device: DeviceQueue) -> type:
     """`TrainStep` with a wait on ``device`` in place of the model's work (imported in the worker: torch)."""
-    from pipeline.train.step.train_step import StepStats, TrainStep
+    from pipeline.train.step.train_step import Gradients, StepStats, TrainStep
 
     class _WaitStep(TrainStep):
         """The step's place in the loop, its optimizer (checkpoints hold it) and its stats, with a wait
         of ``VITRAY_DEVICE_STEP``'s milliseconds on the device in place of forward, backward and update.
         Each step's record (`read_steps`): its host seconds since the last step's call returned, less
-        the device reads' waits (`DeviceQueue.drain`) between; when its wait ended on the device."""
+        the device reads' waits (`DeviceQueue.drain`) between; when its wait ended on the device. Its
+        two calls are the real step's (`TrainStep.forward_backward`, `TrainStep.update`)."""
 
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
@@ -267,7 +268,12 @@ def wait_step_class(device: DeviceQueue) -> type:
             for group, lr in zip(self.optimizer.param_groups, rates, strict=True):
                 group["lr"] = lr
 
-        def __call__(self, step: int, micro_batches: list, global_count: int, micro_steps: int | None = None):
+        def forward_backward(
+            self, step: int, micro_batches: list, global_count: int, micro_steps: int | None = None
+        ) -> Gradients:
+            """The step's wait launched on the device, in place of its forward and backward; the loop's
+            work before the update (a checkpoint's copy, which the real step waits for before it queues
+            its update) follows it, while the device runs the wait."""
             called, since, device = time.time(), self.returned, self.device_queue
             host = called - since - (device.drained_s - self.drained)
 
@@ -275,12 +281,14 @@ def wait_step_class(device: DeviceQueue) -> type:
                 self.out.write(f"{step + 1}\t{host:.6f}\t{when:.6f}\t{since:.6f}\t{called:.6f}\n")
 
             device.launch(self.wait_s, ended)
-            # A checkpoint's copy, as the real step waits for it before it queues its update (here in
-            # the launched wait): the host holds while the device runs the step.
-            self.before_update()
-            self.returned, self.drained = time.time(), device.drained_s
             count = sum(len(mb[0]) for mb in micro_batches)
-            return StepStats(self.zero, self.zero.long(), count, self.zero, 0.0, self.zero.bool())
+            return Gradients(step, self.zero, self.zero.long(), count)
+
+        def update(self, gradients: Gradients) -> StepStats:
+            """No update: the step's stats, as the host's last call of the step returns."""
+            self.returned, self.drained = time.time(), self.device_queue.drained_s
+            zero = self.zero
+            return StepStats(zero, gradients.correct, gradients.count, zero, 0.0, zero.bool())
 
     return _WaitStep
 

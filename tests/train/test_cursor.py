@@ -24,7 +24,7 @@ def counts(total: int, bad: int) -> BadSamples:
 
 
 def saved(cursors: list[EpochCursor]) -> TrainState:
-    """The state a checkpoint holds for these ranks' cursors (as `Trainer.save_checkpoint` gathers it)."""
+    """The state a checkpoint holds for these ranks' cursors (as `Checkpointer.take` gathers it)."""
     return TrainState(
         step=5,
         epoch_position=cursors[0].position(),

@@ -24,7 +24,8 @@ from pipeline.train import loop
 from pipeline.train.input import feeder
 from pipeline.train.input.feeder import DeviceCopies, FeederInputs, FeederPlan
 from tests.train import test_golden
-from tests.train.test_golden import data_of, keys_config, record_keys, run, stream_of, use_stream
+from tests.train.test_golden import data_of, keys_config, run, stream_of, use_stream
+from tests.train.test_loop import Seen
 
 KILL_AT = 1  # in epoch 0 (4 steps an epoch), checkpoints every 3 steps; see the test
 
@@ -37,30 +38,30 @@ def test_a_feeder_killed_mid_epoch_fails_its_rank_and_the_run_resumes_with_the_s
     recorded = json.loads(test_golden.GOLDEN.read_text())["plain"]["keys"]
     cfg = keys_config("plain", tmp_path / "run").replace(data_process="feeder", checkpoint_every=3)
     killed: dict[str, float] = {}
-    with pytest.MonkeyPatch.context() as mp:
-        use_stream(mp, stream_of("plain"))
-        real = loop.Trainer.train_step
+    feeders: list = []
 
-        def train_step(self, data, step_input, agreement):
-            if self.state.step == KILL_AT and not killed:
-                assert isinstance(self.plan, FeederPlan)
-                pid = ray.get(self.plan.feeder.pid.remote())
+    class KillTheFeeder(loop.StepWatch):
+        def taken(self, step):
+            if step.step == KILL_AT + 1 and not killed:
+                pid = ray.get(feeders[0].pid.remote())
                 assert pid != os.getpid()
                 os.kill(pid, signal.SIGKILL)
                 killed["at"] = time.monotonic()
-            return real(self, data, step_input, agreement)
 
-        mp.setattr(loop.Trainer, "train_step", train_step)
+    with pytest.MonkeyPatch.context() as mp:
+        use_stream(mp, stream_of("plain"))
+        real_start = FeederPlan.start
+        mp.setattr(FeederPlan, "start", lambda plan: feeders.append(real_start(plan)) or feeders[-1])
         with pytest.raises(RuntimeError, match="the data feeder of worker 0 died"):
-            run(cfg, world, data_of("plain"))
+            run(cfg, world, data_of("plain"), KillTheFeeder())
         assert time.monotonic() - killed["at"] < 60  # a failed rank, not a hang
     with pytest.MonkeyPatch.context() as mp:
         use_stream(mp, stream_of("plain"))
-        taken = record_keys(mp)
-        summary = run(cfg, world, data_of("plain"))["summary"]
+        seen = Seen()
+        summary = run(cfg, world, data_of("plain"), seen)["summary"]
     resumed = summary["resumed_from"]["step"]
     assert resumed in (3, 6)  # a checkpoint inside an epoch: the resume re-reads part of it
-    assert taken == recorded[resumed:]
+    assert seen.keys == recorded[resumed:]
 
 
 def reply(columns: dict[str, np.ndarray], micro_batches: int = 2) -> dict:
@@ -83,9 +84,7 @@ def step_arrays() -> dict[str, np.ndarray]:
 
 def test_a_replys_arrays_become_the_steps_tensors_which_the_step_may_write():
     arrays = step_arrays()
-    inputs = FeederInputs(
-        None, 0, rank=0, columns=("patches", "label"), in_flight=1, copies=DeviceCopies(), on_dry=print
-    )
+    inputs = FeederInputs(None, 0, rank=0, columns=("patches", "label"), in_flight=1, copies=DeviceCopies())
     fed = inputs.step_input(reply(arrays))
     assert fed.samples == 8 and len(fed.micro_batches) == 2
     for patches, label in fed.micro_batches:
@@ -118,9 +117,9 @@ class Replies:
 def test_replies_are_received_and_copied_ahead_on_a_thread_of_their_own(monkeypatch):
     """The training thread only takes a step that is ready: the replies are received, and their arrays
     copied out of the object store, on the inputs' own thread, before any step asks (on an H200 that copy
-    on the training thread was a tenth of each B/16 step). The final counts reach ``on_dry`` on the
-    training thread, with the reply carrying them; then the stream's end, and empty inputs after it."""
-    copied_on, ready, dry_on = [], threading.Event(), []
+    on the training thread was a tenth of each B/16 step). The final counts reach `ran_dry` once the
+    training thread has taken the reply carrying them; then the stream's end, and empty inputs after it."""
+    copied_on, ready = [], threading.Event()
     step_input = FeederInputs.step_input
 
     def copying(self, answer):
@@ -133,17 +132,20 @@ def test_replies_are_received_and_copied_ahead_on_a_thread_of_their_own(monkeypa
     monkeypatch.setattr(FeederInputs, "wait", lambda self, ref: ref)
     inputs = FeederInputs(
         Replies(step_arrays(), dry_at=3), 0, rank=0, columns=("patches", "label"), in_flight=2,
-        copies=DeviceCopies(), on_dry=lambda final: dry_on.append(threading.current_thread()),
+        copies=DeviceCopies(),
     )  # fmt: skip
     inputs.start()
     assert ready.wait(30)  # two steps received and copied, none asked for
     here = threading.current_thread()
-    taken = [inputs.next() for _ in range(5)]
+    taken, dry = [], []
+    for _ in range(5):
+        taken.append(inputs.next())
+        dry.append(inputs.ran_dry() is not None)
     assert [t.samples for t in taken] == [8, 8, 8, 0, 0] and [t.ran_dry for t in taken] == [False] * 3 + [
         True
     ] * 2
     assert copied_on and here not in copied_on
-    assert dry_on == [here]
+    assert dry == [False, False, True, True, True]  # the third reply carried the final counts
     inputs.close()
 
 
@@ -153,9 +155,7 @@ def test_on_cuda_fed_steps_reach_the_device_through_pinned_buffers_reused_across
     copies = DeviceCopies.on(device)  # one for the run: every epoch's inputs copy with it
     pinned = []
     for epoch in range(3):
-        inputs = FeederInputs(
-            None, epoch, rank=0, columns=("patches", "label"), in_flight=1, copies=copies, on_dry=print
-        )
+        inputs = FeederInputs(None, epoch, rank=0, columns=("patches", "label"), in_flight=1, copies=copies)
         arrays = step_arrays()
         fed = inputs.step_input(reply(arrays))
         assert all(t.is_pinned() for mb in fed.micro_batches for t in mb)
@@ -183,9 +183,7 @@ class Silent:
 def test_a_feeder_silent_past_the_bound_fails_its_rank_instead_of_hanging(ray_session, monkeypatch):
     monkeypatch.setattr(feeder, "WAIT_S", 2.0)
     silent = ray.remote(Silent).remote()
-    inputs = FeederInputs(
-        silent, 0, rank=3, columns=("patches", "label"), in_flight=2, copies=DeviceCopies(), on_dry=print
-    )
+    inputs = FeederInputs(silent, 0, rank=3, columns=("patches", "label"), in_flight=2, copies=DeviceCopies())
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="the data feeder of worker 3 sent no step input in 2 s"):
         inputs.next()

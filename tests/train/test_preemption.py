@@ -226,14 +226,14 @@ def test_a_sigterm_during_a_step_checkpoints_that_step_and_the_resumed_run_ends_
 ):
     """SIGTERM while step 3 runs (logged: its row goes with the checkpoint)."""
     cfg = loop_tests().config(tmp_path / "run", log_every=1, checkpoint_every=4)
-    real_step, sent = TrainStep.__call__, []
+    real_passes, sent = TrainStep.forward_backward, []
 
-    def step(self, index, *args, **kwargs):
+    def forward_backward(self, index, *args, **kwargs):
         if index == 2 and not sent:
             sent.append(os.kill(os.getpid(), signal.SIGTERM))
-        return real_step(self, index, *args, **kwargs)
+        return real_passes(self, index, *args, **kwargs)
 
-    monkeypatch.setattr(TrainStep, "__call__", step)
+    monkeypatch.setattr(TrainStep, "forward_backward", forward_backward)
     message, _, summary = stopped_and_resumed(cfg, world, capsys)
     assert message.startswith(f"preempted at step 3 (SIGTERM on rank 0): {dcp.checkpoint_name(3)} saved in ")
     assert dcp.is_complete(Path(cfg.run.out) / dcp.checkpoint_name(3))

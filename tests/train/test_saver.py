@@ -393,7 +393,7 @@ def test_a_run_makes_the_staging_buffers_after_its_first_step_and_each_checkpoin
     from pipeline.train.input import dataplan
 
     built, refills, steps = [], [], []
-    real_stage, real_release, real_call = DefaultStager._stage, KeptStager.release, TrainStep.__call__
+    real_stage, real_release, real_update = DefaultStager._stage, KeptStager.release, TrainStep.update
 
     def build(self, state_dict, **kwargs):
         built.append(len(steps))
@@ -403,13 +403,13 @@ def test_a_run_makes_the_staging_buffers_after_its_first_step_and_each_checkpoin
         refills.append(self.refills)
         real_release(self)
 
-    def step(self, *args, **kwargs):
+    def update(self, gradients):
         steps.append(1)
-        return real_call(self, *args, **kwargs)
+        return real_update(self, gradients)
 
     monkeypatch.setattr(DefaultStager, "_stage", build)
     monkeypatch.setattr(KeptStager, "release", release)
-    monkeypatch.setattr(TrainStep, "__call__", step)
+    monkeypatch.setattr(TrainStep, "update", update)
     monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     summary, _ = run(config(tmp_path / "run", checkpoint_every=2, async_checkpoint=True), world)
     assert summary["error"] == "" and built == [1] and refills == [4]

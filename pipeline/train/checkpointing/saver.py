@@ -16,7 +16,7 @@ Design notes
   Ray Train uploads it, and only then does training go on: the stall is the write plus the upload.
 - Asynchronous (the default): DCP's `DefaultStager` copies the state into host memory (pinned on CUDA)
   on a thread of its own while the next step's forward and backward run; that step waits for the copy
-  only before it writes anything the copy holds (`TrainStep.before_update` -> `Saver.staged`: the
+  only before it writes anything the copy holds (the loop's `Checkpointer.staged` before the update: the
   learning rate, the weights, the optimizer state; the EMA follows the update). On CUDA the copy reads
   what the checkpoint's step wrote: a save starts once the host has seen the device run that step (the
   finite check's event, recorded behind the step and its EMA update; the steps queued after it only read

@@ -6,8 +6,9 @@ fingerprint of its streams, and the entry its metrics rows add.
                         +-- Mixture:   sources mixed by weight (``--data a=URL:0.7,b=URL:0.3``)
 
 Both hand the loop step inputs through a `pipeline.train.input.prefetch.Prefetcher` built over the rank's
-stream of micro-batches, after those the rank has taken (`pipeline.train.input.cursor.EpochCursor`); when the
-stream runs dry, the loop's ``on_dry`` starts the next epoch's input while this one's last steps train.
+stream of micro-batches, after those the rank has taken (`pipeline.train.input.cursor.EpochCursor`); once the
+stream has run dry (`StepInputs.ran_dry`), the loop starts the next epoch's input while this one's last
+steps train.
 `pipeline.train.input.feeder` hands out the same `StepInputs` from a process of the rank's own (``--data-process
 feeder``).
 
@@ -63,6 +64,10 @@ class StepInputs(Protocol):
 
     def next(self) -> StepInput: ...
 
+    def ran_dry(self) -> BadSamples | None:
+        """The stream's final counts once it has run dry (maybe steps ahead of the input that ends it)."""
+        ...
+
     def release(self, step_input: StepInput) -> None: ...
 
     def close(self) -> None: ...
@@ -88,11 +93,9 @@ class DataPlan(Protocol):
         cursor: EpochCursor,
         *,
         ahead: BadSamples | None,
-        on_dry: Callable[[BadSamples], None],
     ) -> StepInputs:
         """This rank's steps of ``epoch`` after the micro-batches ``cursor`` has taken; given ``ahead``
-        (the counts the epoch before ended with), from the epoch's start. ``on_dry(final counts)`` is
-        called once the rank's stream has run dry."""
+        (the counts the epoch before ended with), from the epoch's start."""
         ...
 
     def metrics(self, counts: BadSamples, group: dist.ProcessGroup | None) -> dict[str, Any]:
@@ -251,7 +254,6 @@ class StreamPlan:
         cursor: EpochCursor,
         *,
         ahead: BadSamples | None,
-        on_dry: Callable[[BadSamples], None],
     ) -> StepInputs:
         counts = cursor.replay_counts() if ahead is None else ahead
         stream = self.stream(epoch, cursor, counts, ahead=ahead is not None)
@@ -262,7 +264,6 @@ class StreamPlan:
             bad_samples=counts,
             pin=self.me.device.type == "cuda",
             depth=self.config.speed.prefetch_steps,
-            on_dry=on_dry,
         )
 
     def stream(self, epoch: int, cursor: EpochCursor, counts: BadSamples, *, ahead: bool) -> Iterator[Batch]:
