@@ -101,13 +101,12 @@ ALLOWED = {
         "vit",
         "pipeline.model_source",
     },
-    # Indexes what embed writes (read as evaluate reads it) and embeds query images as embed does;
-    # never pipeline.train.
+    # Indexes what embed writes (read with embed's reader) and embeds query images as embed does;
+    # never pipeline.train, nor pipeline.evaluate.
     "pipeline.index": {
         "pipeline.index",
         "pipeline.settings",
         "pipeline.cli",  # its jobs' parsers, made from their configs
-        "pipeline.evaluate",
         "pipeline.embed",
         "pipeline.data",
         "pipeline.storage",

@@ -16,8 +16,13 @@ import torch.distributed as dist
 import vit
 from pipeline import dcp
 from pipeline.data.config import DataConfig
-from pipeline.embed.actor import build_embedding_model
-from pipeline.model_source import load_model_source, pack_state_dict, state_dict_sha256, unpack_state_dict
+from pipeline.model_source import (
+    inference_model,
+    load_model_source,
+    pack_state_dict,
+    state_dict_sha256,
+    unpack_state_dict,
+)
 from pipeline.train.checkpointing import checkpoint
 from tests.configs import tiny_config
 
@@ -152,7 +157,7 @@ def test_another_image_size_resamples_the_position_embeddings(run_dir):
     source = load_model_source(str(run_dir), image_size=48)
     assert (source.config.image_size, source.config.num_patches) == (48, 36)
     assert source.sha256 == load_model_source(str(run_dir)).sha256  # the weights as stored
-    model = build_embedding_model(source.config, source.state_dict, "cpu")
+    model = inference_model(source.config, source.state_dict, "cpu")
     patches = torch.randint(0, 256, (2, 36, 192), dtype=torch.uint8)
     with torch.no_grad():
         assert model.embed(patches).shape == (2, 64)
@@ -244,7 +249,7 @@ def test_transformers_directory_converts_and_embeds_like_transformers(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     source = load_model_source(str(tmp_path / "hf"))
     assert source.kind == "hf" and source.config.num_heads == 4 and source.config.norm_eps == 1e-12
-    model = build_embedding_model(source.config, unpack_state_dict(pack_state_dict(source.state_dict)), "cpu")
+    model = inference_model(source.config, unpack_state_dict(pack_state_dict(source.state_dict)), "cpu")
     x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out = hf(pixel_values=x)
@@ -270,7 +275,7 @@ def test_weights_files_of_other_libraries_embed_as_their_own_model(synthetic_sha
             data=synthetic_shards.dir, weights=str(weights), out=str(tmp_path / weights.stem)
         )
         built = prepare(config)
-        model = build_embedding_model(built.source.config, built.source.state_dict, "cpu")
+        model = inference_model(built.source.config, built.source.state_dict, "cpu")
         return built, model
 
     x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
