@@ -194,7 +194,7 @@ class QueuedEvent:
 def device_reads() -> list[tuple[Any, str]]:
     """(owner, attribute) of each place where the loop (`pipeline.train.loop`) reads a device value
     queued last, and a real step's host therefore waits for every step queued. Besides these it waits only
-    for an event behind a step (`pipeline.train.observe.metrics.HostCopy`; `wait_at_device_reads` models it with
+    for an event behind a step (`pipeline.train.observe.host_copy.HostCopy`; `wait_at_device_reads` models it with
     `DeviceQueue.event`): a log line's (its step, not the one queued after it) and a checkpoint's finite
     check (`pipeline.train.checkpointing.saver.FiniteCheck`, read inside the next step). Its step, the input's copy
     and the metrics' sums are queued and never read back in between (with fused AdamW, the default on
@@ -211,11 +211,11 @@ def device_reads() -> list[tuple[Any, str]]:
 def wait_at_device_reads(device: DeviceQueue, patch: Callable[[Any, str, Any], None] = setattr) -> None:
     """Each of `device_reads()` drains ``device`` first, and a log line's copy records its event on
     ``device`` (``patch``: how an attribute is replaced; a test's undoes itself)."""
-    from pipeline.train.observe import metrics
+    from pipeline.train.observe.host_copy import HostCopy
 
     for owner, name in device_reads():
         patch(owner, name, _after_drain(device, getattr(owner, name)))
-    patch(metrics.HostCopy, "record_event", staticmethod(lambda _: device.event()))
+    patch(HostCopy, "record_event", staticmethod(lambda _: device.event()))
 
 
 def _after_drain(device: DeviceQueue, read: Callable[..., Any]) -> Callable[..., Any]:

@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 from pipeline import compat, dcp
 from pipeline.train.checkpointing import checkpoint
 from pipeline.train.input.cursor import EpochCursor
-from pipeline.train.observe.metrics import HostCopy
+from pipeline.train.observe.host_copy import HostCopy
 from pipeline.train.state import Rank, TrainState, local_shard
 from pipeline.train.step.ema import WeightEMA
 
