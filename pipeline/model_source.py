@@ -39,7 +39,7 @@ from torch import nn
 import vit
 from pipeline import dcp, storage
 from pipeline.data.config import DataConfig
-from pipeline.settings import setting
+from pipeline.settings import Settings, setting
 from vit.weights import CONFIG_FILE, WEIGHTS_FILE, check_shapes, check_values, check_weights, read_header
 from vit.weights import preprocessing as model_input
 
@@ -50,7 +50,7 @@ HF_PREPROCESSOR = "preprocessor_config.json"  # a transformers folder's image pr
 
 
 @dataclass(frozen=True, kw_only=True)
-class Weights:
+class Weights(Settings):
     """The section of a job's config that names a trained model (`pipeline.settings`; taken by
     inheriting it): ``--weights``, ``--weights-format``, ``--model``, which `load_model_source` takes."""
 

@@ -367,3 +367,29 @@ def _plain(value: Any) -> Any:
     if isinstance(value, str):
         return public_text(value)
     return value
+
+
+SettingsT = typing.TypeVar("SettingsT", bound="Settings")
+
+
+class Settings:
+    """The base of every config dataclass of settings (a job's config, a section of one): `validate` checks
+    each field against what its setting declares (`check`; a config whose checks compare fields extends
+    it), `to_dict` / `from_dict` are its JSON form, `replace` a copy with settings replaced by name."""
+
+    def validate(self) -> None:
+        """A one-line ValueError for a value that cannot work."""
+        check(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """`to_dict`: the JSON form, secrets redacted."""
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls: type[SettingsT], values: dict[str, Any], **overrides: Any) -> SettingsT:
+        """`from_dict`: the inverse of `to_dict` (``overrides``: real values of redacted secrets)."""
+        return from_dict(cls, values, **overrides)
+
+    def replace(self: SettingsT, **changes: Any) -> SettingsT:
+        """`replace`: this config with settings replaced by field or flag name, whatever section holds them."""
+        return replace(self, **changes)
