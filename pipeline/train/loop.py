@@ -480,6 +480,7 @@ class Trainer:
         )
         if keep.saves:
             if self.pending is None:  # no log line at this step: a row of its own
+                assert self.last_stats is not None  # a step of this attempt (the one resumed is held)
                 self.take_report(self.last_stats, save=True)
             else:  # this step's log line: its row goes with the checkpoint
                 check = self.checkpointer.take(self.state, self.cursor)
