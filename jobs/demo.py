@@ -84,7 +84,7 @@ def main() -> None:
     import pyarrow.parquet as pq
 
     from pipeline.train.driver import read_metrics
-    from pipeline.train.metrics import plot_training_curve
+    from pipeline.train.observe.metrics import plot_training_curve
 
     rows = read_metrics(str(run))
     tuned = [r for r in read_metrics(str(finetuned)) if r.get("eval_accuracy") is not None][-1]

@@ -36,7 +36,7 @@ def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
 
 def dcp_stage(stager: Any, state_dict: Any, **kwargs: Any) -> Any:
     """DCP's own staging of ``state_dict`` by ``stager``, a `DefaultStager` (its ``_stage``: the copy
-    itself, which the public ``stage`` submits to the stager's thread). `pipeline.train.saver.KeptStager`
+    itself, which the public ``stage`` submits to the stager's thread). `pipeline.train.checkpointing.saver.KeptStager`
     overrides ``_stage`` to refill its buffers and runs DCP's for a state laid out anew; it relies on
     ``_stage(state_dict, **kwargs)``, on the stager's ``_config``, ``_staging_stream`` and
     ``_state_dict_stager`` (torch 2.11 to 2.13)."""
@@ -168,7 +168,7 @@ def wait_for_ray_train_reports(timeout_s: float) -> bool:
 
 def thread_frame(ident: int) -> Any | None:
     """The innermost frame of thread ``ident`` now, or None once it has ended (CPython's
-    ``sys._current_frames``; `pipeline.train.stacks` samples the training thread with it)."""
+    ``sys._current_frames``; `pipeline.train.observe.stacks` samples the training thread with it)."""
     import sys
 
     return sys._current_frames().get(ident)

@@ -1,6 +1,6 @@
 """A training checkpoint as files: its layout on storage, and its model read back without trusting it.
 
-Training writes checkpoints (`pipeline.train.checkpoint`, collectively, with the optimizer); the
+Training writes checkpoints (`pipeline.train.checkpointing.checkpoint`, collectively, with the optimizer); the
 embedding job and the other jobs downstream read the model part of one (`load_model_state`, in one
 process without a process group). Both sides share this module, so neither imports the other.
 

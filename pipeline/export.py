@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pipeline import cli, settings, storage
+from pipeline import cli, storage
 from pipeline.model_source import ModelSource, load_model_source
 from pipeline.settings import setting
 
@@ -47,13 +47,6 @@ class ExportConfig(storage.Output):
     encoder_only: bool = setting(
         False, "drop the head, for a head the target has no counterpart of (the embeddings stay the same)"
     )
-
-    def validate(self) -> None:
-        """A one-line ValueError for a value that cannot work."""
-        settings.check(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        return settings.to_dict(self)
 
 
 def export_parser(description: str | None = None) -> argparse.ArgumentParser:

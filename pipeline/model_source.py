@@ -34,10 +34,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 import vit
 from pipeline import dcp, storage
-from pipeline.settings import setting
+from pipeline.data.config import DataConfig
+from pipeline.settings import Settings, setting
 from vit.weights import CONFIG_FILE, WEIGHTS_FILE, check_shapes, check_values, check_weights, read_header
 from vit.weights import preprocessing as model_input
 
@@ -48,7 +50,7 @@ HF_PREPROCESSOR = "preprocessor_config.json"  # a transformers folder's image pr
 
 
 @dataclass(frozen=True, kw_only=True)
-class Weights:
+class Weights(Settings):
     """The section of a job's config that names a trained model (`pipeline.settings`; taken by
     inheriting it): ``--weights``, ``--weights-format``, ``--model``, which `load_model_source` takes."""
 
@@ -76,6 +78,25 @@ class ModelSource:
 
     def describe(self) -> str:
         return f"{self.config.name} ({self.kind}: {self.path}, sha256 {self.sha256[:12]})"
+
+    def model(self, device: torch.device | str, **options: Any) -> vit.VisionTransformer:
+        """`inference_model` of these weights (``options``: its ``dtype`` and ``compile``)."""
+        return inference_model(self.config, self.state_dict, device, **options)
+
+    def eval_data(
+        self, transform: Any = None, *, preprocessing: dict[str, Any] | None = None, **fields: Any
+    ) -> DataConfig:
+        """The model's evaluation transform, the one way a job that runs these weights gets it
+        (`DataConfig.for_eval`): over the preprocessing the weights carry, or ``preprocessing`` (another
+        record of it, an embedding output's say; ``{}``: the defaults), at the model's image and patch size;
+        ``transform`` (an `EvalOverrides`) and ``fields`` as `DataConfig.for_eval` takes them."""
+        return DataConfig.for_eval(
+            self.preprocessing if preprocessing is None else preprocessing,
+            image_size=self.config.image_size,
+            patch_size=self.config.patch_size,
+            transform=transform,
+            **fields,
+        )
 
 
 def load_model_source(
@@ -126,6 +147,33 @@ def load_model_source(
     if image_size is not None and image_size != config.image_size:
         config = config.replace(image_size=image_size)  # validates divisibility by the patch size
     return ModelSource(config, state_dict, state_dict_sha256(state_dict), kind, where.url, preprocessing)
+
+
+def inference_model(
+    config: vit.ViTConfig,
+    state_dict: dict[str, torch.Tensor],
+    device: torch.device,
+    *,
+    dtype: torch.dtype = torch.float32,
+    compile: bool | str = False,
+) -> vit.VisionTransformer:
+    """The model for inference, built in this one place for every job that runs a trained model (the
+    embedding job's actors, the search job's image query, the analyze job): in eval mode, no gradients,
+    on ``device`` with weights in ``dtype``, taking the given tensors without a copy on CPU in float32.
+    ``compile``: compile ``model.embed`` (True: inductor; a string names another torch.compile backend)."""
+    model = vit.VisionTransformer(config, device="meta")
+    model.load_state_dict(state_dict, assign=True)  # resamples pos_embed for another image_size
+    # The input normalization constants stay float32: uint8 patches are scaled in float32, then cast.
+    model = model.to(device).eval().requires_grad_(False)
+    if dtype != torch.float32:
+        for path, module in model.named_modules():
+            if path.startswith("patch_embed.backbone"):
+                continue  # a hybrid's ResNet takes the float32 image; its output is cast for the projection
+            for name, param in module.named_parameters(recurse=False):
+                setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
+    if compile:
+        model.embed = torch.compile(model.embed, backend="inductor" if compile is True else compile)
+    return model
 
 
 def state_dict_sha256(state_dict: dict[str, torch.Tensor]) -> str:
@@ -222,8 +270,6 @@ def _data_config_dict(values: Any, config: vit.ViTConfig, file: storage.Location
     fields alone). A record that does not read as a DataConfig (a field unknown here, from a newer
     vitray or an edit; a value out of range) is a one-line ValueError naming the file and the field:
     embedding with the default crop in its place would give other embeddings, with no word."""
-    from pipeline.data.config import DataConfig
-
     if values is None or (isinstance(values, dict) and set(values) <= set(model_input(config))):
         return None
     if not isinstance(values, dict):

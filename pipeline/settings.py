@@ -45,7 +45,7 @@ _UNSET = object()
 # and values no run can use are refused in one line that names the flag, before any work).
 MAX_COUNT = 2**31 - 1  # a count of steps, samples, rows, tries: what a C int holds (FAISS, Arrow, torch)
 # A seed: torch.manual_seed takes 64 bits, and a resumed checkpoint seeds (seed * 1_000_003 + step) * 1_009
-# + rank (`pipeline.train.checkpoint`), which 32-bit seeds keep within them.
+# + rank (`pipeline.train.checkpointing.checkpoint`), which 32-bit seeds keep within them.
 MAX_SEED = 2**32 - 1
 
 
@@ -380,3 +380,29 @@ def _plain(value: Any) -> Any:
     if isinstance(value, str):
         return public_text(value)
     return value
+
+
+SettingsT = typing.TypeVar("SettingsT", bound="Settings")
+
+
+class Settings:
+    """The base of every config dataclass of settings (a job's config, a section of one): `validate` checks
+    each field against what its setting declares (`check`; a config whose checks compare fields extends
+    it), `to_dict` / `from_dict` are its JSON form, `replace` a copy with settings replaced by name."""
+
+    def validate(self) -> None:
+        """A one-line ValueError for a value that cannot work."""
+        check(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """`to_dict`: the JSON form, secrets redacted."""
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls: type[SettingsT], values: dict[str, Any], **overrides: Any) -> SettingsT:
+        """`from_dict`: the inverse of `to_dict` (``overrides``: real values of redacted secrets)."""
+        return from_dict(cls, values, **overrides)
+
+    def replace(self: SettingsT, **changes: Any) -> SettingsT:
+        """`replace`: this config with settings replaced by field or flag name, whatever section holds them."""
+        return replace(self, **changes)

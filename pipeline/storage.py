@@ -25,7 +25,7 @@ import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
 from pipeline.redaction import public_url
-from pipeline.settings import setting
+from pipeline.settings import Settings, setting
 
 
 def is_local(where: Location | str) -> bool:
@@ -115,7 +115,7 @@ class Location:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Storage:
+class Storage(Settings):
     """How a job reaches what it reads and writes: fsspec options (endpoint, credentials)."""
 
     storage_options: dict | None = setting(

@@ -102,13 +102,12 @@ ALLOWED = {
         "vit",
         "pipeline.model_source",
     },
-    # Indexes what embed writes (read as evaluate reads it) and embeds query images as embed does;
-    # never pipeline.train.
+    # Indexes what embed writes (read with embed's reader) and embeds query images as embed does;
+    # never pipeline.train, nor pipeline.evaluate.
     "pipeline.index": {
         "pipeline.index",
         "pipeline.settings",
         "pipeline.cli",  # its jobs' parsers, made from their configs
-        "pipeline.evaluate",
         "pipeline.embed",
         "pipeline.data",
         "pipeline.storage",
@@ -195,6 +194,154 @@ def edge_violations(modules: dict[str, Path], allowed: dict[str, set[str]]) -> l
 def test_arrows_only_go_down():
     offenders = edge_violations(OURS, ALLOWED)
     assert not offenders, f"imports against the layering of DESIGN.md: {offenders}"
+
+
+# --- the rooms of pipeline/train/ -------------------------------------------------------------------
+# The loop, the driver and the session stay at the top of train/ and read its four rooms; a room reads
+# the rooms below it and the modules of train/'s top that say what a run and a rank are (TRAIN_BASE),
+# never the loop, the driver, the session or the other modules of the top that read the rooms.
+TRAIN_BASE = {
+    "pipeline.train.config",
+    "pipeline.train.sections",
+    "pipeline.train.state",
+    "pipeline.train.resources",
+}
+TRAIN_ROOMS = {
+    "pipeline.train.observe": set(),
+    "pipeline.train.step": {"pipeline.train.observe"},  # MFU: the FLOPs an objective's step takes
+    "pipeline.train.input": set(),
+    "pipeline.train.checkpointing": {
+        "pipeline.train.step",  # the EMA a checkpoint holds
+        "pipeline.train.input",  # the cursor a checkpoint records
+        "pipeline.train.observe",
+    },
+}
+# The room that runs under torchrun or in one plain process too (the train benchmark on a bare GPU
+# machine): nothing it loads, through any module of ours, imports Ray.
+NO_RAY_ROOM = "pipeline.train.step"
+
+
+def train_room(module: str) -> str | None:
+    """The room of train/ a module is in (``pipeline.train.input.cursor`` -> ``pipeline.train.input``)."""
+    return next((r for r in TRAIN_ROOMS if module == r or module.startswith(r + ".")), None)
+
+
+def train_room_violations(modules: dict[str, Path]) -> list[str]:
+    """``"<module> imports <target>"`` for each import of train/ a room's module makes against
+    `TRAIN_ROOMS` (its own room, the rooms it may read and `TRAIN_BASE` are allowed)."""
+    found = []
+    for name, f in sorted(modules.items()):
+        mine = train_room(name)
+        if mine is None:
+            continue
+        for target in sorted(project_imports(f)):
+            if not target.startswith("pipeline.train.") or target in TRAIN_BASE:
+                continue
+            theirs = train_room(target)
+            if theirs != mine and theirs not in TRAIN_ROOMS[mine]:
+                found.append(f"{name} imports {target}")
+    return found
+
+
+def test_the_rooms_of_train_never_import_the_loop_and_read_only_down():
+    offenders = train_room_violations(OURS)
+    assert not offenders, f"imports against the rooms of pipeline/train/ (DESIGN.md): {offenders}"
+
+
+def test_each_room_of_train_says_what_it_owns():
+    for name in TRAIN_ROOMS:
+        init = OURS[name]
+        text = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(text.split()) >= 20, f"{rel(init)}: its docstring says what the room owns"
+
+
+def rooms_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """train/ as its top's modules and its rooms, each room one node (the picture of the folder)."""
+    graph: dict[str, set[str]] = {}
+    for name, f in modules.items():
+        if not name.startswith("pipeline.train."):
+            continue
+        node = train_room(name) or name
+        targets = {train_room(t) or t for t in project_imports(f) if t.startswith("pipeline.train.")}
+        graph.setdefault(node, set()).update(targets - {node})
+    return graph
+
+
+def test_no_arrow_of_train_runs_back_up():
+    cycles = import_cycles(rooms_graph(OURS))
+    assert not cycles, f"rooms of pipeline/train/ that import each other: {[' -> '.join(c) for c in cycles]}"
+
+
+def imports_at_load(path: Path) -> set[str]:
+    """The modules a file imports as it loads: its module body's imports, class bodies included, not those
+    inside functions (they run when called) or under ``if TYPE_CHECKING:``."""
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                continue
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                names.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                names.add(child.module)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return names
+
+
+def loads_ray(start: str, modules: dict[str, Path]) -> list[str]:
+    """The modules that importing ``start``'s modules loads (through modules of ours, at any depth) and
+    that import Ray as they load; ``start``'s own modules count with an import at any depth."""
+    own = [m for m in modules if m == start or m.startswith(start + ".")]
+    found, seen, todo = set(), set(), list(own)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        loaded = imported_modules(modules[name]) if name in own else imports_at_load(modules[name])
+        if any(m == "ray" or m.startswith("ray.") for m in loaded):
+            found.add(name)
+        for target in loaded:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != "pipeline":
+                todo.append(target)
+    return sorted(found)
+
+
+def test_the_step_room_loads_no_ray():
+    offenders = loads_ray(NO_RAY_ROOM, OURS)
+    assert not offenders, (
+        f"{NO_RAY_ROOM} must run without Ray, but loads these, which import ray: {offenders}"
+    )
+
+
+def test_the_rooms_check_catches_a_room_importing_the_loop_and_a_room_above(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from pipeline.train.loop import Trainer\n")
+    assert train_room_violations({"pipeline.train.observe.probe": probe}) == [
+        "pipeline.train.observe.probe imports pipeline.train.loop"
+    ]
+    probe.write_text("from pipeline.train.checkpointing import saver\nfrom pipeline.train import state\n")
+    assert "pipeline.train.step.probe imports pipeline.train.checkpointing.saver" in train_room_violations(
+        {"pipeline.train.step.probe": probe}
+    )
+    probe.write_text("import ray\n")
+    assert loads_ray(NO_RAY_ROOM, {**OURS, "pipeline.train.step.probe": probe}) == [
+        "pipeline.train.step.probe"
+    ]
+    probe.write_text("from pipeline.train.input import feeder\n")  # which imports ray as it loads
+    assert loads_ray(NO_RAY_ROOM, {**OURS, "pipeline.train.step.probe": probe}) == [
+        "pipeline.train.input.feeder"
+    ]
+    (tmp_path / "up.py").write_text("from pipeline.train.step import model\n")
+    graph = rooms_graph({**OURS, "pipeline.train.observe.probe": tmp_path / "up.py"})
+    assert import_cycles(graph), "observe -> step -> observe is a circle of rooms"
 
 
 def test_train_and_embed_never_import_each_other_and_data_imports_neither():
@@ -359,8 +506,8 @@ def test_layering_check_catches_an_upward_and_a_sideways_import(tmp_path):
     assert edge_violations({"pipeline.data.probe": probe}, ALLOWED) == [
         "pipeline.data.probe imports pipeline.train.config"
     ]
-    probe.write_text("def f():\n    from pipeline.train import checkpoint\n")
-    assert "pipeline.embed.probe imports pipeline.train.checkpoint" in edge_violations(
+    probe.write_text("def f():\n    from pipeline.train.checkpointing import checkpoint\n")
+    assert "pipeline.embed.probe imports pipeline.train.checkpointing.checkpoint" in edge_violations(
         {"pipeline.embed.probe": probe}, ALLOWED
     )
     probe.write_text("from pipeline import storage\nfrom pipeline.data.config import DataConfig\n")

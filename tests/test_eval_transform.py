@@ -18,7 +18,7 @@ from pipeline.embed.identity import PREPROCESSING_IDENTITY
 from pipeline.embed.job import eval_data_config as embed_eval_config
 from pipeline.evaluate import inspection
 from pipeline.evaluate.config import AnalyzeConfig, analyze_parser
-from pipeline.model_source import load_model_source
+from pipeline.model_source import ModelSource, load_model_source
 from pipeline.train import finetune, presets
 from pipeline.train.config import TrainConfig
 
@@ -121,6 +121,29 @@ def test_the_analyze_jobs_eval_config_comes_from_it(export, synthetic_shards, mo
     assert taken[0] == dataclasses.replace(
         TRAINED, image_size=32, patch_size=8, label_key=None, require_labels=False
     )
+
+
+def test_a_model_source_gives_the_jobs_that_run_it_their_eval_config_one_way(
+    export, synthetic_shards, monkeypatch, made
+):
+    """The embedding and analyze jobs take a model's eval config from its source (`ModelSource.eval_data`),
+    as the search job's image query does (tests/index): the one call that reads the stored preprocessing."""
+    through: list[DataConfig] = []
+    real = ModelSource.eval_data
+
+    def eval_data(self, *args, **kwargs):
+        through.append(real(self, *args, **kwargs))
+        return through[-1]
+
+    monkeypatch.setattr(ModelSource, "eval_data", eval_data)
+    monkeypatch.setattr(inspection, "eval_patches", lambda *args: (_ for _ in ()).throw(InterruptedError))
+    source = load_model_source(export)
+    embed_eval_config(source, EmbedConfig(data="x", weights=export, out="y"))
+    with pytest.raises(InterruptedError):
+        inspection.analyze(
+            AnalyzeConfig(weights=export, data=synthetic_shards.dir, out="unused", cpu=True), log=str
+        )
+    assert len(through) == 2 and through == made  # each config made by the source, none made beside it
 
 
 def test_fine_tunings_eval_config_comes_from_it(made):

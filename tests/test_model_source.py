@@ -16,9 +16,14 @@ import torch.distributed as dist
 import vit
 from pipeline import dcp
 from pipeline.data.config import DataConfig
-from pipeline.embed.actor import build_embedding_model
-from pipeline.model_source import load_model_source, pack_state_dict, state_dict_sha256, unpack_state_dict
-from pipeline.train import checkpoint
+from pipeline.model_source import (
+    inference_model,
+    load_model_source,
+    pack_state_dict,
+    state_dict_sha256,
+    unpack_state_dict,
+)
+from pipeline.train.checkpointing import checkpoint
 from tests.configs import tiny_config
 
 TINY = "vit_tiny_test"  # embed_dim 64, depth 2, mlp_dim 128, patch 8, 4 heads, image 32
@@ -38,8 +43,8 @@ def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 def run_dir(tmp_path_factory):
     """A training run's directory written by the training code itself, in one process: a complete
     checkpoint (step 1), an unfinished one (step 2), and final/ exported from the same model."""
-    from pipeline.train.model import build_model, init_distributed, model_config
-    from pipeline.train.step import TrainStep
+    from pipeline.train.step.model import build_model, init_distributed, model_config
+    from pipeline.train.step.train_step import TrainStep
 
     root = tmp_path_factory.mktemp("run")
     created = not dist.is_initialized()
@@ -152,7 +157,7 @@ def test_another_image_size_resamples_the_position_embeddings(run_dir):
     source = load_model_source(str(run_dir), image_size=48)
     assert (source.config.image_size, source.config.num_patches) == (48, 36)
     assert source.sha256 == load_model_source(str(run_dir)).sha256  # the weights as stored
-    model = build_embedding_model(source.config, source.state_dict, "cpu")
+    model = inference_model(source.config, source.state_dict, "cpu")
     patches = torch.randint(0, 256, (2, 36, 192), dtype=torch.uint8)
     with torch.no_grad():
         assert model.embed(patches).shape == (2, 64)
@@ -244,7 +249,7 @@ def test_transformers_directory_converts_and_embeds_like_transformers(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     source = load_model_source(str(tmp_path / "hf"))
     assert source.kind == "hf" and source.config.num_heads == 4 and source.config.norm_eps == 1e-12
-    model = build_embedding_model(source.config, unpack_state_dict(pack_state_dict(source.state_dict)), "cpu")
+    model = inference_model(source.config, unpack_state_dict(pack_state_dict(source.state_dict)), "cpu")
     x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out = hf(pixel_values=x)
@@ -270,7 +275,7 @@ def test_weights_files_of_other_libraries_embed_as_their_own_model(synthetic_sha
             data=synthetic_shards.dir, weights=str(weights), out=str(tmp_path / weights.stem)
         )
         built = prepare(config)
-        model = build_embedding_model(built.source.config, built.source.state_dict, "cpu")
+        model = inference_model(built.source.config, built.source.state_dict, "cpu")
         return built, model
 
     x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -376,8 +381,8 @@ def test_a_training_resume_reads_its_checkpoint_as_data_only(run_dir, tmp_path):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from pipeline.train.model import build_model, init_distributed
-    from pipeline.train.step import TrainStep
+    from pipeline.train.step.model import build_model, init_distributed
+    from pipeline.train.step.train_step import TrainStep
 
     sentinel = tmp_path / "pwned"
     bad = tmp_path / "checkpoint_00000001"

@@ -271,3 +271,39 @@ def test_the_jobs_refuse_a_value_outside_a_bound_before_any_work(tmp_path):
         with pytest.raises(ValueError) as info:
             config.validate()
         assert str(info.value).startswith(message), (str(info.value), message)
+
+
+def configs_of_settings() -> list[type]:
+    """Every dataclass of ``pipeline`` with a field declared by `settings.setting` (its doc line in the
+    field's metadata), the sections a job's config is made of included."""
+    import importlib
+    import pkgutil
+
+    import pipeline
+
+    found = set()
+    for module in pkgutil.walk_packages(pipeline.__path__, "pipeline."):
+        for value in vars(importlib.import_module(module.name)).values():
+            declared = isinstance(value, type) and dataclasses.is_dataclass(value)
+            if declared and any("help" in f.metadata for f in dataclasses.fields(value)):
+                found.add(value)
+    return sorted(found, key=lambda kind: (kind.__module__, kind.__name__))
+
+
+def test_every_config_takes_its_validation_and_json_from_the_one_base():
+    # The sections `settings.optional` makes (EvalOverrides) are taken by configs that have the base.
+    kinds = [kind for kind in configs_of_settings() if kind.__name__ != "EvalOverrides"]
+    assert len(kinds) >= 15 and TrainConfig in kinds and DataConfig in kinds
+    without = [kind.__name__ for kind in kinds if not issubclass(kind, settings.Settings)]
+    assert not without, f"configs not made on settings.Settings: {without}"
+    again = [
+        f"{kind.__name__}.{name}"
+        for kind in kinds
+        for name in ("to_dict", "from_dict", "replace")
+        if name in vars(kind)
+    ]
+    assert not again, f"written again instead of taken from settings.Settings: {again}"
+    assert TrainConfig.from_dict(tiny_config().to_dict()) == tiny_config()
+    assert DataConfig().replace(crop_fraction=0.5).crop_fraction == 0.5
+    with pytest.raises(ValueError, match=r"^--crop-fraction must be in \(0, 1\], got 2"):
+        EmbedConfig(data="x", weights="w", out="o", crop_fraction=2.0).validate()

@@ -27,6 +27,7 @@ weight-standardized convolutions and GroupNorms), and the 1x1 projection ``(D, C
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable
@@ -46,60 +47,95 @@ SOURCE_NORMALIZATION = {
 }
 SOURCE_NORM_EPS = {"timm": 1e-6, "torchvision": 1e-6, "hf": 1e-12}
 
-_BLOCK_PARTS = r"(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)"
-_HF_LAYER = r"^(?:encoder\.layer|layers)\.(\d+)\."
+BLOCK_PARTS = ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+_BLOCK_PARTS = "(" + "|".join(re.escape(part) for part in BLOCK_PARTS) + ")"
+_TV_LAYER = "encoder.layers.encoder_layer_{}."  # torchvision's block
+_HF_LAYER = "encoder.layer.{}."  # transformers' block, as published checkpoints name it
+_HF5_LAYER = "layers.{}."  # and as transformers 5 names it
 
-# (pattern, replacement) per source; the first pattern that matches a key renames it.
-RENAMES: dict[str, list[tuple[str, str]]] = {
+# Each library's names of vitray's parts, (theirs, vitray's), one table read both ways: `convert_state_dict`
+# renames a library's keys to vitray's (left to right), `vit.export` vitray's to the library's (right to
+# left). ``{}`` stands for a block's (or a ResNet stage's and unit's) number; a name that ends in "." or "_"
+# is a prefix, any other the whole key. The first pair that matches a key renames it: where a library has
+# named a part two ways, the name an export writes comes first, the other after it.
+NAMES: dict[str, list[tuple[str, str]]] = {
     "timm": [
-        (r"^cls_token$", "cls_token"),
-        (r"^pos_embed$", "pos_embed"),
-        (r"^patch_embed\.proj\.", "patch_embed.proj."),
-        (r"^patch_embed\.backbone\.stem\.", "patch_embed.backbone.stem."),
-        (r"^patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.", r"patch_embed.backbone.stages.\1.\2."),
-        (rf"^blocks\.(\d+)\.{_BLOCK_PARTS}\.", r"blocks.\1.\2."),
-        (r"^norm\.", "norm."),
-        (r"^pre_logits\.fc\.", "head.pre_logits."),  # older timm: the representation layer
-        (r"^head\.", "head.fc."),
+        ("cls_token", "cls_token"),
+        ("pos_embed", "pos_embed"),
+        ("patch_embed.proj.", "patch_embed.proj."),
+        ("patch_embed.backbone.stem.", "patch_embed.backbone.stem."),
+        ("patch_embed.backbone.stages.{}.blocks.{}.", "patch_embed.backbone.stages.{}.{}."),
+        *((f"blocks.{{}}.{part}.", f"blocks.{{}}.{part}.") for part in BLOCK_PARTS),
+        ("norm.", "norm."),
+        ("head.", "head.fc."),
+        ("pre_logits.fc.", "head.pre_logits."),  # older timm: the representation layer
     ],
     "torchvision": [
-        (r"^class_token$", "cls_token"),
-        (r"^encoder\.pos_embedding$", "pos_embed"),
-        (r"^conv_proj\.", "patch_embed.proj."),
-        (r"^encoder\.layers\.encoder_layer_(\d+)\.ln_1\.", r"blocks.\1.norm1."),
-        (r"^encoder\.layers\.encoder_layer_(\d+)\.ln_2\.", r"blocks.\1.norm2."),
-        (r"^encoder\.layers\.encoder_layer_(\d+)\.self_attention\.in_proj_", r"blocks.\1.attn.qkv."),
-        (r"^encoder\.layers\.encoder_layer_(\d+)\.self_attention\.out_proj\.", r"blocks.\1.attn.proj."),
+        ("class_token", "cls_token"),
+        ("encoder.pos_embedding", "pos_embed"),
+        ("conv_proj.", "patch_embed.proj."),
+        (_TV_LAYER + "ln_1.", "blocks.{}.norm1."),
+        (_TV_LAYER + "ln_2.", "blocks.{}.norm2."),
+        (_TV_LAYER + "self_attention.in_proj_", "blocks.{}.attn.qkv."),
+        (_TV_LAYER + "self_attention.out_proj.", "blocks.{}.attn.proj."),
         # MLP as nn.Sequential (Linear, GELU, Dropout, Linear, Dropout); before 0.13: linear_1/linear_2
-        (r"^encoder\.layers\.encoder_layer_(\d+)\.mlp\.(?:0|linear_1)\.", r"blocks.\1.mlp.fc1."),
-        (r"^encoder\.layers\.encoder_layer_(\d+)\.mlp\.(?:3|linear_2)\.", r"blocks.\1.mlp.fc2."),
-        (r"^encoder\.ln\.", "norm."),
-        (r"^heads\.pre_logits\.", "head.pre_logits."),
-        (r"^heads\.head\.", "head.fc."),
+        (_TV_LAYER + "mlp.0.", "blocks.{}.mlp.fc1."),
+        (_TV_LAYER + "mlp.linear_1.", "blocks.{}.mlp.fc1."),
+        (_TV_LAYER + "mlp.3.", "blocks.{}.mlp.fc2."),
+        (_TV_LAYER + "mlp.linear_2.", "blocks.{}.mlp.fc2."),
+        ("encoder.ln.", "norm."),
+        ("heads.pre_logits.", "head.pre_logits."),
+        ("heads.head.", "head.fc."),
     ],
-    # Keys after an optional leading "vit." (ViTForImageClassification); both the names of
-    # published checkpoints (encoder.layer.N.attention.attention.query) and those of transformers 5
-    # (layers.N.attention.q_proj). Q, K, V keep separate names here and are fused afterwards.
+    # Keys after an optional leading "vit." (ViTForImageClassification); both the names of published
+    # checkpoints (encoder.layer.N.attention.attention.query), which an export writes and transformers 4 and
+    # 5 both load, and those of transformers 5 (layers.N.attention.q_proj). Q, K, V keep separate names
+    # here, fused into one QKV after the import and split before the export.
     "hf": [
-        (r"^embeddings\.cls_token$", "cls_token"),
-        (r"^embeddings\.position_embeddings$", "pos_embed"),
-        (r"^embeddings\.patch_embeddings\.projection\.", "patch_embed.proj."),
-        (_HF_LAYER + r"layernorm_before\.", r"blocks.\1.norm1."),
-        (_HF_LAYER + r"layernorm_after\.", r"blocks.\1.norm2."),
-        (r"^encoder\.layer\.(\d+)\.attention\.attention\.(query|key|value)\.", r"blocks.\1.attn.\2."),
-        (r"^layers\.(\d+)\.attention\.q_proj\.", r"blocks.\1.attn.query."),
-        (r"^layers\.(\d+)\.attention\.k_proj\.", r"blocks.\1.attn.key."),
-        (r"^layers\.(\d+)\.attention\.v_proj\.", r"blocks.\1.attn.value."),
-        (r"^encoder\.layer\.(\d+)\.attention\.output\.dense\.", r"blocks.\1.attn.proj."),
-        (r"^layers\.(\d+)\.attention\.o_proj\.", r"blocks.\1.attn.proj."),
-        (r"^encoder\.layer\.(\d+)\.intermediate\.dense\.", r"blocks.\1.mlp.fc1."),
-        (r"^encoder\.layer\.(\d+)\.output\.dense\.", r"blocks.\1.mlp.fc2."),
-        (r"^layers\.(\d+)\.mlp\.(fc1|fc2)\.", r"blocks.\1.mlp.\2."),
-        (r"^layernorm\.", "norm."),
-        (r"^pooler\.dense\.", "head.pre_logits."),  # ViTModel's pooler: dense + tanh on [CLS]
-        (r"^classifier\.", "head.fc."),
+        ("embeddings.cls_token", "cls_token"),
+        ("embeddings.position_embeddings", "pos_embed"),
+        ("embeddings.patch_embeddings.projection.", "patch_embed.proj."),
+        (_HF_LAYER + "layernorm_before.", "blocks.{}.norm1."),
+        (_HF5_LAYER + "layernorm_before.", "blocks.{}.norm1."),
+        (_HF_LAYER + "layernorm_after.", "blocks.{}.norm2."),
+        (_HF5_LAYER + "layernorm_after.", "blocks.{}.norm2."),
+        *(
+            (_HF_LAYER + f"attention.attention.{role}.", f"blocks.{{}}.attn.{role}.")
+            for role in ("query", "key", "value")
+        ),
+        (_HF5_LAYER + "attention.q_proj.", "blocks.{}.attn.query."),
+        (_HF5_LAYER + "attention.k_proj.", "blocks.{}.attn.key."),
+        (_HF5_LAYER + "attention.v_proj.", "blocks.{}.attn.value."),
+        (_HF_LAYER + "attention.output.dense.", "blocks.{}.attn.proj."),
+        (_HF5_LAYER + "attention.o_proj.", "blocks.{}.attn.proj."),
+        (_HF_LAYER + "intermediate.dense.", "blocks.{}.mlp.fc1."),
+        (_HF_LAYER + "output.dense.", "blocks.{}.mlp.fc2."),
+        (_HF5_LAYER + "mlp.fc1.", "blocks.{}.mlp.fc1."),
+        (_HF5_LAYER + "mlp.fc2.", "blocks.{}.mlp.fc2."),
+        ("layernorm.", "norm."),
+        ("pooler.dense.", "head.pre_logits."),  # ViTModel's pooler: dense + tanh on [CLS]
+        ("classifier.", "head.fc."),
     ],
 }
+
+
+def rename(key: str, library: str, *, to_vitray: bool = True) -> str | None:
+    """``key`` renamed by `NAMES` of ``library``: from the library's name to vitray's, or (``to_vitray``
+    False) the other way; None where no pair names it."""
+    for theirs, ours in NAMES[library]:
+        read, write = (theirs, ours) if to_vitray else (ours, theirs)
+        match = _name_pattern(read).match(key)
+        if match:
+            return write.format(*match.groups()) + key[match.end() :]
+    return None
+
+
+@functools.cache
+def _name_pattern(name: str) -> re.Pattern[str]:
+    """A `NAMES` name as a pattern: its ``{}`` a number, a prefix where it ends in "." or "_"."""
+    pattern = re.escape(name).replace(re.escape("{}"), r"(\d+)")
+    return re.compile(pattern if name.endswith((".", "_")) else pattern + "$")
+
 
 _BACKBONE_KEY = (
     r"patch_embed\.backbone\.(stem\.conv\.weight|stem\.norm\.(weight|bias)"
@@ -144,7 +180,7 @@ def convert_state_dict(
     origin: dict[str, str] = {}  # new key -> source key, to name the source's keys in errors
     unmatched = []
     for key, value in sd.items():
-        new_key = _rename(key, RENAMES[source])
+        new_key = rename(key, source)
         if new_key is None:
             unmatched.append(key)
         else:
@@ -205,14 +241,6 @@ def backbone_from_state_dict(state_dict: dict[str, torch.Tensor]) -> tuple[tuple
     if not units or sorted(units) != list(range(len(units))):
         raise ValueError(f"the hybrid's ResNet stages in this state dict are incomplete: {sorted(units)}")
     return tuple(units[i] for i in range(len(units))), state_dict[STEM_KEY].shape[0]
-
-
-def _rename(key: str, rules: list[tuple[str, str]]) -> str | None:
-    for pattern, replacement in rules:
-        new_key, count = re.subn(pattern, replacement, key)
-        if count:
-            return new_key
-    return None
 
 
 def _fuse_qkv(sd: dict[str, torch.Tensor]) -> list[tuple[str, str]]:

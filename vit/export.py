@@ -11,8 +11,9 @@ vitray state dict, tensor for tensor.
 
 The two layout changes of the import, reversed: the patch projection, a Linear over (p1, p2, c)
 ``(D, P*P*C)``, becomes a Conv2d weight ``(D, C, P, P)``; for transformers the fused QKV ``(3D, D)``
-is split into query, key and value. Keys are written in the names published checkpoints use
-(``encoder.layer.N.attention.attention.query``), which transformers 4 and 5 both load.
+is split into query, key and value. Keys are renamed by the import's own table, read backwards
+(`vit.convert.NAMES`): in the names published checkpoints use (``encoder.layer.N.attention.attention.query``),
+which transformers 4 and 5 both load.
 
 What a target has no counterpart for is a one-line ValueError, never an export that computes
 something else: timm's VisionTransformer has no Linear -> tanh layer before its classifier (vitray's
@@ -26,13 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vit.config import VARIANTS, ViTConfig
+from vit.convert import rename
 from vit.weights import check_weights
 
 TARGETS = ("timm", "hf")
@@ -56,23 +57,6 @@ TIMM_MODELS = {
     "vit_G14": "vit_gigantic_patch14_224",
 }
 TIMM_FALLBACK = "vit_base_patch16_224"  # any other shape: its arguments override every size
-
-# vitray key -> published transformers key (before the "vit." prefix of ViTForImageClassification);
-# attn.qkv is split apart first, into attn.query / attn.key / attn.value.
-HF_NAMES = [
-    (r"^cls_token$", "embeddings.cls_token"),
-    (r"^pos_embed$", "embeddings.position_embeddings"),
-    (r"^patch_embed\.proj\.", "embeddings.patch_embeddings.projection."),
-    (r"^blocks\.(\d+)\.norm1\.", r"encoder.layer.\1.layernorm_before."),
-    (r"^blocks\.(\d+)\.attn\.(query|key|value)\.", r"encoder.layer.\1.attention.attention.\2."),
-    (r"^blocks\.(\d+)\.attn\.proj\.", r"encoder.layer.\1.attention.output.dense."),
-    (r"^blocks\.(\d+)\.norm2\.", r"encoder.layer.\1.layernorm_after."),
-    (r"^blocks\.(\d+)\.mlp\.fc1\.", r"encoder.layer.\1.intermediate.dense."),
-    (r"^blocks\.(\d+)\.mlp\.fc2\.", r"encoder.layer.\1.output.dense."),
-    (r"^norm\.", "layernorm."),
-    (r"^head\.pre_logits\.", "pooler.dense."),
-    (r"^head\.fc\.", "classifier."),
-]
 
 
 def check_exportable(config: ViTConfig, target: str, encoder_only: bool = False) -> None:
@@ -137,7 +121,7 @@ def to_timm(
             continue  # the normalization goes to pretrained_cfg
         if key.startswith("head.") and encoder_only:
             continue
-        out[key.replace("head.fc.", "head.", 1)] = value
+        out[_renamed(key, "timm")] = value
     out.update(_common_layout(state_dict, config))
     num_classes = 0 if encoder_only else config.num_classes
     model_args = {
@@ -228,7 +212,7 @@ def to_hf(
     prefix = "vit." if classifier else ""
     out = {}
     for key, value in sd.items():
-        name = _rename(key, HF_NAMES)
+        name = _renamed(key, "hf")
         out[name if name.startswith("classifier.") else prefix + name] = value
     labels = {str(i): f"LABEL_{i}" for i in range(config.num_classes if classifier else 0)}
     hf_config = {
@@ -268,12 +252,12 @@ def to_hf(
     return out, hf_config, preprocessor
 
 
-def _rename(key: str, rules: list[tuple[str, str]]) -> str:
-    for pattern, replacement in rules:
-        new_key, count = re.subn(pattern, replacement, key)
-        if count:
-            return new_key
-    raise ValueError(f"no transformers name for {key!r}")  # check_weights let through a key vitray lacks
+def _renamed(key: str, library: str) -> str:
+    """A vitray key in ``library``'s name (`vit.convert.NAMES`, read right to left)."""
+    name = rename(key, library, to_vitray=False)
+    if name is None:  # check_weights let through a key vitray lacks
+        raise ValueError(f"no {library} name for {key!r}")
+    return name
 
 
 # --- files ----------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 Two runs of the same config on a local Ray (synthetic shards, CPU workers unless --gpu), one with
 --no-async-checkpoint, one with asynchronous checkpoints (the default), alternating `--repeats` times.
 The stall of a checkpoint is what the run itself records: the seconds its training thread spent in the
-save (`checkpoint_stall_s` of `metrics.jsonl`; `pipeline.train.saver`). The first asynchronous save
+save (`checkpoint_stall_s` of `metrics.jsonl`; `pipeline.train.checkpointing.saver`). The first asynchronous save
 also allocates the host buffers that later saves reuse, so it is shown apart. Each run writes into a
 fresh local --out under a scratch directory: the "upload" is a copy to local disk.
 """

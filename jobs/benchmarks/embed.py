@@ -48,8 +48,8 @@ import vit
 from jobs.benchmarks.model import timm_available
 from jobs.benchmarks.process_cpu import RAY_KINDS
 from jobs.benchmarks.report import print_table, write_json
-from pipeline.embed.actor import build_embedding_model
 from pipeline.embed.config import DECODERS, EmbedConfig
+from pipeline.model_source import inference_model
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -227,7 +227,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     model = model.to(device).eval()
     data_config = DataConfig(image_size=config.image_size, patch_size=config.patch_size, require_labels=False)
 
-    actor_model = build_embedding_model(config, model.state_dict(), device, **actor_precision(device))
+    actor_model = inference_model(config, model.state_dict(), device, **actor_precision(device))
     ceiling = model_only(actor_model, args.batch_size, args.iters, device)
     flops = vit.count_flops(config)
     rows: list[dict[str, Any]] = [
@@ -246,7 +246,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         "model_only_images_per_s": ceiling,
     }
     if device.type == "cuda":
-        from pipeline.train import mfu
+        from pipeline.train.observe import mfu
 
         peak, _ = mfu.peak_tflops(device)
         if peak:  # inference: the forward's FLOPs alone

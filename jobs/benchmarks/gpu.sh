@@ -10,7 +10,7 @@
 # micro-batches of 128), test-gpu (`make test-gpu`'s
 # tests; what needs Ray is skipped without it), tests-cuda (the loop's and the saver's tests, on CUDA). With Ray installed: shards, then curve-bf16 and
 # curve-fp8 (the loss curves of --fp8 against bf16), job-b16 (the real job, one GPU, the config of
-# b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.stacks` sampling; job-b16-feeder:
+# b16-step, its recompiles logged; job-b16-stacks: with `pipeline.train.observe.stacks` sampling; job-b16-feeder:
 # with --data-process feeder, each worker's pipeline in a process of its own), ckpt-h14
 # (the training stall of ViT-H/14 checkpoints, sync and async), embed-job, embed-job-b16 (the
 # embedding job against the model alone; embed-job-b16-nvjpeg: with --decode gpu), learn-5k,

@@ -24,7 +24,7 @@ work, serially (a real loop with AdamW kernels other than fused reads the gradie
 
 Per log window (``--log-every`` steps; the first holds the start), from the end of one window's last
 step on the device to the end of the next's (so every second is in one window): achieved steps/s against the ideal, the host milliseconds a step outside its waits
-for the device (median, p99, max), and where the training thread was (`pipeline.train.stacks`: the
+for the device (median, p99, max), and where the training thread was (`pipeline.train.observe.stacks`: the
 share of its samples waiting for the device and in each part of the loop, the longest gap between two
 samples, what it did in the window's slowest step). With py-spy installed, the threads of the training
 process that held the interpreter lock over the run, by thread, from ``py-spy record --gil``.
@@ -194,12 +194,13 @@ class QueuedEvent:
 def device_reads() -> list[tuple[Any, str]]:
     """(owner, attribute) of each place where the loop (`pipeline.train.loop`) reads a device value
     queued last, and a real step's host therefore waits for every step queued. Besides these it waits only
-    for an event behind a step (`pipeline.train.metrics.HostCopy`; `wait_at_device_reads` models it with
+    for an event behind a step (`pipeline.train.observe.host_copy.HostCopy`; `wait_at_device_reads` models it with
     `DeviceQueue.event`): a log line's (its step, not the one queued after it) and a checkpoint's finite
-    check (`pipeline.train.saver.FiniteCheck`, read inside the next step). Its step, the input's copy
+    check (`pipeline.train.checkpointing.saver.FiniteCheck`, read inside the next step). Its step, the input's copy
     and the metrics' sums are queued and never read back in between (with fused AdamW, the default on
-    CUDA; other AdamW kernels read the gradient norm every step, `pipeline.train.step`)."""
-    from pipeline.train import finetune, saver
+    CUDA; other AdamW kernels read the gradient norm every step, `pipeline.train.step.train_step`)."""
+    from pipeline.train import finetune
+    from pipeline.train.checkpointing import saver
 
     return [
         (saver.Checkpointer, "close"),  # the run's end: its last save, then the export of the weights
@@ -210,11 +211,11 @@ def device_reads() -> list[tuple[Any, str]]:
 def wait_at_device_reads(device: DeviceQueue, patch: Callable[[Any, str, Any], None] = setattr) -> None:
     """Each of `device_reads()` drains ``device`` first, and a log line's copy records its event on
     ``device`` (``patch``: how an attribute is replaced; a test's undoes itself)."""
-    from pipeline.train import metrics
+    from pipeline.train.observe.host_copy import HostCopy
 
     for owner, name in device_reads():
         patch(owner, name, _after_drain(device, getattr(owner, name)))
-    patch(metrics.HostCopy, "record_event", staticmethod(lambda _: device.event()))
+    patch(HostCopy, "record_event", staticmethod(lambda _: device.event()))
 
 
 def _after_drain(device: DeviceQueue, read: Callable[..., Any]) -> Callable[..., Any]:
@@ -228,13 +229,14 @@ def _after_drain(device: DeviceQueue, read: Callable[..., Any]) -> Callable[...,
 
 def wait_step_class(device: DeviceQueue) -> type:
     """`TrainStep` with a wait on ``device`` in place of the model's work (imported in the worker: torch)."""
-    from pipeline.train.step import StepStats, TrainStep
+    from pipeline.train.step.train_step import Gradients, StepStats, TrainStep
 
     class _WaitStep(TrainStep):
         """The step's place in the loop, its optimizer (checkpoints hold it) and its stats, with a wait
         of ``VITRAY_DEVICE_STEP``'s milliseconds on the device in place of forward, backward and update.
         Each step's record (`read_steps`): its host seconds since the last step's call returned, less
-        the device reads' waits (`DeviceQueue.drain`) between; when its wait ended on the device."""
+        the device reads' waits (`DeviceQueue.drain`) between; when its wait ended on the device. Its
+        two calls are the real step's (`TrainStep.forward_backward`, `TrainStep.update`)."""
 
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
@@ -266,20 +268,27 @@ def wait_step_class(device: DeviceQueue) -> type:
             for group, lr in zip(self.optimizer.param_groups, rates, strict=True):
                 group["lr"] = lr
 
-        def __call__(self, step: int, micro_batches: list, global_count: int, micro_steps: int | None = None):
+        def forward_backward(
+            self, step: int, micro_batches: list, global_count: int, micro_steps: int | None = None
+        ) -> Gradients:
+            """The step's wait launched on the device, in place of its forward and backward; the loop's
+            work before the update (a checkpoint's copy, which the real step waits for before it queues
+            its update) follows it, while the device runs the wait."""
             called, since, device = time.time(), self.returned, self.device_queue
             host = called - since - (device.drained_s - self.drained)
 
-            def ended(when: float) -> None:  # the clock of `pipeline.train.stacks` samples
+            def ended(when: float) -> None:  # the clock of `pipeline.train.observe.stacks` samples
                 self.out.write(f"{step + 1}\t{host:.6f}\t{when:.6f}\t{since:.6f}\t{called:.6f}\n")
 
             device.launch(self.wait_s, ended)
-            # A checkpoint's copy, as the real step waits for it before it queues its update (here in
-            # the launched wait): the host holds while the device runs the step.
-            self.before_update()
-            self.returned, self.drained = time.time(), device.drained_s
             count = sum(len(mb[0]) for mb in micro_batches)
-            return StepStats(self.zero, self.zero.long(), count, self.zero, 0.0, self.zero.bool())
+            return Gradients(step, self.zero, self.zero.long(), count)
+
+        def update(self, gradients: Gradients) -> StepStats:
+            """No update: the step's stats, as the host's last call of the step returns."""
+            self.returned, self.drained = time.time(), self.device_queue.drained_s
+            zero = self.zero
+            return StepStats(zero, gradients.correct, gradients.count, zero, 0.0, zero.bool())
 
     return _WaitStep
 
@@ -299,7 +308,7 @@ def window_rows(steps: list[tuple], log_every: int, step_ms: float) -> list[dict
     """One row per window of ``log_every`` steps: steps/s against the ideal, and the host ms a step
     (each of ``steps``: step, host seconds, when its wait ended on the device, maybe more). A window runs
     from the end of the last window's last wait on the device to the end of its own last wait (the first
-    from its first step's start), as the loop cuts its windows (`pipeline.train.metrics.MetricsWindow`):
+    from its first step's start), as the loop cuts its windows (`pipeline.train.observe.metrics.MetricsWindow`):
     every second is in one window, a log line's and a checkpoint's host time in the next one."""
     ideal = 1000 / step_ms
     rows = []
@@ -332,11 +341,11 @@ DEVICE_WAITS = ("host.py:launch", "host.py:wait_until")
 
 def stack_parts(tsv: Path, rows: list[dict[str, Any]], steps: list[tuple]) -> None:
     """Add to each window's row where the training thread was: `device`, waiting for the device (a
-    step's wait, a full queue, a read of a device value), else the parts of `pipeline.train.stacks` (the
+    step's wait, a full queue, a read of a device value), else the parts of `pipeline.train.observe.stacks` (the
     innermost frames most often sampled in `other`); and
     what it did in the window's slowest step outside those waits: the innermost frames sampled between
     the return of the step before and its call, most frequent first."""
-    from pipeline.train.stacks import PARTS, part_of, windows
+    from pipeline.train.observe.stacks import PARTS, part_of, windows
 
     if not tsv.is_file():
         return

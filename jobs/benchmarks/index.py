@@ -150,7 +150,7 @@ def main(argv: list[str]) -> None:
 
 def exact_top10(out: Path, q: np.ndarray, dim: int) -> np.ndarray:
     """Ids of each query's 10 nearest rows by inner product, scanning the output file by file."""
-    from pipeline.evaluate.embeddings import OutputReader, features
+    from pipeline.embed.reader import OutputReader, features
 
     best = np.full((len(q), 10), -np.inf, np.float32)
     best_ids = np.full((len(q), 10), -1)

@@ -6,7 +6,7 @@
 One step = zero grads, forward, cross-entropy on random labels, backward (no optimizer step). The
 two implementations' steps alternate and each reports its median step time. On CUDA: bf16 autocast over fp32 weights, timed with CUDA events; MFU is measured against this GPU's
 own bf16 matmul rate (an 8192^3 matmul timed in the same run), with 3x the forward FLOPs of
-`vit.count_flops` per image (activation recomputation not counted; `pipeline.train.mfu`). On CPU:
+`vit.count_flops` per image (activation recomputation not counted; `pipeline.train.observe.mfu`). On CPU:
 fp32, wall-clock time.
 Inputs are random: uint8 patches for vitray (its training input; `--input float` gives it float
 images instead), float images for transformers. Imports no Ray.
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import vit
 from jobs.benchmarks.report import print_table, write_json
 from jobs.benchmarks.timing import matmul_tflops
-from pipeline.train import mfu
+from pipeline.train.observe import mfu
 from vit.parallelize import apply_activation_checkpointing, apply_compile
 
 

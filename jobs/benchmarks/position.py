@@ -2,8 +2,8 @@
 
     python jobs/benchmark.py position --steps 300 --shards 20000
 
-What each step of a run adds on the host to keep its position by sample (`pipeline.train.position`,
-`pipeline.train.source_position`), measured without decode, Ray or a model: each rank step takes
+What each step of a run adds on the host to keep its position by sample (`pipeline.train.input.position`,
+`pipeline.train.input.source_position`), measured without decode, Ray or a model: each rank step takes
 ``accum`` micro-batches of ``size`` rows from a stream built beforehand (rows carry ``url``, ``index``
 and ``shard_size`` as the read stage gives them) and adds their position columns to the rank's position,
 as the loop does (`EpochCursor.took`). Each figure is the median over ``--repeats`` runs, per step:
@@ -29,8 +29,8 @@ import numpy as np
 from jobs.benchmarks.report import machine, print_table, write_json
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.mixture import SourceReader, mixed_micro_batches
-from pipeline.train.position import EpochPosition
-from pipeline.train.source_position import SourcesPosition
+from pipeline.train.input.position import EpochPosition
+from pipeline.train.input.source_position import SourcesPosition
 
 POSITION = ("url", "index", "shard_size", "source", "pass")
 PER_SHARD = 1000

@@ -1,4 +1,4 @@
-"""Where the training thread's time went in each log window, from `pipeline.train.stacks` samples.
+"""Where the training thread's time went in each log window, from `pipeline.train.observe.stacks` samples.
 
     VITRAY_SAMPLE_STACKS=/tmp/stacks python jobs/pretrain.py ...
     python jobs/benchmarks/stacks.py /tmp/stacks/stacks-rank0.tsv [--top 3]
@@ -18,7 +18,7 @@ from pathlib import Path
 # Run as a script: make the repository root importable from a plain checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipeline.train.stacks import table, windows
+from pipeline.train.observe.stacks import table, windows
 
 
 def main(argv: list[str] | None = None) -> int:

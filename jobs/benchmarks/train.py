@@ -5,7 +5,7 @@
     python jobs/benchmark.py train --model vit_h14 --micro-batch-size 64 --configs compile --trace step.json
     torchrun --nproc-per-node 8 jobs/benchmark.py train --model vit_h14 --micro-batch-size 64   # 8 GPUs
 
-The step is `pipeline.train.step.TrainStep`, what every Ray Train worker runs: FSDP2 (bf16 compute
+The step is `pipeline.train.step.train_step.TrainStep`, what every Ray Train worker runs: FSDP2 (bf16 compute
 and fp32 gradient reduction on CUDA, fp32 on CPU), AdamW, global-norm clipping; the input is random
 uint8 patches, so this measures the model and the step alone (`benchmark.py data` measures input).
 A configuration joins switches with `+` (`compile+ac-ops+fp8`): `eager`, `compile` (per block) or
@@ -15,13 +15,13 @@ A configuration joins switches with `+` (`compile+ac-ops+fp8`): `eager`, `compil
 AdamW on CUDA, clipping, `torch.compile` of the whole model when the configuration compiles), the
 two steps alternating (one process, one GPU; skipped with a note where timm is not installed).
 `--ema DECAY` runs, beside each configuration, the same step followed by an update of the EMA of the
-weights (`pipeline.train.ema`, every step), the two alternating on one model, and prints the ratio.
+weights (`pipeline.train.step.ema`, every step), the two alternating on one model, and prints the ratio.
 `--trace PATH` writes a torch.profiler trace of one step of the first configuration (chrome://tracing
 or Perfetto), to see where a step's time goes. `--largest-micro-batch LIMIT` first searches, for each
 configuration, the largest micro-batch (a multiple of 8, at most LIMIT) whose steps run without running
 out of device memory (doubling from `--micro-batch-size`, then bisecting; one process), and measures
 the configuration there.
-MFU (`pipeline.train.mfu`) counts model FLOPs (3 x `vit.count_flops` per image; recomputation not
+MFU (`pipeline.train.observe.mfu`) counts model FLOPs (3 x `vit.count_flops` per image; recomputation not
 counted) against two ceilings: the GPU's datasheet dense bf16 peak, and its bf16 matmul rate measured
 in the same run.
 """
@@ -42,14 +42,13 @@ from jobs.benchmarks.model import interleaved_seconds, timm_available
 from jobs.benchmarks.report import print_table, write_json
 from jobs.benchmarks.timing import matmul_tflops, time_step
 from pipeline import compat
-from pipeline.train import mfu
 from pipeline.train.config import TrainConfig
-from pipeline.train.ema import WeightEMA
-from pipeline.train.model import build_model, init_distributed
-from pipeline.train.objective import Objective, objective_for
-from pipeline.train.optim import optimizer_kernels
-from pipeline.train.resources import largest_micro_batch
-from pipeline.train.step import TrainStep
+from pipeline.train.observe import mfu
+from pipeline.train.step.ema import WeightEMA
+from pipeline.train.step.model import build_model, init_distributed
+from pipeline.train.step.objective import Objective, objective_for
+from pipeline.train.step.optim import optimizer_kernels
+from pipeline.train.step.train_step import TrainStep
 
 CONFIGS = ("eager", "compile", "ac", "compile+ac")  # the usual ones; any `+` join of SWITCHES works
 # What each switch of a configuration name sets in the TrainConfig.
@@ -77,6 +76,25 @@ def switches(name: str) -> dict:
             )
         fields.update(SWITCHES[part])
     return fields
+
+
+def largest_micro_batch(fits: Callable[[int], bool], start: int, limit: int, multiple: int = 8) -> int | None:
+    """The largest micro-batch `fits` accepts, at most `limit` and a multiple of `multiple` (or `start`):
+    double from `start` until a size fails, then bisect between the last that fit and the first that did
+    not. `fits` must be monotone (a size that fits, every smaller one does). None when `start` fails."""
+    if not fits(start):
+        return None
+    good, bad = start, None
+    while bad is None:
+        size = min(good * 2, limit)
+        if size == good:
+            return good
+        good, bad = (size, None) if fits(size) else (good, size)
+    while True:
+        middle = (good + bad) // 2 // multiple * multiple
+        if middle <= good:
+            return good
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

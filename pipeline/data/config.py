@@ -38,7 +38,7 @@ MAX_IMAGE_SIZE = 65_536
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalTransform:
+class EvalTransform(settings.Settings):
     """How an evaluation image becomes the model's input: resize, center crop (`pipeline.data.decode`).
     A field here is a flag of training (``--eval-x`` or ``--x``) and, through `EvalOverrides`, of every
     job that reads a trained model, and `DataConfig.for_eval` applies it: one field, one knob."""
@@ -224,10 +224,6 @@ class DataConfig(EvalTransform, Storage):
     def retry(self) -> Retry:
         return Retry(self.read_attempts, self.read_backoff_s)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values; secrets in ``storage_options`` are replaced by ``"***"``."""
-        return settings.to_dict(self)
-
     @classmethod
     def for_eval(
         cls,
@@ -257,14 +253,6 @@ class DataConfig(EvalTransform, Storage):
             name: getattr(transform, name) for name in knobs if getattr(transform, name, None) is not None
         }
         return dataclasses.replace(base, image_size=image_size, patch_size=patch_size, **given, **fields)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any], **overrides: Any) -> DataConfig:
-        """Inverse of `to_dict` (pass real ``storage_options`` as an override; saved ones are redacted)."""
-        return settings.from_dict(cls, values, **overrides)
-
-    def replace(self, **changes: Any) -> DataConfig:
-        return dataclasses.replace(self, **changes)
 
 
 def sample_seed(seed: int, epoch: int, url: str, key: str) -> int:

@@ -5,7 +5,7 @@ too: the read rows' ``index`` column, `pipeline.data.rows`). A rank reads a shar
 its shuffle buffer, so what it has trained on is a prefix of the shard with holes where samples still
 sit in the buffer: a handful of intervals ``[start, end)``. The read stage skips the samples of a
 `Consumed` before it parses them (`pipeline.data.rows.read_shard`), which is how a run resumed at
-another world size trains each remaining sample of the epoch once (`pipeline.train.position`).
+another world size trains each remaining sample of the epoch once (`pipeline.train.input.position`).
 
 `encode` writes the intervals' bounds as deltas in LEB128 varints (a bound costs a byte or two, whatever
 the shard's size), or, where holes are dense, the prefix and a bitmap of the window past it, whichever

@@ -226,7 +226,7 @@ def rebatch(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
     """Cut a stream of uneven batches (corrupt samples removed) into batches of exactly `size`, but
     for the last: a short remainder at the end is one smaller batch, so every sample is taken. Fixed
     shapes keep compiled graphs from recompiling; under compile the step pads an epoch's one short
-    batch back to `size` (`pipeline.train.objective.Objective.forward`)."""
+    batch back to `size` (`pipeline.train.step.objective.Objective.forward`)."""
     pending: list[Batch] = []
     count = 0
     for batch in batches:

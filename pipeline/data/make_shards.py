@@ -27,7 +27,7 @@ FORMATS = ("jpeg", "png")  # how generated or re-encoded images are stored
 
 
 @dataclass(frozen=True)
-class MakeShardsConfig:
+class MakeShardsConfig(settings.Settings):
     """One make_shards run; ``jobs/make_shards.py`` maps its flags onto it field by field."""
 
     out: str = setting(help="directory to write the shards into", metavar="DIR", required=True)
@@ -67,8 +67,7 @@ class MakeShardsConfig:
     )
 
     def validate(self) -> None:
-        """A one-line ValueError for a value that cannot work."""
-        settings.check(self)
+        super().validate()
         if (self.synthetic is None) == (self.from_folder is None):
             raise ValueError("pass one source: --synthetic N (generated images) or --from-folder DIR")
         if not self.prefix or self.prefix.startswith(".") or set(self.prefix) & set("/\\*?[]{}"):

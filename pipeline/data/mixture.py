@@ -15,7 +15,7 @@ before the epoch's first step (its pipeline can start while the last epoch's ste
 single source's does). A run resumed mid-epoch draws what a straight run drew, and each source's own
 stream (its shards `order[rank::world]` of the source's shard order, read like a single source's) is
 re-read to where it stood; so a resumed mixed run trains on the samples of a straight one, in the same
-order. At another layout it goes on by sample (`pipeline.train.source_position`): a `SourceReader`
+order. At another layout it goes on by sample (`pipeline.train.input.source_position`): a `SourceReader`
 tags what it hands out with its source and pass, and may start at a later pass.
 
 `mixed_micro_batches` takes, for each micro-batch, the drawn number of samples from each source's

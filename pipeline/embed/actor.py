@@ -19,12 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 import vit
 from pipeline.data.config import DataConfig
 from pipeline.embed.device_decode import decode_rows
-from pipeline.model_source import unpack_state_dict
+from pipeline.model_source import inference_model, unpack_state_dict
 
 
 def embedding_dim(config: vit.ViTConfig, embedding: str) -> int:
@@ -39,32 +38,6 @@ def actor_memory(config: vit.ViTConfig, batch_size: int, use_gpu: bool) -> int:
     tokens = config.num_patches + 1
     activations = 0 if use_gpu else 4 * batch_size * tokens * (4 * config.mlp_dim + config.num_heads * tokens)
     return int(weights + activations + (512 << 20))  # + a Ray worker with torch loaded, batches in flight
-
-
-def build_embedding_model(
-    config: vit.ViTConfig,
-    state_dict: dict[str, torch.Tensor],
-    device: torch.device,
-    *,
-    dtype: torch.dtype = torch.float32,
-    compile: bool | str = False,
-) -> vit.VisionTransformer:
-    """The model in eval mode on ``device`` with weights in ``dtype``, taking the given tensors without
-    a copy on CPU in float32. ``compile``: compile ``model.embed`` (True: inductor; a string names
-    another torch.compile backend)."""
-    model = vit.VisionTransformer(config, device="meta")
-    model.load_state_dict(state_dict, assign=True)  # resamples pos_embed for another image_size
-    # The input normalization constants stay float32: uint8 patches are scaled in float32, then cast.
-    model = model.to(device).eval().requires_grad_(False)
-    if dtype != torch.float32:
-        for path, module in model.named_modules():
-            if path.startswith("patch_embed.backbone"):
-                continue  # a hybrid's ResNet takes the float32 image; its output is cast for the projection
-            for name, param in module.named_parameters(recurse=False):
-                setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
-    if compile:
-        model.embed = torch.compile(model.embed, backend="inductor" if compile is True else compile)
-    return model
 
 
 def embed_rows(
@@ -133,7 +106,7 @@ class Embedder:
             arrays = ray.get(arrays)
         torch.set_num_threads(threads)
         self.device = torch.device("cuda") if use_gpu else torch.device("cpu")
-        self.model = build_embedding_model(
+        self.model = inference_model(
             vit.ViTConfig.from_dict(config),
             unpack_state_dict(arrays),
             self.device,

@@ -89,8 +89,7 @@ class EmbedConfig(EvalOverrides, Weights, Output):
     )
 
     def validate(self) -> None:
-        """A one-line ValueError for a value that cannot work."""
-        settings.check(self)
+        super().validate()
         DataConfig(decode_nodes=self.decode_nodes)  # its one-line refusal, before the weights load
 
     def forward_batch_size(self) -> int:
@@ -101,10 +100,6 @@ class EmbedConfig(EvalOverrides, Weights, Output):
     def output_options(self) -> dict[str, Any]:
         """How the embeddings are stored: part of the output's identity, its manifest and every footer."""
         return {"normalize": self.normalize, "dtype": self.dtype}
-
-    def replace(self, **changes: Any) -> EmbedConfig:
-        """This config with fields replaced by field or flag name (``interpolation``)."""
-        return settings.replace(self, **changes)
 
 
 def parser(description: str | None = None) -> argparse.ArgumentParser:

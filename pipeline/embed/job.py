@@ -126,17 +126,14 @@ class EmbedSummary:
 
 
 def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
-    """The model's eval transform (`DataConfig.for_eval`) with the flags of the config's `EvalOverrides`
+    """The model's eval transform (`ModelSource.eval_data`) with the flags of the config's `EvalOverrides`
     on top; labels optional."""
     label_key = config.label_key
     if label_key == "auto":  # the training run's where the weights carry it
         stored = source.preprocessing
         label_key = stored.get("label_key", DataConfig.label_key) if stored else DEFAULT_LABEL_KEY
-    return DataConfig.for_eval(
-        source.preprocessing,
-        image_size=source.config.image_size,
-        patch_size=source.config.patch_size,
-        transform=config,
+    return source.eval_data(
+        config,
         label_key=label_key,
         require_labels=False,
         num_classes=None,  # any label is kept as it is: the training run's class count is no rule here

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from pipeline import cli, settings
+from pipeline import cli
 from pipeline.data.config import EvalOverrides
 from pipeline.model_source import Weights
 from pipeline.settings import MAX_COUNT, setting
@@ -57,13 +57,6 @@ class EvaluateConfig(Storage):
     def __post_init__(self) -> None:
         object.__setattr__(self, "shots", tuple(self.shots))
 
-    def validate(self) -> None:
-        """A one-line ValueError for a value that cannot work."""
-        settings.check(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        return settings.to_dict(self)
-
 
 @dataclass(frozen=True)
 class AnalyzeConfig(EvalOverrides, Weights, Output):
@@ -83,13 +76,6 @@ class AnalyzeConfig(EvalOverrides, Weights, Output):
         8, "images per forward pass (attention maps are (B, H, T, T) per layer)", ge=1, le=MAX_COUNT
     )
     cpu: bool = setting(False, "stay on CPU where a GPU is")
-
-    def validate(self) -> None:
-        """A one-line ValueError for a value that cannot work."""
-        settings.check(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        return settings.to_dict(self)
 
 
 def evaluate_parser(description: str | None = None) -> argparse.ArgumentParser:

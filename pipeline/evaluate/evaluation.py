@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from pipeline import storage
+from pipeline.embed.reader import Embeddings, load_embeddings
 from pipeline.evaluate import probes
 from pipeline.evaluate.config import EvaluateConfig
-from pipeline.evaluate.embeddings import Embeddings, check_pair, load_embeddings
 
 
 @dataclass
@@ -149,3 +149,36 @@ def check_json_target(uri: storage.Location | str, *, overwrite: bool = False) -
 
 def write_json(report: EvaluationReport, uri: storage.Location | str) -> None:
     storage.write_text(uri, json.dumps(report.to_dict(), indent=2) + "\n")
+
+
+def check_pair(train: Embeddings, test: Embeddings) -> None:
+    """One line when the two outputs cannot be compared: other widths, other weights, one L2-normalized
+    and one not, shards in common (the manifests' shard lists), or test classes the training rows never
+    show."""
+    if train.dim != test.dim:
+        raise ValueError(
+            f"--train has D = {train.dim} but --test D = {test.dim}; embed both with the same model"
+        )
+    if train.weights_sha256 and test.weights_sha256 and train.weights_sha256 != test.weights_sha256:
+        raise ValueError(
+            f"--train and --test were embedded with other weights (sha256 {train.weights_sha256[:12]} vs "
+            f"{test.weights_sha256[:12]}); embed both with the same --weights"
+        )
+    if train.normalized != test.normalized:  # distances and probes would compare rows of other scales
+        plain, unit = ("--test", "--train") if train.normalized else ("--train", "--test")
+        raise ValueError(
+            f"{unit} was embedded with --normalize (unit-length rows) and {plain} without; embed both with "
+            "the same --normalize"
+        )
+    shared = sorted(set(train.about.get("shards") or {}) & set(test.about.get("shards") or {}))
+    if shared:
+        raise ValueError(
+            f"--train and --test were embedded from {len(shared)} of the same shards (first: {shared[0]}): "
+            "the test would score images the classifier trained on; embed a held-out split for --test"
+        )
+    unseen = sorted(set(np.unique(test.labels)) - set(np.unique(train.labels)))
+    if unseen:
+        raise ValueError(
+            f"--test has classes that --train never shows ({', '.join(map(str, unseen[:5]))}); "
+            "pass a --train split that holds every class"
+        )

@@ -24,9 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-import vit
 from pipeline import storage
-from pipeline.data.config import DataConfig
 from pipeline.data.shards import expand_shards
 from pipeline.evaluate import analysis, figures, reconstruction
 from pipeline.evaluate.attention import attention_distances, patch_distances
@@ -89,16 +87,11 @@ def analyze(
     source = load_model_source(weights, weights_format=config.weights_format, model=config.model)
     model_config = source.config
     device = device_for(config)
-    model = vit.create_model(model_config, device="meta")
-    model.load_state_dict(source.state_dict, assign=True)
-    model = model.to(device).eval().requires_grad_(False)
+    model = source.model(device)
     log(f"{source.describe()} on {device}; {len(shards)} shard(s)")
 
-    data_config = DataConfig.for_eval(
-        source.preprocessing,
-        image_size=model_config.image_size,
-        patch_size=model_config.patch_size,
-        transform=config,
+    data_config = source.eval_data(
+        config,
         label_key=None,  # no labels needed
         require_labels=False,
         storage_options=config.storage_options,

@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.embed import identity
-from pipeline.evaluate.embeddings import OutputReader, features
+from pipeline.embed.reader import OutputReader, features
 from pipeline.index.config import IndexConfig
 
 INDEX_FILE, IDS_FILE, INDEX_MANIFEST = "index.faiss", "ids.parquet", "_index.json"

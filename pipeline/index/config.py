@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline import cli, settings
+from pipeline import cli
 from pipeline.settings import setting
 from pipeline.storage import Output, Storage
 
@@ -50,8 +50,7 @@ class IndexConfig(Output):
     )
 
     def validate(self) -> None:
-        """A one-line ValueError for a value that cannot work."""
-        settings.check(self)
+        super().validate()
         if self.ray_tasks and self.kind == "hnsw":
             raise ValueError(
                 "--ray-tasks cannot build an hnsw index (a graph does not merge from parts); pass --kind "
@@ -85,8 +84,7 @@ class SearchConfig(Storage):
     )
 
     def validate(self) -> None:
-        """A one-line ValueError for a value that cannot work."""
-        settings.check(self)
+        super().validate()
         queries = sum([bool(self.keys), self.image is not None, self.near_duplicates is not None])
         if queries != 1:
             raise ValueError(

@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from pipeline.evaluate.embeddings import OutputReader
+from pipeline.embed.reader import OutputReader
 from pipeline.index import build as local
 
 TASK_CPUS = 1

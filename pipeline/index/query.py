@@ -14,9 +14,8 @@ import numpy as np
 import torch
 
 from pipeline import storage
-from pipeline.data.config import DataConfig
 from pipeline.data.decode import preprocess_batch
-from pipeline.embed.actor import build_embedding_model, embed_rows, embedding_dim
+from pipeline.embed.actor import embed_rows, embedding_dim
 from pipeline.embed.identity import DEFAULT_OUTPUT_OPTIONS
 from pipeline.model_source import load_model_source
 
@@ -38,22 +37,20 @@ def embed_image(
     file = str(image)
     about = source.get("about") or {}
     kind = source.get("embedding") or "cls"
-    model = load_model_source(weights, image_size=source.get("image_size"))
-    width = embedding_dim(model.config, kind)
+    loaded = load_model_source(weights, image_size=source.get("image_size"))
+    width = embedding_dim(loaded.config, kind)
     if width != dim:
         raise ValueError(
             f"--weights {weights} gives D = {width} but the index has D = {dim}; pass the weights the "
             f"indexed output was embedded with ({source.get('model')})"
         )
     want = source.get("weights sha256")
-    if want and model.sha256 != want:
+    if want and loaded.sha256 != want:
         raise ValueError(
-            f"--weights {weights} (sha256 {model.sha256[:12]}) are not the weights the indexed output was "
+            f"--weights {weights} (sha256 {loaded.sha256[:12]}) are not the weights the indexed output was "
             f"embedded with (sha256 {want[:12]}); pass those"
         )
-    config = DataConfig.for_eval(
-        about.get("preprocessing"), image_size=model.config.image_size, patch_size=model.config.patch_size
-    )
+    config = loaded.eval_data(preprocessing=about.get("preprocessing") or {})  # the output's own
     batch = {
         "key": np.array(["query"], object),
         "url": np.array([file], object),
@@ -66,7 +63,7 @@ def embed_image(
         raise ValueError(
             f"--image {file} does not decode ({rows['error'][0]}); pass a JPEG, PNG or WebP image"
         )
-    net = build_embedding_model(model.config, model.state_dict, torch.device("cpu"))
+    net = loaded.model(torch.device("cpu"))
     vector = embed_rows(net, rows, pre_logits=kind == "pre_logits", batch_size=1)["embedding"]  # (1, D)
     options = source.get("output") or DEFAULT_OUTPUT_OPTIONS
     if options.get("normalize"):

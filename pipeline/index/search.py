@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
-from pipeline.evaluate.embeddings import read_table
+from pipeline.embed.reader import read_table
 from pipeline.index.build import FORMAT, IDS_FILE, INDEX_FILE, INDEX_MANIFEST
 
 PAIR_BATCH = 4096  # rows queried at a time when looking for near duplicates

@@ -40,7 +40,7 @@ DERIVED_DATA_FIELDS = ("patch_size", "mask_ratio", "require_labels", "num_classe
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(settings.Settings):
     """One training run: pretraining or fine-tuning."""
 
     CONFIG_VERSION: ClassVar[int] = 2
@@ -146,17 +146,6 @@ class TrainConfig:
             + (f"pick a multiple of {unit} (e.g. {unit}, {2 * unit}), or " if unit <= most else "")
             + "narrow the range to sizes that split it"
         )
-
-    def replace(self, **changes: Any) -> TrainConfig:
-        """This config with settings replaced by field name, whatever section holds them."""
-        return settings.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return settings.to_dict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        return settings.from_dict(cls, values)
 
     @classmethod
     def migrate(cls, values: dict[str, Any], version: int) -> dict[str, Any]:

@@ -30,12 +30,12 @@ from pipeline import cli, console, storage
 from pipeline.data.dataset import check_shards
 from pipeline.data.mixture import check_disjoint, parse_sources
 from pipeline.data.shards import ShardError, expand_shards
-from pipeline.train import lease as run_lease
 from pipeline.train import presets
+from pipeline.train.checkpointing import lease as run_lease
 from pipeline.train.config import TrainConfig
 from pipeline.train.resources import local_out_problem, worker_resources
 
-# torch comes in with pipeline.train.model and .metrics; they are imported where used, so that
+# torch comes in with pipeline.train.step.model and .metrics; they are imported where used, so that
 # `--print-config` and the one-line errors before cluster work stay quick.
 
 
@@ -86,7 +86,7 @@ def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] |
     patch size does not divide, missing shards, a first shard without images or labels, fewer
     shards than workers (with mixed sources: of each source).
     """
-    from pipeline.train.model import model_config
+    from pipeline.train.step.model import model_config
 
     config.validate()
     check_out(config)
@@ -151,9 +151,9 @@ def check_resumable(config: TrainConfig) -> None:
     """A one-line ValueError when ``--out`` holds a checkpoint this run cannot resume: another model,
     objective or MAE decoder (local runs; the workers check every resume again)."""
     from pipeline import dcp
-    from pipeline.train import checkpoint
-    from pipeline.train.model import model_config
-    from pipeline.train.objective import objective_for
+    from pipeline.train.checkpointing import checkpoint
+    from pipeline.train.step.model import model_config
+    from pipeline.train.step.objective import objective_for
 
     if not config.run_dir.is_local:
         return
@@ -171,7 +171,7 @@ def prepare_eval(config: TrainConfig) -> list[str]:
     """The expanded ``eval_data`` shards (none without it), first one checked like the training data."""
     if not config.run.eval_shards:
         return []
-    from pipeline.train.model import model_config
+    from pipeline.train.step.model import model_config
 
     shards = expand_shards(config.location(config.run.eval_shards))
     check_shards(shards, config.data_for(model_config(config).patch_size))
@@ -248,7 +248,7 @@ def fit(
     """Run (or resume) training on the connected Ray cluster; `eval_shards` (fine-tuning) are
     evaluated every ``eval_every`` steps and at the end; ``sources`` (`prepare_data`) are mixed by weight.
     ``worker_loop`` replaces `train_loop_per_worker` (`jobs/benchmark.py host`: its step a wait);
-    ``lease``: the run id of the lease this run holds on ``--out`` (`pipeline.train.lease`), which the
+    ``lease``: the run id of the lease this run holds on ``--out`` (`pipeline.train.checkpointing.lease`), which the
     workers check before each write there.
 
     Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts).
@@ -307,7 +307,7 @@ def fit(
 
 def read_metrics(out: storage.Location | str) -> list[dict[str, Any]]:
     """The logged steps of a run (`<out>/metrics.jsonl`)."""
-    from pipeline.train.metrics import METRICS_FILE
+    from pipeline.train.observe.metrics import METRICS_FILE
 
     text = storage.read_text(storage.as_location(out).join(METRICS_FILE))
     return [json.loads(line) for line in text.splitlines() if line.strip()]
@@ -316,7 +316,7 @@ def read_metrics(out: storage.Location | str) -> list[dict[str, Any]]:
 def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     """What a finished run prints: its last step's loss and accuracy (and evaluation accuracy), the
     samples read and skipped. A run resumed at the end of its schedule trained no step: it says so."""
-    from pipeline.train.metrics import ACCURACIES
+    from pipeline.train.observe.metrics import ACCURACIES
 
     metrics, bad = summary["metrics"], summary["bad_samples"]
     lost = sorted(bad.get("lost_shards", {}))

@@ -33,7 +33,7 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.linear_probe import LinearProbe, fit_linear_probe
 from pipeline.train.config import TrainConfig
-from pipeline.train.metrics import log_line
+from pipeline.train.observe.metrics import log_line
 from pipeline.train.state import Rank, agree_on_error
 
 # Fields of the pretrained model that fine-tuning changes; every other field is the weights' own. The

@@ -1,62 +1,38 @@
-"""The Ray Train worker loop: data in, FSDP2 steps, metrics and checkpoints out.
+"""The Ray Train worker loop: one rank's run, written in the order the host does it.
 
-    train_loop_per_worker -> Trainer(set up, resume) -> train(): epochs -> steps -> report / checkpoint
-                                                      -> finish(): every rank's bad samples, the export
+    Trainer(...): the model, its step, the data plan, the checkpoint resumed from
+    train(): epoch after epoch, step after step; finish(): every rank's bad samples, the export
 
-What the loop holds besides the model, its optimizer step and the run's state, each a narrow interface:
+A step, N+1, on the host (top) beside the device (below), with step N a log line and a checkpoint:
 
-- ``me``, a `pipeline.train.state.Rank`: rank, world size, device, the agreements' CPU group and the
-  micro-batches per step, fixed at set-up;
-- ``plan``, a `pipeline.train.dataplan.DataPlan`: everything the loop asks of its data, the same for a
-  plain ``--data`` (`OneSource`) and a mixture (`MixedSources`), its pipeline in the training process or
-  in a feeder process (`pipeline.train.feeder`): an epoch's step inputs, the empty position by sample its
-  checkpoints record, its streams' fingerprint and what its metrics rows add;
-- ``cursor``, a `pipeline.train.cursor.EpochCursor`: where this rank stands in the epoch;
-- ``checkpointer``, a `pipeline.train.saver.Checkpointer`: save, wait, the longest save; the preemption
-  check (`pipeline.train.preemption.checkpoint_and_stop`) saves with it too.
+    host    input N+1, agree | queue fwd+bwd N+1 | report N, save N | queue update N+1 | take report N+1
+    device  ... step N ......| fwd+bwd N+1 .........................| update N+1 ...
 
-Data: each epoch has one shard order, a pure function of (seed, epoch). Rank r streams
-`order[r::world]` through its own Ray Data pipeline (read -> decode -> crop -> patchify), so which
-sample lands on which rank at which step is deterministic. (Ray's `get_dataset_shard` balances
-blocks across workers on demand, which is neither reproducible nor resumable mid-epoch; that is why
-the split is done here.) Mixed sources: `pipeline.train.dataplan`.
+- input N+1, agree: this rank's next step of micro-batches, built ahead on a thread (`pipeline.train.input`),
+  and one agreement of every rank on how many samples the step holds, any data error, any preemption
+  notice (`pipeline.train.state.agree_on_step`). Once the rank's stream has run dry, the next epoch's input
+  starts here, while this epoch's last steps train.
+- queue fwd+bwd N+1, queue update N+1: the step in two calls (`pipeline.train.step.train_step.TrainStep`).
+- report N, save N: between them, what must be done before N+1 writes what a checkpoint of N holds: N's
+  report (its window's wait for the device to have run step N, an event behind it and not N+1; a row of
+  `metrics.jsonl`, a log line, a report to Ray Train), N's checkpoint save, and the wait for the save's copy
+  of the state (`Checkpointer.staged`; asynchronous saves: `pipeline.train.checkpointing.saver`). The
+  device runs N+1's forward and backward meanwhile.
+- take report N+1: at a log line, what the row needs, taken without waiting for the device (its window
+  closed behind the step, `pipeline.train.observe.metrics.MetricsWindow.close`; with a checkpoint,
+  `Checkpointer.take`). It is finished at the next boundary: between N+2's two calls, or at once where no
+  step follows (the epoch's or the schedule's end, a data error, a preemption notice).
 
-Resume at the sample: a checkpoint holds how many micro-batches each rank has taken from its stream
-this epoch. A run resumed at the same world size and micro-batch size rebuilds the same streams,
-re-reads those micro-batches without training on them and goes on from the next sample, so a
-stopped and resumed run trains on the same samples, in the same order, as a straight one (the re-read
-runs at the data pipeline's speed). At another layout the checkpoint's position by sample deals the
-epoch's remaining samples to the new ranks, each once, in another order (`pipeline.train.position`).
-
-An epoch is every good sample once: its rules (streams of unequal length, the smaller last steps, a short
-first step) are written in docs/design.md, "Training"; here, `pipeline.train.state.StepAgreement` is how
-the ranks agree every step on how many samples it holds, until every rank's stream has run dry.
-A preemption notice on any rank rides on the same agreement: every rank checkpoints at that step
-boundary and stops, and Ray Train restarts the run from there (`pipeline.train.preemption`).
-
-The GPU is not kept waiting on the host: the next steps' input is built on a background thread
-(`pipeline.train.prefetch`), which starts the next epoch's pipeline as soon as this one's runs dry, the
-ranks' agreements go through a CPU group, and loss and accuracy
-stay on the device until a log line is due, as do the counts of skipped steps: with fused AdamW a
-step waits for nothing (`pipeline.train.step`); other AdamW kernels read the gradient norm back.
-
-A log line does not leave the device idle either. At a plain log step N (no checkpoint, no evaluation,
-not the last step) the loop takes what the row needs without waiting for the device (`Pending`: the
-window closed behind step N, `pipeline.train.metrics.MetricsWindow.close`), queues step N+1, and only
-then finishes step N's report: it waits for the device to have run step N (an event, not step N+1's
-kernels), checks the skipped steps, reports to Ray Train and writes the row and the log line while the
-device runs step N+1. The rows are the same as if written at step N; what moves is when: the stop on too
-many skipped steps in a row comes one step later (after step N+1 ran), and a run that stops or is
-preempted before step N+1 writes step N's row first. A checkpoint goes one move further: at step N
-it takes what the save needs of that moment (`Checkpointer.take`: every rank's cursor, the weights'
-finite check behind the step), and its report and save are finished inside step N+1, once that step's
-forward and backward are queued and before its update (`Trainer.before_update`), so the device runs them
-while the host writes the row and starts the save; the row is still stored before the checkpoint can
-register. An evaluation and the last step keep the report in place (the end waits anyway).
+Every report is finished in one place (`finish_report`), so every row holds the values of its own step; the
+stop on too many skipped steps in a row, found when a row is finished, comes during the next step. The
+epoch's rules (unequal streams, the smaller last steps) are in docs/design.md, "Training"; where a rank
+stands in its epoch, and how a resume goes on at the sample, `pipeline.train.input.cursor`; a preemption
+notice's checkpoint, `pipeline.train.checkpointing.preemption`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -66,18 +42,23 @@ import torch.distributed as dist
 
 from pipeline import dcp
 from pipeline.data.bad_samples import BadSamples
-from pipeline.train import checkpoint, finetune, lease, mfu, preemption, sinks, stacks
+from pipeline.train import finetune
+from pipeline.train.checkpointing import checkpoint, lease, preemption
+from pipeline.train.checkpointing.saver import Checkpointer, FiniteCheck, Saver, WeightsNotFinite
 from pipeline.train.config import TrainConfig, worker_config
-from pipeline.train.cursor import EpochCursor
-from pipeline.train.dataplan import StepInputs
-from pipeline.train.ema import WeightEMA
-from pipeline.train.feeder import feeder_plan_for
-from pipeline.train.metrics import ACCURACIES, MetricsLog, MetricsWindow, SkippedSteps, format_line, log_line
-from pipeline.train.model import build_model, model_config
-from pipeline.train.objective import objective_for
-from pipeline.train.optim import optimizer_kernels
-from pipeline.train.prefetch import StepInput
-from pipeline.train.saver import Checkpointer, FiniteCheck, Saver, WeightsNotFinite
+from pipeline.train.input.cursor import EpochCursor
+from pipeline.train.input.dataplan import StepInputs
+from pipeline.train.input.feeder import feeder_plan_for
+from pipeline.train.input.prefetch import StepInput
+from pipeline.train.observe import mfu, sinks, stacks
+from pipeline.train.observe.metrics import (
+    ACCURACIES,
+    MetricsLog,
+    MetricsWindow,
+    SkippedSteps,
+    format_line,
+    log_line,
+)
 from pipeline.train.session import RaySession
 from pipeline.train.state import (
     Rank,
@@ -87,11 +68,41 @@ from pipeline.train.state import (
     control_group,
     gather_bad_samples,
 )
-from pipeline.train.step import StepStats, TrainStep
+from pipeline.train.step.ema import WeightEMA
+from pipeline.train.step.model import build_model, model_config
+from pipeline.train.step.objective import objective_for
+from pipeline.train.step.optim import optimizer_kernels
+from pipeline.train.step.train_step import Gradients, StepStats, TrainStep
+
+# The boundary after the schedule's last step: no input is taken, and, as at an epoch's end, no step runs.
+SCHEDULE_END = StepAgreement(samples=0, someone_ran_dry=False, error="")
 
 
 class StopRun(Exception):
     """The run ends on an error every rank agreed on; the message is the one line the driver shows."""
+
+
+@dataclass(frozen=True)
+class TakenStep:
+    """What a `StepWatch` sees of a step: its number, its epoch and this rank's input."""
+
+    step: int  # 1 for the run's first step
+    epoch: int
+    keys: list[str]  # this rank's samples, in the order the step takes them
+    bad_samples: BadSamples  # this rank's bad-sample counts as of this input (a copy)
+
+
+class StepWatch:
+    """What a test or a profiler sees of each step: subclass it, override either call, and hand it to the
+    loop (`Trainer`, `train_loop_per_worker`; through `pipeline.train.driver.fit`, a ``worker_loop`` that
+    passes it on). Both run on the training thread; neither may change what the step trains on."""
+
+    def taken(self, step: TakenStep) -> None:
+        """The step's input is taken and every rank agreed to run it; its forward is not queued yet."""
+
+    def trained(self, step: int, stats: StepStats) -> None:
+        """Step ``step``'s update is queued: ``stats`` hold its loss and gradient norm on the device
+        (reading them waits for the step)."""
 
 
 @dataclass(frozen=True)
@@ -109,11 +120,11 @@ class Pending:
     checkpoint: FiniteCheck | None = None  # a checkpoint's finite check, taken behind the step
 
 
-def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
+def train_loop_per_worker(loop_config: dict[str, Any], watch: StepWatch | None = None) -> dict[str, Any]:
     """Entry point of every Ray Train worker (see `pipeline.train.driver.fit`); returns the run summary."""
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # a line per rank per epoch otherwise
     try:
-        trainer = Trainer(loop_config, RaySession(worker_config(loop_config).run_dir))
+        trainer = Trainer(loop_config, RaySession(worker_config(loop_config).run_dir), watch)
     except (dcp.CheckpointRefusedError, finetune.HeadInitError) as e:  # every rank alike: a restart would too
         return {"metrics": {}, "bad_samples": {}, "error": str(e)}
     return trainer.train()
@@ -141,35 +152,36 @@ def resize_line(config: TrainConfig, saved: int, world: int, step: int) -> str:
 class Trainer:
     """One rank's part of a run. `train()` returns the summary that rank 0 hands to the driver:
     `metrics` (the last logged step), `bad_samples` (all ranks merged), `error` ("" or one line),
-    `resumed_from` (checkpoint, step and epoch this attempt resumed from, or None)."""
+    `resumed_from` (checkpoint, step and epoch this attempt resumed from, or None).
 
-    def __init__(self, loop_config: dict[str, Any], session: RaySession):
+    Who this rank is (rank, world size, device, the agreements' group, micro-batches per step) is its
+    `Rank`, ``me``; the rest is the run's: the model and its step, the data plan and the cursor in it, the
+    checkpointer, and the report in flight."""
+
+    def __init__(self, loop_config: dict[str, Any], session: RaySession, watch: StepWatch | None = None):
         self.config = config = worker_config(loop_config)
+        self.session, self.watch = session, watch or StepWatch()
         self.shards: list[str] = loop_config["shards"]  # every source's, for the log lines
-        self.session = session
-        self.rank, self.world, self.device = session.rank, session.world, session.device
-        stacks.start(self.rank)  # with VITRAY_SAMPLE_STACKS only
         self.eval_shards: list[str] = loop_config.get("eval_shards", [])
         self.lease: str | None = loop_config.get("lease")  # the driver's lease on --out (`lease`)
+        world = session.world
+        accum = config.optim.batch_size // (config.optim.micro_batch_size * world)
+        self.me = me = Rank(session.rank, world, session.device, control_group(), accum)
+        stacks.start(me.rank)  # with VITRAY_SAMPLE_STACKS only
         self.model_config = model_config(config)
         self.objective = objective_for(config)  # loss, batch columns, FLOPs, what final/ holds
         self.data_config = config.data_for(self.model_config.patch_size)
-        self.accum = config.optim.batch_size // (config.optim.micro_batch_size * self.world)
-        self.me = Rank(self.rank, self.world, self.device, control_group(), self.accum)
-        columns = self.objective.columns
-        self.plan = feeder_plan_for(loop_config, config, self.data_config, self.me, columns)
-        self.model = build_model(config, self.device)
-        self.step_fn = TrainStep(self.model, config, self.device, self.objective)
-        decay = config.optim.ema_decay  # the EMA of the weights (`pipeline.train.ema`), or None
+        self.plan = feeder_plan_for(loop_config, config, self.data_config, me, self.objective.columns)
+        self.model = build_model(config, me.device)
+        self.step = TrainStep(self.model, config, me.device, self.objective)
+        decay = config.optim.ema_decay  # the EMA of the weights (`pipeline.train.step.ema`), or None
         self.ema = None if decay is None else WeightEMA(self.model, decay, config.optim.ema_every)
-        self.group = self.me.group  # before resume: --head-init probe agrees on its batches with it
         self.state = self.resume()
         # Where this rank stands in the epoch, and its bad-sample counts as of the last step's input.
         # The data thread counts into a copy of its own, so samples it read ahead for steps that never
         # ran (the run stopped) are not counted.
         self.cursor = self.resume_cursor()
-        self.skipped = SkippedSteps(self.device)
-        log = None if self.rank else MetricsLog(config.run_dir, self.state.step, watch=True)
+        log = None if me.rank else MetricsLog(config.run_dir, self.state.step, watch=True)
         self.log = None if log is None else sinks.attach(log, config)
         saved_config = {
             "train": config.to_dict(),
@@ -178,19 +190,19 @@ class Trainer:
             **self.objective.checkpoint_meta(),
         }
         saver = Saver(
-            session, self.model, self.step_fn.optimizer, self.ema, asynchronous=config.run.async_checkpoint
+            session, self.model, self.step.optimizer, self.ema, asynchronous=config.run.async_checkpoint
         )
-        self.checkpointer = Checkpointer(saver, self.me, self.model, saved_config)
-        # A checkpoint's save and the wait for its copy, inside the next step before its update.
-        self.step_fn.before_update = self.before_update
-        self.peak_tflops, peak_note = mfu.peak_tflops(self.device)
-        self.flops_per_image = self.objective.flops_per_image()
+        self.checkpointer = Checkpointer(saver, me, self.model, saved_config)
+        self.preemption = preemption.PreemptionWatcher(me.rank, world, first_step=self.state.step)
+        # The reports: the window of steps since the last log line, the skipped steps counted on the
+        # device, the report in flight (finished at the next step boundary), and the last row made.
+        self.window, self.skipped = MetricsWindow(me.device), SkippedSteps(me.device)
+        self.pending: Pending | None = None
+        self.last_stats: StepStats | None = None  # for a row at a preemption notice
         self.last_metrics: dict[str, Any] = {}
+        self.peak_tflops, peak_note = mfu.peak_tflops(me.device)
         self.first_step, self.run_start = self.state.step, time.perf_counter()
-        self.window = MetricsWindow(self.device)
-        self.pending: Pending | None = None  # a report finished in or after the next step
         self.upcoming: tuple[int, StepInputs] | None = None  # the next epoch's input, started ahead
-        self.preemption = preemption.PreemptionWatcher(self.rank, self.world, first_step=self.state.step)
         self.announce(peak_note)
 
     # --- set up ----------------------------------------------------------------------------------
@@ -205,7 +217,7 @@ class Trainer:
                     if self.config.arch.head_init == "probe":
                         finetune.probe_head_in_run(
                             self.model, self.shards, self.config, self.model_config.patch_size, self.me,
-                            self.objective.idle_batch(self.device)[0], data_cpus=self.plan.cpus(0),
+                            self.objective.idle_batch(self.me.device)[0], data_cpus=self.plan.cpus(0),
                         )  # fmt: skip
                     if self.ema is not None:
                         self.ema.reset()  # the EMA starts from the pretrained weights
@@ -214,10 +226,10 @@ class Trainer:
             checkpoint.check_compatible(
                 directory, self.model_config, self.objective.checkpoint_meta(), self.config.optim
             )
-            loaded = checkpoint.load(directory, self.model, self.step_fn.optimizer, self.ema)
+            loaded = checkpoint.load(directory, self.model, self.step.optimizer, self.ema)
             state = TrainState.from_dict(loaded)
         self.resumed_from = {"checkpoint": source, "step": state.step, "epoch": state.epoch}
-        if self.ema is not None and not self.ema.restored and self.rank == 0:
+        if self.ema is not None and not self.ema.restored and self.me.rank == 0:
             log_line(
                 f"{source} holds no EMA of the weights: the EMA starts from its weights at step {state.step}"
             )
@@ -225,35 +237,36 @@ class Trainer:
 
     def resume_cursor(self) -> EpochCursor:
         """This rank's place in the epoch: the start, or what the checkpoint resumed from holds."""
-        stream, position = self.plan.fingerprint, self.plan.position()
-        layout = (self.rank, self.world, self.config.optim.micro_batch_size, stream, self.data_config)
+        me, stream, position = self.me, self.plan.fingerprint, self.plan.position()
+        layout = (me.rank, me.world, self.config.optim.micro_batch_size, stream, self.data_config)
         if self.resumed_from is None:
             return EpochCursor.start(*layout, position=position)
         done = self.state.step >= self.config.last_step
         cursor, note = EpochCursor.resume(self.state, *layout, schedule_done=done, position=position)
-        if self.rank == 0 and self.state.world not in (None, self.world):
-            log_line(resize_line(self.config, self.state.world, self.world, self.state.step))
-        if self.rank == 0:
+        if me.rank == 0 and self.state.world not in (None, me.world):
+            log_line(resize_line(self.config, self.state.world, me.world, self.state.step))
+        if me.rank == 0:
             where = f"resumed from {self.resumed_from['checkpoint']} at step {self.state.step}"
             log_line(f"{where} (epoch {self.state.epoch})" + (f": {note}" if note else ""))
         return cursor
 
     def announce(self, peak_note: str) -> None:
         """Collective: the run's shape in one log line (rank 0 writes it)."""
-        nodes: list[Any] = [None] * self.world
+        me = self.me
+        nodes: list[Any] = [None] * me.world
         dist.all_gather_object(nodes, (self.session.node_id, self.ema.nbytes if self.ema else 0))
-        if self.rank == 0 and self.ema is not None:
+        if me.rank == 0 and self.ema is not None:
             log_line(
                 f"EMA of the weights (decay {self.ema.decay} per step, updated every {self.ema.every}): "
                 f"float32, {max(b for _, b in nodes) / 2**20:.1f} MiB on the largest worker's shards"
             )
-        if self.rank == 0:
-            c = self.config
+        if me.rank == 0:
+            c, optimizer = self.config, self.step.optimizer
             log_line(
-                f"{self.model_config.name}: {self.world} workers on {len({n for n, _ in nodes})} node(s), "
-                f"{c.optim.micro_batch_size} images x {self.accum} accumulation each = batch {c.optim.batch_size}; "
+                f"{self.model_config.name}: {me.world} workers on {len({n for n, _ in nodes})} node(s), "
+                f"{c.optim.micro_batch_size} images x {me.accum} accumulation each = batch {c.optim.batch_size}; "
                 f"{len(self.shards)} shards; {peak_note}; "
-                f"{type(self.step_fn.optimizer).__name__} ({optimizer_kernels(self.step_fn.optimizer)})"
+                f"{type(optimizer).__name__} ({optimizer_kernels(optimizer)})"
             )
 
     # --- the run ---------------------------------------------------------------------------------
@@ -262,7 +275,6 @@ class Trainer:
         try:
             while self.state.step < self.config.last_step:
                 self.train_epoch()
-            self.finish_report()  # none: the last step's report is never deferred
         except StopRun as stop:
             error = str(stop)
         finally:
@@ -273,98 +285,101 @@ class Trainer:
         return self.finish(error)
 
     def train_epoch(self) -> None:
-        """Steps until the schedule ends or every rank's stream has run dry; then the next epoch begins."""
-        state, last_step = self.state, self.config.last_step
+        """Step after step until every rank's stream has run dry or the schedule ends; then the next epoch
+        begins. Each step boundary in the order the host meets it (the module's timeline)."""
+        state = self.state
         upcoming, self.upcoming = self.upcoming, None
-        data = upcoming[1] if upcoming is not None and upcoming[0] == state.epoch else self.epoch_input()
+        ahead = upcoming is not None and upcoming[0] == state.epoch
+        data = upcoming[1] if ahead else self.plan.epoch_input(state.epoch, self.cursor, ahead=None)
         try:
-            while state.step < last_step:
+            while True:
                 step_input, agreement = self.next_step_input(data)
-                if agreement.error or agreement.preempted or agreement.epoch_over:
-                    self.finish_report()  # no step of this input to overlap the last log line's report
-                if agreement.error:
-                    raise StopRun(agreement.error)
-                if self.cursor.at_start and agreement.samples < self.config.optim.batch_size:
-                    raise StopRun(
-                        f"epoch {state.epoch} gave no full step: {len(self.shards)} shards hold fewer than "
-                        f"{self.config.optim.batch_size} readable samples per step across {self.world} "
-                        "workers; use more data or a smaller --batch-size"
-                    )
-                if agreement.preempted:  # a checkpoint of the steps so far, then Ray Train restarts the run
-                    self.checkpoint_and_stop()
-                if agreement.epoch_over:
-                    break
-                self.train_step(data, step_input, agreement)
+                stop = agreement.error or self.no_full_step(agreement)  # "": none
+                keep = self.preempted() if agreement.preempted and not stop else None
+                runs = agreement.runs and not stop
+                gradients = self.forward_backward(data, step_input, agreement) if runs else None
+                self.finish_report()  # the last log line's: behind this step's forward and backward
+                if stop:
+                    raise StopRun(stop)
+                if keep is not None:  # the checkpoint made, every rank stops: Ray Train restarts the run
+                    preemption.stop(keep, self.checkpointer, self.me.rank)
+                if gradients is None:
+                    break  # every rank's stream has run dry (or the schedule has ended)
+                self.checkpointer.staged()  # an asynchronous save's copy, before the update writes the state
+                self.update(gradients)
         finally:
             data.close()  # stops this epoch's Ray Data execution if it is still running
-        if state.step >= last_step:
+        if state.step >= self.config.last_step:
             return
         state.epoch += 1
         self.cursor.next_epoch()
 
-    def epoch_input(self, ahead: BadSamples | None = None) -> StepInputs:
-        """This rank's steps of input for the current epoch, after the micro-batches it has taken; or,
-        given ``ahead`` (the counts this epoch's stream ended with), the next epoch's from its start."""
-        epoch = self.state.epoch + (ahead is not None)
-        on_dry = lambda final: self.start_next_epoch(epoch, final)  # noqa: E731
-        return self.plan.epoch_input(epoch, self.cursor, ahead=ahead, on_dry=on_dry)
-
-    def start_next_epoch(self, epoch: int, final: BadSamples) -> None:
-        """On the data thread, when this rank's stream of ``epoch`` has run dry: the next epoch's input
-        starts now, while the epoch's last steps train (`Prefetcher`); `train_epoch` takes it."""
-        if epoch == self.state.epoch and self.state.step + 1 < self.config.last_step:
-            self.upcoming = (epoch + 1, self.epoch_input(ahead=final))
-
-    def next_step_input(self, data: StepInputs) -> tuple[StepInput, StepAgreement]:
-        """Collective: this rank's input for the next step, and what all ranks agree on."""
+    def next_step_input(self, data: StepInputs) -> tuple[StepInput | None, StepAgreement]:
+        """Collective: this rank's input for the next step, and what every rank agrees on; after the
+        schedule's last step, no input and `SCHEDULE_END`. Once this rank's stream has run dry (seen on
+        the data thread, steps ahead of the input taken here), the next epoch's input starts here, while
+        this epoch's last steps train."""
+        state, last_step = self.state, self.config.last_step
+        if state.step >= last_step:
+            return None, SCHEDULE_END
         wait_start = time.perf_counter()
         step_input = data.next()
         self.window.data_wait += time.perf_counter() - wait_start
-        i, notice = step_input, self.preemption.notice(self.state.step)
+        if self.upcoming is None and state.step + 1 < last_step and (final := data.ran_dry()) is not None:
+            self.upcoming = (
+                state.epoch + 1,
+                self.plan.epoch_input(state.epoch + 1, self.cursor, ahead=final),
+            )
+        i, notice = step_input, self.preemption.notice(state.step)
         agreed = time.perf_counter()
-        agreement = agree_on_step(i.samples, i.ran_dry, i.error, self.group, preempted=notice is not None)
+        agreement = agree_on_step(i.samples, i.ran_dry, i.error, self.me.group, preempted=notice is not None)
         self.window.sync_wait += time.perf_counter() - agreed  # a rank ahead waits here for the others
         if agreement.error or not agreement.preempted:  # a preemption's checkpoint precedes this input
             self.cursor.saw(step_input.bad_samples, step_input.counted)
         return step_input, agreement
 
-    def train_step(self, data: StepInputs, step_input: StepInput, agreement: StepAgreement) -> None:
-        self.cursor.took(self.accum, step_input.bad_samples, step_input.consumed)  # places: same on all
-        micro_batches = step_input.to_device(self.device)
-        data.release(step_input)
-        stats = self.step_fn(
-            self.state.step, micro_batches, global_count=agreement.samples, micro_steps=self.accum
+    def no_full_step(self, agreement: StepAgreement) -> str:
+        """Why an epoch cannot start: its first step holds less than a batch on every rank; "" else."""
+        if not self.cursor.at_start or agreement.samples >= self.config.optim.batch_size:
+            return ""
+        return (
+            f"epoch {self.state.epoch} gave no full step: {len(self.shards)} shards hold fewer than "
+            f"{self.config.optim.batch_size} readable samples per step across {self.me.world} workers; use "
+            "more data or a smaller --batch-size"
         )
+
+    def forward_backward(
+        self, data: StepInputs, step_input: StepInput, agreement: StepAgreement
+    ) -> Gradients:
+        """The step's input on the device and its forward and backward passes queued (`TrainStep`)."""
+        state, me = self.state, self.me
+        self.cursor.took(me.accum, step_input.bad_samples, step_input.consumed)  # places: same on all
+        micro_batches = step_input.to_device(me.device)
+        data.release(step_input)
+        self.watch.taken(TakenStep(state.step + 1, state.epoch, step_input.keys, step_input.bad_samples))
+        return self.step.forward_backward(
+            state.step, micro_batches, global_count=agreement.samples, micro_steps=me.accum
+        )
+
+    def update(self, gradients: Gradients) -> None:
+        """The step's update queued, and its sums added to the window; at a log line, its report taken
+        (and finished at the next step boundary), after an evaluation where one is due."""
+        stats = self.step.update(gradients)
         self.state.step += 1
-        if self.state.step == self.first_step + 1:  # the optimizer's state made: the saves' buffers too
+        step, run = self.state.step, self.config.run
+        if step == self.first_step + 1:  # the optimizer's state made: the saves' buffers too
             self.checkpointer.warm()
-        self.last_stats = stats  # for a checkpoint on a preemption notice (`pipeline.train.preemption`)
         if self.ema is not None:
-            self.ema.update(self.state.step)
+            self.ema.update(step)
         self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
         self.skipped.add(stats.skipped)
-        self.finish_report()  # the last log line's, now that this step is queued behind its step
-        step, config = self.state.step, self.config
-        last = step == config.last_step
-        save = step % config.run.checkpoint_every == 0 or last
-        evaluate = bool(self.eval_shards) and (
-            last or (config.run.eval_every > 0 and step % config.run.eval_every == 0)
-        )
-        if save or evaluate:
-            # A checkpoint is saved inside the next step (`before_update`); beside an evaluation or at
-            # the last step, now.
-            evaluation = self.evaluate() if evaluate else None
-            self.report(stats, save=save, evaluation=evaluation, defer=not (evaluate or last))
-        elif step % config.run.log_every == 0:
-            self.report(stats, save=False, defer=True)
-
-    def before_update(self) -> None:
-        """Inside each step, its forward and backward queued and its update not (`TrainStep.before_update`):
-        the checkpoint of the step before, if that step made one (the device runs this step's forward and
-        backward meanwhile), then the wait for the save's copy of the state (`Checkpointer.staged`)."""
-        if self.pending is not None and self.pending.checkpoint is not None:
-            self.finish_report()
-        self.checkpointer.staged()
+        self.last_stats = stats
+        self.watch.trained(step, stats)
+        last = step == self.config.last_step
+        save = step % run.checkpoint_every == 0 or last
+        evaluate = bool(self.eval_shards) and (last or (run.eval_every > 0 and step % run.eval_every == 0))
+        if save or evaluate or step % run.log_every == 0:
+            self.take_report(stats, save=save, evaluation=self.evaluate() if evaluate else None)
 
     def evaluate(self) -> dict[str, float]:
         """Collective: the row's top-1 accuracies over the evaluation shards (`finetune.evaluate_in_run`):
@@ -372,7 +387,7 @@ class Trainer:
         pass (`WeightEMA.applied`). Their time is not training time: the metrics window starts later
         by as much."""
         cpus = self.plan.cpus(self.state.epoch)
-        idle = self.objective.idle_batch(self.device)[0]
+        idle = self.objective.idle_batch(self.me.device)[0]
 
         def score(weights: str = "") -> float:
             try:
@@ -392,32 +407,32 @@ class Trainer:
         return scores
 
     # --- report and checkpoint -------------------------------------------------------------------
-    def report(
-        self, stats: StepStats, *, save: bool, evaluation: dict[str, float] | None = None, defer: bool = False
+    def take_report(
+        self, stats: StepStats, *, save: bool, evaluation: dict[str, float] | None = None
     ) -> None:
-        """Collective: a report to Ray Train (with a checkpoint), then a log line and `metrics.jsonl` row;
-        with ``defer``, only what it needs is taken now (`Pending`, and a checkpoint's `Checkpointer.take`),
-        and `finish_report` makes it once the next step is queued (a checkpoint: its forward and backward,
-        `before_update`). A run whose lease on --out was taken over stops here, before the row."""
-        if lost := lease.agreed_lost(self.lease, self.config.run_dir, self.rank, self.group):  # a rerun's?
+        """Collective: this step's report, taken without waiting for the device (`Pending`; with ``save``,
+        a checkpoint's `Checkpointer.take`) and finished at the next step boundary (`finish_report`). A run
+        whose lease on --out was taken over stops here, before the row."""
+        me, state = self.me, self.state
+        if lost := lease.agreed_lost(self.lease, self.config.run_dir, me.rank, me.group):  # a rerun's?
             raise StopRun(lost)
-        state = self.state
         window, self.window = self.window, self.window.close(stats.grad_norm, self.skipped)
         check = self.checkpointer.take(state, self.cursor) if save else None
         self.pending = Pending(
             window, state.step, state.epoch, stats.lr, self.cursor.counts, evaluation, check
         )
-        if not defer:
-            self.finish_report()
 
     def finish_report(self) -> None:
         """Collective: the `Pending` report, if any: wait for the device to have run its step (no later
-        step), check the skipped steps, then the report (and checkpoint), the row and the log line."""
+        step), check the skipped steps, then the report (with its checkpoint), the row and the log line.
+        Weights that are not finite are not saved: the run stops."""
         if self.pending is None:
             return
         p, self.pending = self.pending, None
         counts = p.window.wait()
-        error = self.skipped.check(self.state, p.step, counts, self.config.optim.max_skipped_steps, self.rank)
+        error = self.skipped.check(
+            self.state, p.step, counts, self.config.optim.max_skipped_steps, self.me.rank
+        )
         if error:
             raise StopRun(error)
         metrics = p.window.reduce(
@@ -427,66 +442,60 @@ class Trainer:
             samples_seen=p.counts.total,
             bad_samples=p.counts.bad,
             skipped_steps=self.state.skipped_steps,
-            flops_per_image=self.flops_per_image,
+            flops_per_image=self.objective.flops_per_image(),
             peak_tflops=self.peak_tflops,
             has_accuracy=self.objective.has_accuracy,
-            group=self.group,
+            group=self.me.group,
         )
         metrics.update(p.evaluation or {})
-        metrics.update(self.plan.metrics(p.counts, self.group))  # mixed: where it is in each source
-        if p.checkpoint is not None:
+        metrics.update(self.plan.metrics(p.counts, self.me.group))  # mixed: where it is in each source
+        if p.checkpoint is None:
+            self.session.report(metrics)
+        else:
             # The history is stored before the checkpoint can register: a run killed after it keeps the row.
             # That is the checkpoint's one write to an object store: its stall reaches it at the next flush.
             if self.log is not None:
                 self.log.flush(pending=metrics)
-            self.save_checkpoint(metrics, p.checkpoint)
-        else:
-            self.session.report(metrics)
+            try:  # the seconds training waited for the save
+                metrics["checkpoint_stall_s"] = self.checkpointer.save(self.state, p.checkpoint, metrics)
+            except WeightsNotFinite as e:
+                raise StopRun(
+                    f"{e} and were not saved; resume from the last checkpoint with a lower --lr or a smaller "
+                    "--grad-clip"
+                ) from e
         if self.log is not None:
             log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
             self.log.append(metrics, flush=p.checkpoint is not None)
         stacks.mark(p.step)
         self.last_metrics = metrics
 
-    def save_checkpoint(self, metrics: dict[str, Any], check: FiniteCheck | None = None) -> None:
-        """Collective: a checkpoint with these metrics (`Checkpointer.save`, of what ``check``'s `take` took,
-        or taken now); the seconds training waited become the row's ``checkpoint_stall_s``. Weights that
-        are not finite stop the run instead."""
-        check = check or self.checkpointer.take(self.state, self.cursor)
-        try:
-            metrics["checkpoint_stall_s"] = self.checkpointer.save(self.state, check, metrics)
-        except WeightsNotFinite as e:
-            raise StopRun(
-                f"{e} and were not saved; resume from the last checkpoint with a lower --lr or a smaller --grad-clip"
-            ) from e
-
-    def checkpoint_and_stop(self) -> None:
-        """Collective, on a preemption notice: `pipeline.train.preemption.checkpoint_and_stop`."""
-        step, resumed = self.state.step, self.resumed_from
-
-        def save() -> None:
-            if self.last_metrics.get("step") == step:  # logged at this step: the same row goes with it
-                if self.log is not None:
-                    self.log.flush()
-                self.save_checkpoint(self.last_metrics)
-            else:
-                self.report(self.last_stats, save=True)
-
-        preemption.checkpoint_and_stop(
-            self.preemption, self.me, step, self.checkpointer, save,
-            held=step % self.config.run.checkpoint_every == 0 or (resumed or {}).get("step") == step,
-            max_failures=self.config.run.max_failures,
-        )  # fmt: skip
+    def preempted(self) -> preemption.Stop:
+        """Collective, at a step boundary where some rank has a preemption notice: every rank's notice
+        settled into one plan (`pipeline.train.checkpointing.preemption`) and, where a checkpoint of the
+        steps so far is to be made, this step's report takes it (finished at this boundary)."""
+        step, run = self.state.step, self.config.run
+        held = step % run.checkpoint_every == 0 or (self.resumed_from or {}).get("step") == step
+        keep = preemption.agree(
+            self.preemption, self.me, step, self.checkpointer, held=held, max_failures=run.max_failures
+        )
+        if keep.saves:
+            if self.pending is None:  # no log line at this step: a row of its own
+                assert self.last_stats is not None  # a step of this attempt (the one resumed is held)
+                self.take_report(self.last_stats, save=True)
+            else:  # this step's log line: its row goes with the checkpoint
+                check = self.checkpointer.take(self.state, self.cursor)
+                self.pending = dataclasses.replace(self.pending, checkpoint=check)
+        return keep
 
     # --- finish ----------------------------------------------------------------------------------
     def finish(self, error: str) -> dict[str, Any]:
         """Collective: the last checkpoint in storage; merge every rank's bad samples; export the model
         unless the run failed."""
         self.checkpointer.close()
-        merged = BadSamples.from_config(self.data_config)
-        for counts in gather_bad_samples(self.cursor.counts, self.group):
+        me, merged = self.me, BadSamples.from_config(self.data_config)
+        for counts in gather_bad_samples(self.cursor.counts, me.group):
             merged.merge(counts)
-        if not (error := error or lease.agreed_lost(self.lease, self.config.run_dir, self.rank, self.group)):
+        if not (error := error or lease.agreed_lost(self.lease, self.config.run_dir, me.rank, me.group)):
             if self.log is not None:  # the last checkpoint's stall, which followed its row's write
                 self.log.flush()
             self.export()

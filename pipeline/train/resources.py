@@ -1,6 +1,5 @@
 """What a training run takes from the cluster beside its workers: the decode CPUs of each worker's data
-pipeline, and where its run directory may live; and the search for the largest micro-batch a device
-fits (`jobs/benchmark.py train --largest-micro-batch`).
+pipeline, and where its run directory may live.
 
 Decode CPUs are decided on the workers, at the start of every epoch, from what the cluster holds then.
 The driver cannot know: on the shipped autoscaling configs (a head without CPUs for tasks,
@@ -19,7 +18,6 @@ same path on every node).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 from pipeline import storage
@@ -50,7 +48,7 @@ def data_cpus_per_worker(config: TrainConfig, world: int, rank: int, epoch: int)
     cpus = 0.0 if config.cluster.data_cpus_per_worker is not None else ray.cluster_resources().get("CPU", 0.0)
     budget, source = decode_cpus(config, world, cpus)
     if rank == 0 and _logged_budget.get("value") != budget:  # a line when it changes, not every epoch
-        from pipeline.train.metrics import log_line
+        from pipeline.train.observe.metrics import log_line
 
         log_line(f"epoch {epoch}: {budget:g} decode CPUs per worker ({source})")
         _logged_budget["value"] = budget
@@ -97,22 +95,3 @@ def local_out_problem(
 def worker_resources(config: TrainConfig) -> dict[str, float]:
     """What one training worker asks of Ray (the ScalingConfig's resources_per_worker)."""
     return {"CPU": config.cluster.cpus_per_worker, **({"GPU": 1.0} if config.cluster.use_gpu else {})}
-
-
-def largest_micro_batch(fits: Callable[[int], bool], start: int, limit: int, multiple: int = 8) -> int | None:
-    """The largest micro-batch `fits` accepts, at most `limit` and a multiple of `multiple` (or `start`):
-    double from `start` until a size fails, then bisect between the last that fit and the first that did
-    not. `fits` must be monotone (a size that fits, every smaller one does). None when `start` fails."""
-    if not fits(start):
-        return None
-    good, bad = start, None
-    while bad is None:
-        size = min(good * 2, limit)
-        if size == good:
-            return good
-        good, bad = (size, None) if fits(size) else (good, size)
-    while True:
-        middle = (good + bad) // 2 // multiple * multiple
-        if middle <= good:
-            return good
-        good, bad = (middle, bad) if fits(middle) else (good, middle)

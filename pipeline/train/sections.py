@@ -20,11 +20,11 @@ from pipeline.data.mixture import EXHAUSTED, is_sources_file, parse_sources
 from pipeline.settings import MAX_COUNT, MAX_SEED, setting
 from vit.config import REGULARIZATION_FIELDS
 
-OBJECTIVES = ("supervised", "mae")  # pipeline.train.objective has one class for each
+OBJECTIVES = ("supervised", "mae")  # pipeline.train.step.objective has one class for each
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("cosine", "linear")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-DATA_PROCESSES = ("inline", "feeder")  # pipeline.train.feeder runs the second
+DATA_PROCESSES = ("inline", "feeder")  # pipeline.train.input.feeder runs the second
 HEAD_INITS = ("zero", "probe")  # pipeline.train.finetune starts the new head from one of them
 # The largest group of training workers (--num-workers N or MAX): far above any Ray cluster run so far
 # (Ray documents clusters of ~2,000 nodes), and the bound that keeps the checks over a range quick.
@@ -54,7 +54,7 @@ def shown_workers(num_workers: int | tuple[int, int]) -> str:
 
 
 @dataclass(frozen=True)
-class ArchConfig:
+class ArchConfig(settings.Settings):
     """Which network is trained, and from what."""
 
     model: str = setting("vit_b16", "model variant, e.g. vit_b16, vit_h14 (see vit.VARIANTS)")
@@ -86,7 +86,7 @@ class ArchConfig:
     )
 
     def validate(self) -> None:
-        settings.check(self)
+        super().validate()
         both = sorted(set(REGULARIZATION_FIELDS) & set(self.model_overrides))
         if both:
             raise ValueError(
@@ -95,7 +95,7 @@ class ArchConfig:
 
 
 @dataclass(frozen=True)
-class TaskConfig:
+class TaskConfig(settings.Settings):
     """The objective: supervised classification, or MAE (He et al. 2022)."""
 
     objective: str = setting(
@@ -137,7 +137,7 @@ class TaskConfig:
     )
 
     def validate(self) -> None:
-        settings.check(self)
+        super().validate()
         if self.objective == "supervised":
             return
         soft = [n for n in ("label_smoothing", "mixup_alpha", "cutmix_alpha") if getattr(self, n)]
@@ -154,7 +154,7 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
+class OptimConfig(settings.Settings):
     """Optimization; the defaults are the ViT paper's pretraining recipe."""
 
     optimizer: str = setting(
@@ -203,7 +203,7 @@ class OptimConfig:
     )
 
     def validate(self) -> None:
-        settings.check(self)
+        super().validate()
         if self.warmup_steps >= self.max_steps and self.max_steps > 1:
             raise ValueError(
                 f"--warmup-steps {self.warmup_steps} leaves no decay within --max-steps {self.max_steps}; "
@@ -221,7 +221,7 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
-class SpeedConfig:
+class SpeedConfig(settings.Settings):
     """Speed switches; each computes what its default does (tests/train/test_speed_paths.py)."""
 
     activation_checkpointing: bool = setting(False, "recompute blocks in backward")
@@ -255,13 +255,13 @@ class SpeedConfig:
     )  # fmt: skip
 
     def validate(self) -> None:
-        settings.check(self)
+        super().validate()
         if self.fp8 and importlib.util.find_spec("torchao") is None:
             raise ValueError("--fp8 needs the torchao package: pip install 'vitray[fp8]'")
 
 
 @dataclass(frozen=True)
-class ClusterConfig:
+class ClusterConfig(settings.Settings):
     """The shape of the run on the cluster."""
 
     num_workers: int | tuple[int, int] = setting(
@@ -330,7 +330,7 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(settings.Settings):
     """What the run reads and writes, and when."""
 
     shards: str = setting(
@@ -386,6 +386,6 @@ class RunConfig:
             raise ValueError(
                 "no output location: pass --out with a run directory (local path, s3:// or gs://)"
             )
-        settings.check(self)
+        super().validate()
         if self.wandb and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb needs the wandb package: pip install 'vitray[wandb]'")

@@ -49,7 +49,7 @@ class RaySession:
         """Collective: hand metrics (and this rank's part of a checkpoint) to Ray Train.
 
         Without ``written`` the checkpoint is uploaded before this returns. With it (a future that
-        completes once DCP has written ``checkpoint_dir`` whole, `pipeline.train.saver`), the upload
+        completes once DCP has written ``checkpoint_dir`` whole, `pipeline.train.checkpointing.saver`), the upload
         waits for it in Ray Train's upload thread, beside training, and this returns a future that
         completes once this rank's files are in storage (or fails with the upload's error); the caller
         removes ``checkpoint_dir`` after that. Ray Train registers the checkpoint once every rank's

@@ -45,9 +45,9 @@ class TrainState:
     # "micro_batches"}, the micro-batch places of the epoch's steps so far at that layout, from that
     # stream ({} at the epoch's start): the same on every rank, each rank having taken that many of
     # its micro-batches or, in the epoch's padded tail, all of them. A run resumed at the same layout
-    # and stream re-reads exactly those and trains on the rest (`pipeline.train.cursor.EpochCursor`).
+    # and stream re-reads exactly those and trains on the rest (`pipeline.train.input.cursor.EpochCursor`).
     epoch_position: dict[str, Any] = field(default_factory=dict)
-    # What this epoch has consumed, by sample, whatever the layout (`pipeline.train.position`): the
+    # What this epoch has consumed, by sample, whatever the layout (`pipeline.train.input.position`): the
     # union over every rank. A run resumed at another layout takes up the epoch from it ({}: nothing).
     epoch_consumed: dict[str, Any] = field(default_factory=dict)
     # Every rank's bad-sample counts when this epoch began: the re-read starts from them, so it ends
@@ -89,7 +89,7 @@ class StepAgreement:
     samples: int  # samples of this step across all ranks; 0: every rank's stream has ended
     someone_ran_dry: bool  # some rank lacks a full step of micro-batches: the epoch's tail
     error: str  # the first rank's data error, "" when none: the run ends for all
-    # Some rank has a preemption notice (`pipeline.train.preemption`): every rank checkpoints at this
+    # Some rank has a preemption notice (`pipeline.train.checkpointing.preemption`): every rank checkpoints at this
     # step boundary, before this step, and stops so that Ray Train restarts the run from it.
     preempted: bool = False
 

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import vit
-from pipeline.embed.actor import build_embedding_model, embed_rows
+from pipeline.embed.actor import embed_rows
+from pipeline.model_source import inference_model
 
 
 def rows(n: int, seed: int = 3) -> dict[str, np.ndarray]:
@@ -34,7 +35,7 @@ def weights(request) -> tuple[vit.ViTConfig, dict[str, torch.Tensor]]:
 
 def test_cpu_default_is_float32_and_exactly_the_plain_forward(weights):
     config, state = weights
-    model = build_embedding_model(config, dict(state), torch.device("cpu"))
+    model = inference_model(config, dict(state), torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     batch = rows(6)
     out = embed_rows(model, batch, batch_size=8)["embedding"]
@@ -53,10 +54,8 @@ def test_cpu_default_is_float32_and_exactly_the_plain_forward(weights):
 @pytest.mark.parametrize("compile", [False, "aot_eager"])
 def test_bf16_weights_agree_with_float32_within_bf16_precision(weights, compile):
     config, state = weights
-    reference = build_embedding_model(config, dict(state), torch.device("cpu"))
-    model = build_embedding_model(
-        config, dict(state), torch.device("cpu"), dtype=torch.bfloat16, compile=compile
-    )
+    reference = inference_model(config, dict(state), torch.device("cpu"))
+    model = inference_model(config, dict(state), torch.device("cpu"), dtype=torch.bfloat16, compile=compile)
     blocks = {p.dtype for n, p in model.named_parameters() if not n.startswith("patch_embed.backbone")}
     assert blocks == {torch.bfloat16}
     assert model.patch_embed.mean.dtype == torch.float32  # the input scaling stays float32

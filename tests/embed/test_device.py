@@ -89,18 +89,16 @@ def test_the_forward_batch_follows_the_device_unless_given():
 
 
 def test_decode_nodes_reaches_the_data_stage_and_a_bad_one_is_refused_before_the_weights_load():
-    from types import SimpleNamespace
-
+    import vit
     from pipeline.data.config import DataConfig
     from pipeline.embed.job import eval_data_config
+    from pipeline.model_source import ModelSource
 
     config = EmbedConfig(data="x", weights="w", out="o", decode_nodes="vitray/role=decode")
     config.validate()
     # The weights' stored preprocessing names the training cluster's decode nodes: the flag wins.
-    source = SimpleNamespace(
-        preprocessing=DataConfig(decode_nodes="pool=train").to_dict(),
-        config=SimpleNamespace(image_size=32, patch_size=8),
-    )
+    stored = DataConfig(decode_nodes="pool=train").to_dict()
+    source = ModelSource(vit.get_config("vit_tiny_test"), {}, "", "export", "w", preprocessing=stored)
     assert eval_data_config(source, config).label_selector == {"vitray/role": "decode"}
     assert eval_data_config(source, config.replace(decode_nodes=None)).label_selector is None
     with pytest.raises(ValueError, match="--decode-nodes 'role' must be one node label KEY=VALUE"):

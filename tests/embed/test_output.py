@@ -32,7 +32,7 @@ from pipeline.embed.output import (
     output_name,
     visible,
 )
-from pipeline.evaluate.embeddings import load_embeddings
+from pipeline.embed.reader import load_embeddings
 from tests.embed.test_job import trained_model
 
 HEADER = {
@@ -398,7 +398,7 @@ def test_an_output_of_a_newer_version_is_refused_by_every_reader_in_one_line(tmp
     """A claim or manifest from a newer vitray may hold fields this one would not check: refused, naming
     the file, where it was resumed into or read before."""
     from pipeline.embed import identity
-    from pipeline.evaluate.embeddings import output_files
+    from pipeline.embed.reader import output_files
 
     newer = {"format": FORMAT, "version": 99, "shards": {}}
     (tmp_path / MANIFEST).write_text(json.dumps(newer))

@@ -17,7 +17,7 @@ from pipeline.embed.config import EmbedConfig
 from pipeline.embed.identity import difference
 from pipeline.embed.job import NonFiniteEmbeddingError, ShardSink, prepare, run
 from pipeline.embed.output import MANIFEST, METADATA_KEY, embedding_table
-from pipeline.evaluate.embeddings import load_embeddings
+from pipeline.embed.reader import load_embeddings
 from tests.embed.test_job import export  # noqa: F401  (a module fixture: the tiny export)
 
 HEADER = {"format": "vitray-embeddings", "model": {"config": {"name": "m"}}, "weights": {"sha256": "ab"}}

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.embed.output import FORMAT, MANIFEST, METADATA_KEY, embedding_table
-from pipeline.evaluate.embeddings import load_embeddings
+from pipeline.embed.reader import load_embeddings
 from tests.job_scripts import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,7 +226,7 @@ def test_a_process_that_read_an_output_exits_cleanly(tmp_path):
     # "terminate called without an active exception") in about one run of six, its work done.
     labels = np.repeat([0, 1], 4)
     out = write_output(tmp_path / "o", clustered(labels), labels, files=1)
-    code = f"from pipeline.evaluate.embeddings import load_embeddings; load_embeddings({str(out)!r})"
+    code = f"from pipeline.embed.reader import load_embeddings; load_embeddings({str(out)!r})"
     runs = [
         subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True)
         for _ in range(20)

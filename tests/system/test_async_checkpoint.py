@@ -3,7 +3,7 @@ the checkpoint before it, exactly, and ends with the history and the weights of 
 synchronously (the system tests' straight run, `tests/system/conftest.py`).
 
 The jobs run as on a cluster: `jobs/pretrain.py --address` of the tests' shared local Ray. The killed job's driver is SIGKILLed; Ray ends the job's workers with it (checked).
-The save in flight is made certain by the saver's test hook (`pipeline.train.saver.WRITE_DELAY_ENV`):
+The save in flight is made certain by the saver's test hook (`pipeline.train.checkpointing.saver.WRITE_DELAY_ENV`):
 the background write of checkpoint 8 is held for 10 minutes on every rank. Training goes on past step 8
 meanwhile (row 10 is logged), then waits at step 12 for save 8 (one save in flight at most); the job is
 killed once row 10 is there and checkpoint 4 registered.
@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import dcp
+from pipeline.train.checkpointing.saver import WRITE_DELAY_ENV
 from pipeline.train.driver import read_metrics
-from pipeline.train.saver import WRITE_DELAY_ENV
 from tests.system.conftest import TRAINING
 from tests.system.test_pretrain import train_workers
 from tests.train.test_loop import untimed

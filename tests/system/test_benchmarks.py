@@ -146,7 +146,7 @@ def test_train_with_a_timm_that_does_not_import_says_so_in_one_line_and_still_me
     [(100, 8, 4096, 96), (100, 2, 64, 64), (12, 8, 4096, 8), (5, 8, 64, None), (4096, 8, 4096, 4096)],
 )
 def test_the_micro_batch_search_finds_the_largest_multiple_of_8_that_fits(capacity, start, limit, found):
-    from pipeline.train.resources import largest_micro_batch
+    largest_micro_batch = load_job("benchmarks/train").largest_micro_batch
 
     tried = []
 

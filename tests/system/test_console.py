@@ -282,14 +282,12 @@ def test_make_demo_runs_every_stage_learns_and_its_console_is_vitray_lines_only(
     assert console.rstrip().endswith("ray down cluster/aws.yaml")
 
 
-@pytest.mark.slow
-def test_a_failing_run_still_shows_its_error(tmp_path):
+def with_corrupt_shard(directory: Path) -> list[str]:
+    """32 synthetic images in two shards under ``directory``, the second's images not images: a job passes
+    the checks before Ray on the first shard, then meets the corrupt samples in the run."""
     from pipeline.data.synthetic import write_synthetic_shards
-    from pipeline.train.presets import tiny
 
-    shards = write_synthetic_shards(tmp_path / "shards", 32, samples_per_shard=16, image_size=32)
-    # The second shard's images are not images: the first shard passes the checks before Ray, then
-    # the run meets the corrupt samples and stops on its bad-sample budget.
+    shards = write_synthetic_shards(directory, 32, samples_per_shard=16, image_size=32)
     second = Path(shards.urls[1])
     members = []
     with tarfile.open(second) as tar:
@@ -300,17 +298,7 @@ def test_a_failing_run_still_shows_its_error(tmp_path):
         for member, data in members:
             member.size = len(data)
             tar.addfile(member, io.BytesIO(data))
-    import vit
-
-    model = vit.create_model(tiny().arch.model, num_classes=10)
-    vit.save_pretrained(tmp_path / "export", model.state_dict(), model.config)
-
-    result = job("embed.py", "--data", shards.dir, "--weights", str(tmp_path / "export"),
-                 "--out", str(tmp_path / "emb"), "--max-bad-fraction", "0")  # fmt: skip
-    assert result.returncode == 1, result.stdout[-4000:]
-    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "bad" in errors[0], result.stdout[-4000:]
-    assert not noise(result.stdout), noise(result.stdout)
+    return shards.urls
 
 
 # Beyond `noise`: in a run that succeeds, any line from a Ray process other than the training workers
@@ -325,16 +313,18 @@ def foreign(console: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_longer_run_on_busy_cpus_and_a_finetuning_print_only_vitray_lines_and_verbose_brings_ray_back(
-    tiny_export_32px, tmp_path
+def test_runs_at_once_on_busy_cpus_show_vitray_lines_a_failing_one_its_error_and_verbose_ray_too(
+    tiny_export_32px, tmp_path, subtests
 ):
-    """A pretraining with a report every step and a checkpoint every 4 and a fine-tuning, run at once
-    while a busy loop takes a core (Ray's actors then answer late, and its periodic lines come in
-    numbers): every line is vitray's. A third run beside them, with --verbose: Ray's lines are back."""
+    """Four jobs at once while a busy loop takes a core (Ray's actors then answer late, and its periodic
+    lines come in numbers), one scenario each (named in a failure): a pretraining with a report every step
+    and a checkpoint every 4 and a fine-tuning print only vitray's lines; an embedding that meets corrupt
+    images past its bad-sample budget still shows its one error line; with --verbose, Ray's lines are back."""
     from pipeline.data.synthetic import write_synthetic_shards
 
     shards = write_synthetic_shards(tmp_path / "shards", 128, samples_per_shard=32, image_size=32)
     held_out = write_synthetic_shards(tmp_path / "held-out", 32, samples_per_shard=32, image_size=32, seed=1)
+    corrupt = with_corrupt_shard(tmp_path / "corrupt")
     small = ["--num-workers", "2", "--batch-size", "16", "--micro-batch-size", "8", "--warmup-steps", "2"]
     busy, jobs = subprocess.Popen([sys.executable, "-c", "while True: pass"]), []
     try:
@@ -347,21 +337,31 @@ def test_a_longer_run_on_busy_cpus_and_a_finetuning_print_only_vitray_lines_and_
                     "--cpu", *small, "--max-steps", "3", "--log-every", "1", "--checkpoint-every", "2"),
             started("pretrain.py", "--preset", "tiny", "--data", shards.dir, "--out", str(tmp_path / "v"),
                     *small, "--max-steps", "3", "--log-every", "1", "--verbose"),
+            started("embed.py", "--data", ",".join(corrupt), "--weights", tiny_export_32px,
+                    "--out", str(tmp_path / "emb"), "--max-bad-fraction", "0"),
         ]  # fmt: skip
-        pretrain, finetune, verbose = (finished(j, timeout=600) for j in jobs)
+        pretrain, finetune, verbose, failing = (finished(j, timeout=600) for j in jobs)
     finally:
         for process in (*(j.process for j in jobs), busy):
             process.kill()
         busy.wait()
-    for result in (pretrain, finetune, verbose):
-        assert result.returncode == 0, result.stdout[-4000:]
-    assert len(re.findall(r"^\(RayTrainWorker pid=\d+\) step \d+/8 ", pretrain.stdout, re.M)) == 8
-    assert "finished at step 8:" in pretrain.stdout
-    assert re.search(
-        r"^finished at step 3: loss [\d.]+, accuracy [\d.]+%, eval accuracy", finetune.stdout, re.M
-    )
-    assert not foreign(pretrain.stdout), foreign(pretrain.stdout)
-    assert not foreign(finetune.stdout), foreign(finetune.stdout)
-    # --verbose: Ray's console as Ray gives it, every rank's report line among it.
-    assert re.search(QUIET_LINES["ray_train_report"], verbose.stdout), verbose.stdout[-3000:]
-    assert foreign(verbose.stdout)
+    with subtests.test(msg="a pretraining prints only vitray's lines"):
+        assert pretrain.returncode == 0, pretrain.stdout[-4000:]
+        assert len(re.findall(r"^\(RayTrainWorker pid=\d+\) step \d+/8 ", pretrain.stdout, re.M)) == 8
+        assert "finished at step 8:" in pretrain.stdout
+        assert not foreign(pretrain.stdout), foreign(pretrain.stdout)
+    with subtests.test(msg="a fine-tuning prints only vitray's lines"):
+        assert finetune.returncode == 0, finetune.stdout[-4000:]
+        assert re.search(
+            r"^finished at step 3: loss [\d.]+, accuracy [\d.]+%, eval accuracy", finetune.stdout, re.M
+        )
+        assert not foreign(finetune.stdout), foreign(finetune.stdout)
+    with subtests.test(msg="a failing run still shows its error"):
+        assert failing.returncode == 1, failing.stdout[-4000:]
+        errors = [line for line in failing.stdout.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "bad" in errors[0], failing.stdout[-4000:]
+        assert not noise(failing.stdout), noise(failing.stdout)
+    with subtests.test(msg="--verbose: Ray's console as Ray gives it, every rank's report line among it"):
+        assert verbose.returncode == 0, verbose.stdout[-4000:]
+        assert re.search(QUIET_LINES["ray_train_report"], verbose.stdout), verbose.stdout[-3000:]
+        assert foreign(verbose.stdout)

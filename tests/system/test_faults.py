@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 import vit
 from pipeline import dcp
 from pipeline.storage import Location
-from pipeline.train.saver import WRITE_DELAY_ENV
+from pipeline.train.checkpointing.saver import WRITE_DELAY_ENV
 from tests.flaky_s3 import FAULTS, FlakyS3
 from tests.system.conftest import TRAINING
 

@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 import vit
-from pipeline.embed.actor import Embedder, build_embedding_model, embed_rows
-from pipeline.model_source import pack_state_dict
-from pipeline.train.mfu import peak_tflops
-from pipeline.train.model import build_model, init_distributed, model_config
-from pipeline.train.step import TrainStep
+from pipeline.embed.actor import Embedder, embed_rows
+from pipeline.model_source import inference_model, pack_state_dict
+from pipeline.train.observe.mfu import peak_tflops
+from pipeline.train.step.model import build_model, init_distributed, model_config
+from pipeline.train.step.train_step import TrainStep
 from tests.configs import tiny_config
 
 pytestmark = pytest.mark.gpu
@@ -75,7 +75,7 @@ def test_embedding_actor_on_cuda_matches_the_cpu_reference(cuda_world):
     )
     assert actor.device.type == "cuda"
     on_gpu = actor(batch)["embedding"]
-    cpu_model = build_embedding_model(reference.config, reference.state_dict(), torch.device("cpu"))
+    cpu_model = inference_model(reference.config, reference.state_dict(), torch.device("cpu"))
     on_cpu = embed_rows(cpu_model, batch, batch_size=16)["embedding"]
     cosine = (on_gpu * on_cpu).sum(1) / (np.linalg.norm(on_gpu, axis=1) * np.linalg.norm(on_cpu, axis=1))
     assert on_gpu.dtype == np.float32 and cosine.min() > 0.99  # bf16 autocast, not bit-equal

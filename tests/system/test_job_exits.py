@@ -328,7 +328,7 @@ def test_the_other_jobs_refuse_a_directory_they_did_not_write(
 def test_a_second_live_run_into_one_out_is_refused_in_one_line_naming_the_first(
     synthetic_shards, tmp_path, capsys
 ):
-    from pipeline.train import lease
+    from pipeline.train.checkpointing import lease
 
     for marked in (False, True):  # the first run's lease alone (before its marker), or beside it
         out = tmp_path / f"run-{marked}"

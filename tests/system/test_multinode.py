@@ -68,18 +68,16 @@ CLUSTER = textwrap.dedent(
         dist.broadcast_object_list(attempt, 0)
         path = keys_dir / f"{attempt[0]}-{world}-{rank}.jsonl"
         path.touch()
-        real = loop.Trainer.train_step
 
-        def train_step(self, data, step_input, agreement):
-            while hold.exists():  # the run waits for a node to join, rather than ending first
-                time.sleep(0.2)
-            row = {"step": self.state.step + 1, "epoch": self.state.epoch, "keys": list(step_input.keys)}
-            with open(path, "a") as f:
-                f.write(json.dumps(row) + "\\n")
-            return real(self, data, step_input, agreement)
+        class Recorder(loop.StepWatch):
+            def taken(self, step):
+                while hold.exists():  # the run waits for a node to join, rather than ending first
+                    time.sleep(0.2)
+                row = {"step": step.step, "epoch": step.epoch, "keys": list(step.keys)}
+                with open(path, "a") as f:
+                    f.write(json.dumps(row) + "\\n")
 
-        loop.Trainer.train_step = train_step
-        return loop.train_loop_per_worker(loop_config)
+        return loop.train_loop_per_worker(loop_config, Recorder())
 
     def attempts():
         worlds = {}

@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import dcp
+from pipeline.train.checkpointing.preemption import TEST_HOOK
 from pipeline.train.driver import read_metrics
-from pipeline.train.preemption import TEST_HOOK
 from tests.system.conftest import TRAINING
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,7 +160,7 @@ def _watch(config: dict) -> None:
     import ray.train
     from ray.train import PreemptionInfo
 
-    from pipeline.train.preemption import PreemptionWatcher
+    from pipeline.train.checkpointing.preemption import PreemptionWatcher
 
     rank = ray.train.get_context().get_world_rank()
     watcher = PreemptionWatcher(rank, 2, first_step=0, poll_seconds=0.0)

@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import dcp
-from pipeline.train import checkpoint, presets
+from pipeline.train import presets
+from pipeline.train.checkpointing import checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import fit, read_metrics
 from tests.configs import tiny_config
@@ -112,8 +113,8 @@ def killed_run(straight_run, tmp_path_factory):
     def held_first_attempt(loop_config: dict) -> dict:
         import ray.train
 
+        from pipeline.train.checkpointing.saver import WRITE_DELAY_ENV
         from pipeline.train.loop import train_loop_per_worker
-        from pipeline.train.saver import WRITE_DELAY_ENV
 
         if ray.train.get_checkpoint() is None:
             os.environ[WRITE_DELAY_ENV] = "8:600"
@@ -197,10 +198,10 @@ def test_two_worker_checkpoint_loads_in_one_process(killed_run):
     # must hold exactly what the 2-worker run exported at the same step.
     code = f"""
 import torch
-from pipeline.train import checkpoint
+from pipeline.train.checkpointing import checkpoint
 from pipeline.train.config import TrainConfig
-from pipeline.train.model import build_model, init_distributed
-from pipeline.train.step import TrainStep
+from pipeline.train.step.model import build_model, init_distributed
+from pipeline.train.step.train_step import TrainStep
 _, world, device = init_distributed()
 assert world == 1
 cfg = TrainConfig.from_dict({job_config([], out).replace(num_workers=1).to_dict()!r})
@@ -228,7 +229,7 @@ def test_uneven_shards_train_every_sample_each_epoch_and_keep_and_log_as_told(ra
     collective may hang there. --keep-checkpoints 1 leaves only the newest checkpoint; --tensorboard
     writes every logged scalar."""
     from pipeline.data.synthetic import write_synthetic_shards
-    from pipeline.train.sinks import TENSORBOARD_DIR
+    from pipeline.train.observe.sinks import TENSORBOARD_DIR
     from tests.train.test_sinks import read_scalars
 
     uneven = write_synthetic_shards(
@@ -259,9 +260,9 @@ def test_vit_h14_builds_shards_steps_and_checkpoints_on_two_cpu_workers(ray_sess
     def loop(cfg: dict) -> dict:
         import torch.distributed as dist
 
-        from pipeline.train.model import build_model, model_config
-        from pipeline.train.optim import optimizer_kernels
-        from pipeline.train.step import TrainStep
+        from pipeline.train.step.model import build_model, model_config
+        from pipeline.train.step.optim import optimizer_kernels
+        from pipeline.train.step.train_step import TrainStep
 
         config = TrainConfig.from_dict(cfg["train"])
         mcfg = model_config(config)

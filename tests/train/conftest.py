@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch.distributed as dist
 
-from pipeline.train.model import init_distributed
 from pipeline.train.state import control_group
+from pipeline.train.step.model import init_distributed
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def control(world):
 @pytest.fixture(autouse=True)
 def collector_as_it_was():
     """A run's first log window turns Python's collector off and freezes the heap
-    (`pipeline.train.metrics.MetricsWindow`): for a worker process, which ends with its run. A run in
+    (`pipeline.train.observe.metrics.MetricsWindow`): for a worker process, which ends with its run. A run in
     this process gives them back after each test."""
     enabled = gc.isenabled()
     yield
@@ -44,7 +44,7 @@ def collector_as_it_was():
 @pytest.fixture(params=["inline", "feeder"])
 def data_process(request) -> str:
     """Where a run's pipeline runs (``--data-process``), for the tests of exact resume run with both: a
-    feeder is an actor of the tests' shared local Ray (`pipeline.train.feeder`)."""
+    feeder is an actor of the tests' shared local Ray (`pipeline.train.input.feeder`)."""
     if request.param == "feeder":
         request.getfixturevalue("ray_session")
     return request.param

@@ -75,7 +75,7 @@ def worker(root: str) -> None:
     from pipeline.data import dataset
     from pipeline.train import loop
     from pipeline.train.config import TrainConfig
-    from pipeline.train.model import init_distributed
+    from pipeline.train.step.model import init_distributed
     from tests.train.test_loop import LocalSession
 
     dataset.build_dataset = lambda shards, config, **_: InMemoryDataset(

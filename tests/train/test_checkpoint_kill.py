@@ -25,10 +25,11 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import dcp
-from pipeline.train import dataplan, loop
+from pipeline.train import loop
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import format_summary, read_metrics
-from pipeline.train.model import init_distributed, model_config
+from pipeline.train.input import dataplan
+from pipeline.train.step.model import init_distributed, model_config
 from tests.train.test_loop import SHARDS, config, fake_micro_batches, untimed
 
 ROOT = Path(__file__).resolve().parents[2]

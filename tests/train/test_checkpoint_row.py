@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 
 from pipeline import storage
-from pipeline.train import dataplan, loop
-from pipeline.train.metrics import METRICS_FILE, MetricsLog
+from pipeline.train import loop
+from pipeline.train.checkpointing.saver import Checkpointer
+from pipeline.train.input import dataplan
+from pipeline.train.observe.metrics import METRICS_FILE, MetricsLog
 from tests.train.test_loop import config, fake_micro_batches, run
 
 
@@ -21,20 +23,20 @@ def test_a_checkpoints_row_is_stored_once_and_before_its_save_on_an_object_store
     store = storage.as_location(f"memory://checkpoint-row/{tmp_path.name}")
     events: list[tuple[str, object]] = []  # ("write", steps in the file) and ("save", step), in order
 
-    real_write, real_save = storage.write_text, loop.Trainer.save_checkpoint
+    real_write, real_save = storage.write_text, Checkpointer.save
 
     def write_text(where, text):
         if str(where).endswith(METRICS_FILE):
             events.append(("write", [json.loads(line)["step"] for line in text.splitlines()]))
         real_write(where, text)
 
-    def save_checkpoint(self, metrics, check=None):
-        events.append(("save", self.state.step))
-        real_save(self, metrics, check)
+    def save(self, state, check, metrics):
+        events.append(("save", state.step))
+        return real_save(self, state, check, metrics)
 
     monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     monkeypatch.setattr(storage, "write_text", write_text)
-    monkeypatch.setattr(loop.Trainer, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(Checkpointer, "save", save)
     monkeypatch.setattr(
         loop, "MetricsLog", lambda run_dir, resume_step=0, **kw: MetricsLog(store, resume_step, **kw)
     )

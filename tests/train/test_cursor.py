@@ -9,7 +9,7 @@ import numpy as np
 
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
-from pipeline.train.cursor import EpochCursor, stream_fingerprint
+from pipeline.train.input.cursor import EpochCursor, stream_fingerprint
 from pipeline.train.state import TrainState
 
 DATA = DataConfig()
@@ -24,7 +24,7 @@ def counts(total: int, bad: int) -> BadSamples:
 
 
 def saved(cursors: list[EpochCursor]) -> TrainState:
-    """The state a checkpoint holds for these ranks' cursors (as `Trainer.save_checkpoint` gathers it)."""
+    """The state a checkpoint holds for these ranks' cursors (as `Checkpointer.take` gathers it)."""
     return TrainState(
         step=5,
         epoch_position=cursors[0].position(),
@@ -161,8 +161,8 @@ def test_at_another_layout_a_position_by_sample_makes_the_cursor_elastic_and_dea
 
 
 def test_a_mixed_streams_fingerprint_says_which_of_its_parts_changed():
-    from pipeline.train.cursor import changed_parts
-    from pipeline.train.dataplan import Mixture
+    from pipeline.train.input.cursor import changed_parts
+    from pipeline.train.input.dataplan import Mixture
 
     def mix(weights, shards=(["/a/0.tar"], ["/b/0.tar"]), exhausted="cycle"):
         return Mixture(["a", "b"], list(weights), [list(s) for s in shards], exhausted).fingerprint(0, 16)

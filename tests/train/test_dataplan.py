@@ -1,4 +1,4 @@
-"""The worker loop's narrow interfaces: the data plan it asks for its input (`pipeline.train.dataplan`),
+"""The worker loop's narrow interfaces: the data plan it asks for its input (`pipeline.train.input.dataplan`),
 and no function in pipeline/ handed the whole trainer, or its state, untyped. What a plan trains on,
 step by step, is tested against recorded runs (`tests.train.test_golden`)."""
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline.train.cursor import stream_fingerprint
-from pipeline.train.dataplan import MixedSources, OneSource, plan_for
-from pipeline.train.feeder import FeederPlan, feeder_plan_for
-from pipeline.train.position import EpochPosition
-from pipeline.train.source_position import SourcesPosition
+from pipeline.train.input.cursor import stream_fingerprint
+from pipeline.train.input.dataplan import MixedSources, OneSource, plan_for
+from pipeline.train.input.feeder import FeederPlan, feeder_plan_for
+from pipeline.train.input.position import EpochPosition
+from pipeline.train.input.source_position import SourcesPosition
 from pipeline.train.state import Rank
 from tests.configs import tiny_config
 from tests.train.test_loop import SHARDS

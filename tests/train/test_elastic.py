@@ -1,4 +1,4 @@
-"""Resume at another world size or micro-batch size, by sample (`pipeline.train.position`): the worker
+"""Resume at another world size or micro-batch size, by sample (`pipeline.train.input.position`): the worker
 loop in-process, ranks as processes (gloo), over a stream that stands in for the Ray Data pipeline
 with the read stage's columns (``index``, ``shard_size``), its skipping of consumed samples, a seeded
 shuffle buffer before bad rows are counted and removed, and the real `rebatch`.
@@ -118,7 +118,8 @@ def _run(
     ``root``/<name>.json. ``mixed``: (sources, sizes, corrupt) of a mixed run over a `stand_in`
     whose keys end with ``@`` and the epoch number their pass reads with, else the shards of `SIZES`.
     ``ray_address``: the Ray each rank joins, for runs whose pipeline is in a feeder (``data_process``)."""
-    from pipeline.train import dataplan, loop
+    from pipeline.train import loop
+    from pipeline.train.input import dataplan
 
     if ray_address is not None:
         import ray
@@ -133,20 +134,18 @@ def _run(
         dataplan.micro_batches = stand_in(sizes, corrupt, tag=lambda epoch: f"@{epoch}")
         data = {"shards": [url for s in mix for url in s["shards"]], "sources": mix}
     steps: list = []
-    real = loop.Trainer.train_step
 
-    def train_step(self, data, step_input, agreement):
-        counts = step_input.bad_samples
-        bad = {name: c["bad"] for name, c in counts.sources.items()}
-        steps.append((self.state.epoch, list(step_input.keys), counts.bad, bad))
-        return real(self, data, step_input, agreement)
+    class Steps(loop.StepWatch):
+        def taken(self, step):
+            counts = step.bad_samples
+            bad = {name: c["bad"] for name, c in counts.sources.items()}
+            steps.append((step.epoch, list(step.keys), counts.bad, bad))
 
-    loop.Trainer.train_step = train_step
     for name, changes in runs:
         cfg = config(Path(root) / changes.pop("dir", name), world, **changes)
         session = LocalSession(torch.device("cpu"), Path(cfg.run.out), rank, world)
         loop_config = {"train": cfg.to_dict(), **data, "data_cpus_per_worker": 1.0}
-        summary = loop.Trainer(loop_config, session).train()
+        summary = loop.Trainer(loop_config, session, Steps()).train()
         dist.barrier()  # every rank's checkpoint files are in place before a resume reads them
         ranks: list = [None] * world
         dist.all_gather_object(ranks, list(steps))
@@ -234,24 +233,23 @@ def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(
 ):
     """One worker, batch 8: 7 steps an epoch. Stopped at step 3 with micro-batches of 4, resumed with
     micro-batches of 2: epoch 0 still trains every good sample once, and counts each bad one once."""
-    from pipeline.train import dataplan, loop
+    from pipeline.train import loop
+    from pipeline.train.input import dataplan
 
     monkeypatch.setattr(dataplan, "micro_batches", indexed_micro_batches)
     steps: list = []
-    real = loop.Trainer.train_step
 
-    def train_step(self, data, step_input, agreement):
-        steps.append((self.state.epoch, [list(step_input.keys)], step_input.bad_samples.bad, {}))
-        return real(self, data, step_input, agreement)
+    class Steps(loop.StepWatch):
+        def taken(self, step):
+            steps.append((step.epoch, [list(step.keys)], step.bad_samples.bad, {}))
 
-    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
     stopped = config(
         tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=9, stop_at_step=3, data_process=data_process
     )
     for cfg in (stopped, stopped.replace(stop_at_step=None, micro_batch_size=2)):
         session = LocalSession(torch.device("cpu"), Path(cfg.run.out))
         loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}
-        assert loop.Trainer(loop_config, session).train()["error"] == ""
+        assert loop.Trainer(loop_config, session, Steps()).train()["error"] == ""
     record = {"steps": steps}
     assert [e for e, *_ in steps] == [0] * 7 + [1] * 2
     assert collections.Counter(epochs(record)[0]) == collections.Counter(GOOD)
@@ -268,18 +266,16 @@ def test_the_real_pipeline_goes_on_by_sample_at_another_micro_batch_size(
     from pipeline.train import loop
 
     steps: list = []
-    real = loop.Trainer.train_step
 
-    def train_step(self, data, step_input, agreement):
-        steps.append((self.state.epoch, [list(step_input.keys)], step_input.bad_samples.bad))
-        return real(self, data, step_input, agreement)
+    class Steps(loop.StepWatch):
+        def taken(self, step):
+            steps.append((step.epoch, [list(step.keys)], step.bad_samples.bad))
 
-    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
     stopped = config(tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=7, stop_at_step=2)
     for cfg in (stopped, stopped.replace(stop_at_step=None, micro_batch_size=2)):
         session = LocalSession(torch.device("cpu"), Path(cfg.run.out))
         loop_config = {"train": cfg.to_dict(), "shards": synthetic_shards.urls, "data_cpus_per_worker": 1.0}
-        assert loop.Trainer(loop_config, session).train()["error"] == ""
+        assert loop.Trainer(loop_config, session, Steps()).train()["error"] == ""
     saved = json.loads((tmp_path / dcp.checkpoint_name(2) / "train_state.json").read_text())
     assert len(saved["epoch_consumed"]["partial"]) > 1  # samples taken from more than one shard
     assert [e for e, _, _ in steps] == [0] * 6 + [1]

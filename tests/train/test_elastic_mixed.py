@@ -1,4 +1,4 @@
-"""Mixed sources resumed at another world size, by sample (`pipeline.train.source_position`): the worker
+"""Mixed sources resumed at another world size, by sample (`pipeline.train.input.source_position`): the worker
 loop in-process, ranks as processes (gloo), over `tests.train.test_elastic`'s stand-in for the Ray Data
 pipeline, whose keys name the pass they were read in (``@`` and the epoch number of the pass).
 
@@ -124,19 +124,17 @@ def test_the_real_pipeline_goes_on_by_sample_with_mixed_sources(
         {"name": "small", "weight": 0.3, "shards": urls[3:]},
     ]
     steps: list = []
-    real = loop.Trainer.train_step
 
-    def train_step(self, data, step_input, agreement):
-        steps.append((self.state.epoch, list(step_input.keys)))
-        return real(self, data, step_input, agreement)
+    class Steps(loop.StepWatch):
+        def taken(self, step):
+            steps.append((step.epoch, list(step.keys)))
 
-    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
     stopped = config(tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=8, stop_at_step=2)
     stopped = stopped.replace(source_exhausted="end")
     for cfg in (stopped, stopped.replace(stop_at_step=None, micro_batch_size=2)):
         session = LocalSession(world, Path(cfg.run.out))
         loop_config = {"train": cfg.to_dict(), "shards": urls, "sources": mix, "data_cpus_per_worker": 1.0}
-        assert loop.Trainer(loop_config, session).train()["error"] == ""
+        assert loop.Trainer(loop_config, session, Steps()).train()["error"] == ""
     saved = json.loads((tmp_path / dcp.checkpoint_name(2) / "train_state.json").read_text())
     assert set(saved["epoch_consumed"]["sources"]) == {"big", "small"}
     assert "the workers share the samples this epoch had not consumed, each once" in capfd.readouterr().out

@@ -1,4 +1,4 @@
-"""The EMA of the weights (`--ema-decay`, `pipeline.train.ema`): its arithmetic against a hand-computed
+"""The EMA of the weights (`--ema-decay`, `pipeline.train.step.ema`): its arithmetic against a hand-computed
 average, its place in checkpoints (a stopped and resumed run's EMA is a straight run's, on 2 ranks and
 resharded to 1; checkpoints without it still resume), and its export `final_ema/`.
 
@@ -18,11 +18,12 @@ from safetensors.torch import load_file
 
 from pipeline import dcp
 from pipeline.model_source import load_model_source
-from pipeline.train import dataplan, finetune, loop
-from pipeline.train.ema import WeightEMA
-from pipeline.train.model import build_model
+from pipeline.train import finetune, loop
+from pipeline.train.input import dataplan
 from pipeline.train.state import local_shard
-from pipeline.train.step import TrainStep
+from pipeline.train.step.ema import WeightEMA
+from pipeline.train.step.model import build_model
+from pipeline.train.step.train_step import TrainStep
 from tests.configs import tiny_config
 from tests.distributed import spawn
 from tests.train.test_head_init import fake_eval_batches

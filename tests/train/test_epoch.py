@@ -66,22 +66,20 @@ def config(out: Path, **changes):
 def _runs(rank: int, root: str) -> None:
     """A straight run, then the same run stopped at a step where a rank trained on nothing and resumed;
     rank 0 writes every step's (epoch, keys of each rank) and the summaries to ``root``/runs.json."""
-    from pipeline.train import dataplan, loop
+    from pipeline.train import loop
+    from pipeline.train.input import dataplan
 
     dataplan.micro_batches = uneven_micro_batches  # this process is the test's own
     steps: list[tuple[int, list[str]]] = []
-    real = loop.Trainer.train_step
 
-    def train_step(self, data, step_input, agreement):
-        steps.append((self.state.epoch, list(step_input.keys)))
-        return real(self, data, step_input, agreement)
-
-    loop.Trainer.train_step = train_step
+    class Steps(loop.StepWatch):
+        def taken(self, step):
+            steps.append((step.epoch, list(step.keys)))
 
     def run(cfg) -> tuple[dict, list]:
         session = LocalSession(torch.device("cpu"), Path(cfg.run.out), rank, 2)
         loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}
-        summary = loop.Trainer(loop_config, session).train()
+        summary = loop.Trainer(loop_config, session, Steps()).train()
         dist.barrier()  # every rank's checkpoint files are in place before a resume reads them
         mine = list(steps)
         steps.clear()

@@ -1,4 +1,4 @@
-"""The data plane in a feeder process (`pipeline.train.feeder`): a feeder killed mid-epoch fails its rank
+"""The data plane in a feeder process (`pipeline.train.input.feeder`): a feeder killed mid-epoch fails its rank
 at once, and the run resumed from its last checkpoint trains the keys a straight run trains at the same
 steps (the recorded ones of `tests.train.test_golden`, which `test_golden` checks with the feeder on too).
 The worker loop runs in this process (gloo, one rank), its feeder an actor of the shared local Ray.
@@ -20,10 +20,12 @@ import ray
 import torch
 
 from pipeline.data.bad_samples import BadSamples
-from pipeline.train import feeder, loop
-from pipeline.train.feeder import DeviceCopies, FeederInputs, FeederPlan
+from pipeline.train import loop
+from pipeline.train.input import feeder
+from pipeline.train.input.feeder import DeviceCopies, FeederInputs, FeederPlan
 from tests.train import test_golden
-from tests.train.test_golden import data_of, keys_config, record_keys, run, stream_of, use_stream
+from tests.train.test_golden import data_of, keys_config, run, stream_of, use_stream
+from tests.train.test_loop import Seen
 
 KILL_AT = 1  # in epoch 0 (4 steps an epoch), checkpoints every 3 steps; see the test
 
@@ -36,30 +38,30 @@ def test_a_feeder_killed_mid_epoch_fails_its_rank_and_the_run_resumes_with_the_s
     recorded = json.loads(test_golden.GOLDEN.read_text())["plain"]["keys"]
     cfg = keys_config("plain", tmp_path / "run").replace(data_process="feeder", checkpoint_every=3)
     killed: dict[str, float] = {}
-    with pytest.MonkeyPatch.context() as mp:
-        use_stream(mp, stream_of("plain"))
-        real = loop.Trainer.train_step
+    feeders: list = []
 
-        def train_step(self, data, step_input, agreement):
-            if self.state.step == KILL_AT and not killed:
-                assert isinstance(self.plan, FeederPlan)
-                pid = ray.get(self.plan.feeder.pid.remote())
+    class KillTheFeeder(loop.StepWatch):
+        def taken(self, step):
+            if step.step == KILL_AT + 1 and not killed:
+                pid = ray.get(feeders[0].pid.remote())
                 assert pid != os.getpid()
                 os.kill(pid, signal.SIGKILL)
                 killed["at"] = time.monotonic()
-            return real(self, data, step_input, agreement)
 
-        mp.setattr(loop.Trainer, "train_step", train_step)
+    with pytest.MonkeyPatch.context() as mp:
+        use_stream(mp, stream_of("plain"))
+        real_start = FeederPlan.start
+        mp.setattr(FeederPlan, "start", lambda plan: feeders.append(real_start(plan)) or feeders[-1])
         with pytest.raises(RuntimeError, match="the data feeder of worker 0 died"):
-            run(cfg, world, data_of("plain"))
+            run(cfg, world, data_of("plain"), KillTheFeeder())
         assert time.monotonic() - killed["at"] < 60  # a failed rank, not a hang
     with pytest.MonkeyPatch.context() as mp:
         use_stream(mp, stream_of("plain"))
-        taken = record_keys(mp)
-        summary = run(cfg, world, data_of("plain"))["summary"]
+        seen = Seen()
+        summary = run(cfg, world, data_of("plain"), seen)["summary"]
     resumed = summary["resumed_from"]["step"]
     assert resumed in (3, 6)  # a checkpoint inside an epoch: the resume re-reads part of it
-    assert taken == recorded[resumed:]
+    assert seen.keys == recorded[resumed:]
 
 
 def reply(columns: dict[str, np.ndarray], micro_batches: int = 2) -> dict:
@@ -82,9 +84,7 @@ def step_arrays() -> dict[str, np.ndarray]:
 
 def test_a_replys_arrays_become_the_steps_tensors_which_the_step_may_write():
     arrays = step_arrays()
-    inputs = FeederInputs(
-        None, 0, rank=0, columns=("patches", "label"), in_flight=1, copies=DeviceCopies(), on_dry=print
-    )
+    inputs = FeederInputs(None, 0, rank=0, columns=("patches", "label"), in_flight=1, copies=DeviceCopies())
     fed = inputs.step_input(reply(arrays))
     assert fed.samples == 8 and len(fed.micro_batches) == 2
     for patches, label in fed.micro_batches:
@@ -117,9 +117,9 @@ class Replies:
 def test_replies_are_received_and_copied_ahead_on_a_thread_of_their_own(monkeypatch):
     """The training thread only takes a step that is ready: the replies are received, and their arrays
     copied out of the object store, on the inputs' own thread, before any step asks (on an H200 that copy
-    on the training thread was a tenth of each B/16 step). The final counts reach ``on_dry`` on the
-    training thread, with the reply carrying them; then the stream's end, and empty inputs after it."""
-    copied_on, ready, dry_on = [], threading.Event(), []
+    on the training thread was a tenth of each B/16 step). The final counts reach `ran_dry` once the
+    training thread has taken the reply carrying them; then the stream's end, and empty inputs after it."""
+    copied_on, ready = [], threading.Event()
     step_input = FeederInputs.step_input
 
     def copying(self, answer):
@@ -132,17 +132,20 @@ def test_replies_are_received_and_copied_ahead_on_a_thread_of_their_own(monkeypa
     monkeypatch.setattr(FeederInputs, "wait", lambda self, ref: ref)
     inputs = FeederInputs(
         Replies(step_arrays(), dry_at=3), 0, rank=0, columns=("patches", "label"), in_flight=2,
-        copies=DeviceCopies(), on_dry=lambda final: dry_on.append(threading.current_thread()),
+        copies=DeviceCopies(),
     )  # fmt: skip
     inputs.start()
     assert ready.wait(30)  # two steps received and copied, none asked for
     here = threading.current_thread()
-    taken = [inputs.next() for _ in range(5)]
+    taken, dry = [], []
+    for _ in range(5):
+        taken.append(inputs.next())
+        dry.append(inputs.ran_dry() is not None)
     assert [t.samples for t in taken] == [8, 8, 8, 0, 0] and [t.ran_dry for t in taken] == [False] * 3 + [
         True
     ] * 2
     assert copied_on and here not in copied_on
-    assert dry_on == [here]
+    assert dry == [False, False, True, True, True]  # the third reply carried the final counts
     inputs.close()
 
 
@@ -152,9 +155,7 @@ def test_on_cuda_fed_steps_reach_the_device_through_pinned_buffers_reused_across
     copies = DeviceCopies.on(device)  # one for the run: every epoch's inputs copy with it
     pinned = []
     for epoch in range(3):
-        inputs = FeederInputs(
-            None, epoch, rank=0, columns=("patches", "label"), in_flight=1, copies=copies, on_dry=print
-        )
+        inputs = FeederInputs(None, epoch, rank=0, columns=("patches", "label"), in_flight=1, copies=copies)
         arrays = step_arrays()
         fed = inputs.step_input(reply(arrays))
         assert all(t.is_pinned() for mb in fed.micro_batches for t in mb)
@@ -182,9 +183,7 @@ class Silent:
 def test_a_feeder_silent_past_the_bound_fails_its_rank_instead_of_hanging(ray_session, monkeypatch):
     monkeypatch.setattr(feeder, "WAIT_S", 2.0)
     silent = ray.remote(Silent).remote()
-    inputs = FeederInputs(
-        silent, 0, rank=3, columns=("patches", "label"), in_flight=2, copies=DeviceCopies(), on_dry=print
-    )
+    inputs = FeederInputs(silent, 0, rank=3, columns=("patches", "label"), in_flight=2, copies=DeviceCopies())
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="the data feeder of worker 3 sent no step input in 2 s"):
         inputs.next()
@@ -196,7 +195,7 @@ def test_a_feeder_silent_past_the_bound_fails_its_rank_instead_of_hanging(ray_se
 def test_the_calls_in_flight_are_capped_by_the_object_store_and_the_setting_is_bounded():
     """Before: --prefetch-steps 10^9 was taken, and the training thread submitted that many calls to its
     feeder before its first step."""
-    from pipeline.train.feeder import calls_in_flight, step_bytes
+    from pipeline.train.input.feeder import calls_in_flight, step_bytes
     from tests.configs import tiny_config
 
     with pytest.raises(ValueError, match=r"^--prefetch-steps must be from 0 to 256, got 1,000,000,000$"):
@@ -215,7 +214,7 @@ def test_the_calls_in_flight_are_capped_by_the_object_store_and_the_setting_is_b
 
 def test_a_plan_in_a_feeder_keeps_no_more_calls_in_flight_than_its_node_holds(ray_session, monkeypatch):
     """The shared Ray's object store (2 GiB): a quarter of it holds 55 steps of 9.7 MB, not 256."""
-    from pipeline.train import feeder as feeder_module
+    from pipeline.train.input import feeder as feeder_module
     from pipeline.train.state import Rank
     from tests.configs import tiny_config
 

@@ -14,8 +14,8 @@ import torchao  # the fp8 extra: `make test` installs it
 from torch import nn
 
 import vit
-from pipeline.train import fp8
 from pipeline.train.config import TrainConfig
+from pipeline.train.step import fp8
 from tests.configs import tiny_config
 from tests.distributed import spawn
 from vit.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp
@@ -143,8 +143,8 @@ def test_fp8_is_refused_in_one_line_where_it_cannot_run(monkeypatch):
 
 
 def test_a_training_step_with_fp8_runs_float8_linears_and_precomputes_scales(monkeypatch):
-    from pipeline.train.model import build_model, init_distributed
-    from pipeline.train.step import TrainStep
+    from pipeline.train.step.model import build_model, init_distributed
+    from pipeline.train.step.train_step import TrainStep
 
     calls = []
     real = torchao.float8.precompute_float8_dynamic_scale_for_fsdp

@@ -35,13 +35,14 @@ import torch
 
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
-from pipeline.train import dataplan, loop
+from pipeline.train import loop
 from pipeline.train.config import TrainConfig
-from pipeline.train.cursor import same_stream, stream_fingerprint
-from pipeline.train.model import model_config
+from pipeline.train.input import dataplan
+from pipeline.train.input.cursor import same_stream, stream_fingerprint
 from pipeline.train.presets import PRESETS
+from pipeline.train.step.model import model_config
 from tests.train import test_loop, test_sources
-from tests.train.test_loop import LocalSession
+from tests.train.test_loop import LocalSession, Seen
 
 GOLDEN = Path(__file__).with_name("golden.json")
 # Relative, per step: CPU kernels may round differently on another machine, far below what a change of
@@ -99,22 +100,12 @@ def stream_of(kind: str) -> Any:
     return test_loop.fake_micro_batches if kind == "plain" else test_sources.fake_micro_batches
 
 
-def record_keys(mp: pytest.MonkeyPatch) -> list[list[str]]:
-    taken: list[list[str]] = []
-    real = loop.Trainer.train_step
-
-    def train_step(self, data, step_input, agreement):
-        taken.append(list(step_input.keys))
-        return real(self, data, step_input, agreement)
-
-    mp.setattr(loop.Trainer, "train_step", train_step)
-    return taken
-
-
-def run(cfg: TrainConfig, device: torch.device, data: dict[str, Any]) -> dict[str, Any]:
+def run(
+    cfg: TrainConfig, device: torch.device, data: dict[str, Any], watch: loop.StepWatch | None = None
+) -> dict[str, Any]:
     loop_config = {"train": cfg.to_dict(), **data, "data_cpus_per_worker": 1.0}
     session = LocalSession(device, Path(cfg.run.out))
-    summary = loop.Trainer(loop_config, session).train()
+    summary = loop.Trainer(loop_config, session, watch).train()
     assert summary["error"] == ""
     return {"summary": summary, "reports": session.reports}
 
@@ -177,11 +168,11 @@ def keys_run_now(kind: str, device: torch.device, out: Path, data_process: str =
     """The keys per step, the final weights and the state of the checkpoint at `MIDWAY`."""
     with pytest.MonkeyPatch.context() as mp:
         use_stream(mp, stream_of(kind))
-        taken = record_keys(mp)
+        seen = Seen()
         cfg = keys_config(kind, out).replace(data_process=data_process)
-        run(cfg, device, data_of(kind))
+        run(cfg, device, data_of(kind), seen)
     state = json.loads((out / dcp.checkpoint_name(MIDWAY[kind]) / "train_state.json").read_text())
-    return {"keys": taken, "weights": final_weights(cfg), "midway_state": state}
+    return {"keys": seen.keys, "weights": final_weights(cfg), "midway_state": state}
 
 
 @functools.cache
@@ -250,9 +241,9 @@ def resume_recorded(
         (out / dcp.checkpoint_name(midway) / "train_state.json").write_text(
             json.dumps(recorded["midway_state"])
         )
-        taken = record_keys(mp)
-        run(cfg.replace(stop_at_step=None), device, data_of(kind, signed[1]))
-    return taken, final_weights(cfg)
+        seen = Seen()
+        run(cfg.replace(stop_at_step=None), device, data_of(kind, signed[1]), seen)
+    return seen.keys, final_weights(cfg)
 
 
 @pytest.mark.parametrize("kind", ["plain", "mixed"])
@@ -298,7 +289,7 @@ def test_the_recorded_checkpoint_is_of_the_shards_by_name_and_of_no_other_shards
 
 def record(root: Path) -> None:
     """Writes `GOLDEN` from the loop as it is now."""
-    from pipeline.train.model import init_distributed
+    from pipeline.train.step.model import init_distributed
 
     _, _, device = init_distributed()
     golden = {"losses": losses_now(device, root / "losses")}

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline.train.model import build_model, init_distributed
-from pipeline.train.optim import optimizer_kernels
-from pipeline.train.step import TrainStep
+from pipeline.train.step.model import build_model, init_distributed
+from pipeline.train.step.optim import optimizer_kernels
+from pipeline.train.step.train_step import TrainStep
 from tests.train.test_speed_paths import CONFIG
 
 pytestmark = [

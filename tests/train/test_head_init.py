@@ -23,9 +23,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 import vit
 from pipeline.linear_probe import fit_linear_probe
-from pipeline.train import dataplan, finetune, presets
+from pipeline.train import finetune, presets
 from pipeline.train.config import TrainConfig
-from pipeline.train.model import build_model
+from pipeline.train.input import dataplan
+from pipeline.train.step.model import build_model
 from tests.configs import tiny_config
 from tests.distributed import spawn
 from tests.train.test_loop import assert_same_weights, fake_micro_batches, run

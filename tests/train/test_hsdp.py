@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import Replicate, Shard
 
 import vit
-from pipeline.train.model import build_model, model_config
-from pipeline.train.step import TrainStep
+from pipeline.train.step.model import build_model, model_config
+from pipeline.train.step.train_step import TrainStep
 from tests.configs import tiny_config
 from tests.distributed import spawn
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import vit
-from pipeline.train.model import build_model
-from pipeline.train.optim import layer_of, lr_factor, param_groups
-from pipeline.train.step import TrainStep
+from pipeline.train.step.model import build_model
+from pipeline.train.step.optim import layer_of, lr_factor, param_groups
+from pipeline.train.step.train_step import TrainStep
 from tests.configs import tiny_config
 
 CONFIG = tiny_config()  # vit_tiny_test: 2 blocks

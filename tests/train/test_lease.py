@@ -1,4 +1,4 @@
-"""One live run per run directory (`pipeline.train.lease`): local disk, memory:// and a loopback S3."""
+"""One live run per run directory (`pipeline.train.checkpointing.lease`): local disk, memory:// and a loopback S3."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pipeline import storage
-from pipeline.train import lease
+from pipeline.train.checkpointing import lease
 from tests.flaky_s3 import FlakyS3, s3_client
 
 

@@ -23,11 +23,13 @@ from pipeline import dcp
 from pipeline.data.dataset import rebatch
 from pipeline.data.masking import mask_batch
 from pipeline.data.shards import shard_id
-from pipeline.train import dataplan, lease, loop, saver
+from pipeline.train import loop
+from pipeline.train.checkpointing import lease, saver
 from pipeline.train.config import TrainConfig
-from pipeline.train.model import model_config
+from pipeline.train.input import dataplan
 from pipeline.train.state import TrainState
-from pipeline.train.step import TrainStep
+from pipeline.train.step.model import model_config
+from pipeline.train.step.train_step import StepStats, TrainStep
 from tests.configs import tiny_config
 
 SHARDS = [f"mem://shard-{i}" for i in range(4)]
@@ -101,24 +103,53 @@ def fake_data(monkeypatch):
 def patch_nan_loss(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
     """The loss of those (0-based) optimizer steps becomes NaN."""
     current = {}
-    real_step, real_loss = TrainStep.__call__, torch.nn.functional.cross_entropy
+    real_passes, real_loss = TrainStep.forward_backward, torch.nn.functional.cross_entropy
 
-    def step(self, step, micro_batches, global_count, **kwargs):
+    def forward_backward(self, step, micro_batches, global_count, **kwargs):
         current["step"] = step
-        return real_step(self, step, micro_batches, global_count, **kwargs)
+        return real_passes(self, step, micro_batches, global_count, **kwargs)
 
     def loss(logits, labels, **kwargs):
         value = real_loss(logits, labels, **kwargs)
         return value * float("nan") if current["step"] in steps else value
 
-    monkeypatch.setattr(TrainStep, "__call__", step)
+    monkeypatch.setattr(TrainStep, "forward_backward", forward_backward)
     monkeypatch.setattr(torch.nn.functional, "cross_entropy", loss)
 
 
-def run(cfg: TrainConfig, device: torch.device) -> tuple[dict, LocalSession]:
+class Seen(loop.StepWatch):
+    """What the loop's watch sees of every step, in order, across every run it watches: each step's
+    input (`loop.TakenStep`) and, once its update is queued, its stats."""
+
+    def __init__(self) -> None:
+        self.steps: list[loop.TakenStep] = []
+        self.stats: dict[int, StepStats] = {}
+
+    def taken(self, step: loop.TakenStep) -> None:
+        self.steps.append(step)
+
+    def trained(self, step: int, stats: StepStats) -> None:
+        self.stats[step] = stats
+
+    @property
+    def keys(self) -> list[list[str]]:
+        """The keys of the samples each step trained on."""
+        return [list(step.keys) for step in self.steps]
+
+    def clear(self) -> list[list[str]]:
+        """The keys so far (`keys`), forgotten here."""
+        keys = self.keys
+        self.steps.clear()
+        self.stats.clear()
+        return keys
+
+
+def run(
+    cfg: TrainConfig, device: torch.device, watch: loop.StepWatch | None = None
+) -> tuple[dict, LocalSession]:
     session = LocalSession(device, Path(cfg.run.out))
     loop_config = {"train": cfg.to_dict(), "shards": SHARDS, "data_cpus_per_worker": 1.0}
-    return loop.Trainer(loop_config, session).train(), session
+    return loop.Trainer(loop_config, session, watch).train(), session
 
 
 def untimed(rows: list[dict]) -> list[dict]:
@@ -216,39 +247,42 @@ def test_too_many_skipped_steps_in_a_row_stop_the_run_without_saving_nan(
 
 
 def test_weights_that_are_not_finite_are_never_checkpointed(world, fake_data, monkeypatch, tmp_path):
-    real_step = loop.TrainStep.__call__
+    real_update = TrainStep.update
 
-    def poisoning_step(self, step, micro_batches, global_count, **kwargs):
-        stats = real_step(self, step, micro_batches, global_count, **kwargs)
-        if step == 2:  # an update that went wrong without a non-finite gradient
+    def poisoning_update(self, gradients):
+        stats = real_update(self, gradients)
+        if gradients.step == 2:  # an update that went wrong without a non-finite gradient
             with torch.no_grad():
                 next(self.model.parameters()).to_local()[0] = float("inf")
         return stats
 
-    monkeypatch.setattr(loop.TrainStep, "__call__", poisoning_step)
+    monkeypatch.setattr(TrainStep, "update", poisoning_update)
     summary, _ = run(config(tmp_path / "run"), world)
     assert summary["error"].startswith("the weights hold NaN or inf at step 4 and were not saved")
     assert not (tmp_path / "run" / dcp.checkpoint_name(4)).exists()
 
 
 @pytest.mark.parametrize("asynchronous", [True, False])
-def test_a_checkpoint_is_saved_inside_the_next_step_after_its_backward_and_before_its_update(
+def test_a_checkpoint_is_saved_between_the_next_steps_backward_and_its_update(
     world, fake_data, monkeypatch, tmp_path, asynchronous
 ):
-    """A checkpoint every 2 of 8 steps, 4 an epoch: checkpoints 2 and 6 are saved inside steps 3 and 7,
-    their gradients in and their updates not made (the device runs that step's forward and backward
-    while the host saves); 4, at the epoch's edge, before the next epoch's first step; 8, the last step's,
-    at once. Each row is written before its save. What the checkpoints hold is each step's own state
-    (the resume tests: the same weights as a straight run)."""
+    """A checkpoint every 2 of 8 steps, 4 an epoch: checkpoints 2 and 6 are saved between the two calls
+    of steps 3 and 7, their gradients in and their updates not made (the device runs that step's forward
+    and backward while the host saves); 4, at the epoch's edge, before the next epoch's first step; 8, the
+    last step's, at once. Each row is written before its save. What the checkpoints hold is each step's
+    own state (the resume tests: the same weights as a straight run)."""
     events: list = []
-    real_step, real_start = loop.TrainStep.__call__, saver.Saver.start
+    real_passes, real_update, real_start = TrainStep.forward_backward, TrainStep.update, saver.Saver.start
 
-    def step(self, step, micro_batches, global_count, **kwargs):
+    def forward_backward(self, step, micro_batches, global_count, **kwargs):
         if not getattr(self, "watched", False):
             self.optimizer.register_step_pre_hook(lambda *_: events.append("update"))
             self.watched = True
         events.append(("step", step + 1))
-        stats = real_step(self, step, micro_batches, global_count, **kwargs)
+        return real_passes(self, step, micro_batches, global_count, **kwargs)
+
+    def update(self, gradients):
+        stats = real_update(self, gradients)
         events.append("returned")
         return stats
 
@@ -258,7 +292,8 @@ def test_a_checkpoint_is_saved_inside_the_next_step_after_its_backward_and_befor
         events.append(("save", train_state["step"], json.loads(rows[-1])["step"], grads))
         return real_start(self, metrics, train_state, config, **kwargs)
 
-    monkeypatch.setattr(loop.TrainStep, "__call__", step)
+    monkeypatch.setattr(TrainStep, "forward_backward", forward_backward)
+    monkeypatch.setattr(TrainStep, "update", update)
     monkeypatch.setattr(saver.Saver, "start", start)
     summary, _ = run(config(tmp_path / "run", checkpoint_every=2, async_checkpoint=asynchronous), world)
     assert summary["error"] == ""
@@ -276,16 +311,16 @@ def test_workers_stop_writing_once_another_run_has_taken_the_run_directory_over(
     # The workers of a killed driver trained ~8 more steps into --out while a rerun resumed there.
     cfg = config(tmp_path / "run")
     held = lease.acquire(cfg.run_dir)
-    real_step = loop.TrainStep.__call__
+    real_update = TrainStep.update
 
-    def step_then_taken_over(self, step, micro_batches, global_count, **kwargs):
-        stats = real_step(self, step, micro_batches, global_count, **kwargs)
-        if step == 2:  # a rerun takes --out over (its driver is this live process)
+    def update_then_taken_over(self, gradients):
+        stats = real_update(self, gradients)
+        if gradients.step == 2:  # a rerun takes --out over (its driver is this live process)
             record = {**held.record(), "run": "rerun"}
             (tmp_path / "run" / lease.LEASE).write_text(json.dumps(record))
         return stats
 
-    monkeypatch.setattr(loop.TrainStep, "__call__", step_then_taken_over)
+    monkeypatch.setattr(TrainStep, "update", update_then_taken_over)
     session = LocalSession(world, Path(cfg.run.out))
     loop_config = {"train": cfg.to_dict(), "shards": SHARDS, "data_cpus_per_worker": 1.0, "lease": held.run}
     summary = loop.Trainer(loop_config, session).train()
@@ -305,38 +340,25 @@ def test_train_state_reads_checkpoints_written_before_its_newer_fields():
     assert TrainState.from_dict(state.to_dict()) == state
 
 
-def record_keys(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """The keys of the samples each step trains on, in order, across every run that follows."""
-    taken: list[list[str]] = []
-    real = loop.Trainer.train_step
-
-    def train_step(self, data, step_input, agreement):
-        taken.append(list(step_input.keys))
-        return real(self, data, step_input, agreement)
-
-    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
-    return taken
-
-
 @pytest.mark.parametrize("stop_at", [2, 7])  # half-way through epoch 0; one step before epoch 1 ends
 def test_a_run_stopped_mid_epoch_and_resumed_trains_on_the_samples_of_a_straight_run(
     world, fake_data, monkeypatch, tmp_path, stop_at
 ):
-    taken = record_keys(monkeypatch)
+    seen = Seen()
     straight = config(tmp_path / "straight", prefetch_steps=2)
-    summary, _ = run(straight, world)
-    straight_keys, _ = list(taken), taken.clear()
+    summary, _ = run(straight, world, seen)
+    straight_keys = seen.clear()
     assert (
         len(straight_keys) == 8 and len({k for step in straight_keys for k in step}) == 32
     )  # 4 steps an epoch
 
     stopped = config(tmp_path / "stopped", prefetch_steps=2, stop_at_step=stop_at)
-    run(stopped, world)
+    run(stopped, world, seen)
     state = json.loads((tmp_path / "stopped" / dcp.checkpoint_name(stop_at) / "train_state.json").read_text())
     position = {"world": 1, "micro_batch_size": 4, "micro_batches": 2 * (stop_at % 4)}
     assert {k: v for k, v in state["epoch_position"].items() if k != "stream"} == position
-    resumed, _ = run(stopped.replace(stop_at_step=None), world)
-    assert taken == straight_keys  # every sample of both epochs exactly once, in the same order
+    resumed, _ = run(stopped.replace(stop_at_step=None), world, seen)
+    assert seen.keys == straight_keys  # every sample of both epochs exactly once, in the same order
     assert resumed["bad_samples"] == summary["bad_samples"]  # the re-read part not counted twice
     assert_same_weights(straight, stopped, 8)
 
@@ -344,14 +366,14 @@ def test_a_run_stopped_mid_epoch_and_resumed_trains_on_the_samples_of_a_straight
 def test_a_resume_at_another_micro_batch_size_starts_the_epoch_again_and_says_so(
     world, fake_data, monkeypatch, tmp_path, capsys
 ):
-    taken = record_keys(monkeypatch)
+    seen = Seen()
     stopped = config(tmp_path / "run", stop_at_step=2)
-    run(stopped, world)
-    summary, _ = run(stopped.replace(stop_at_step=None, micro_batch_size=2), world)
+    run(stopped, world, seen)
+    summary, _ = run(stopped.replace(stop_at_step=None, micro_batch_size=2), world, seen)
     assert (
         "taken with 1 workers x micro-batch 4, so this epoch's data starts again" in capsys.readouterr().out
     )
-    assert taken[2] == taken[0]  # step 3 trains on what step 1 did: the epoch began again
+    assert seen.keys[2] == seen.keys[0]  # step 3 trains on what step 1 did: the epoch began again
     # After the stop, epoch 0 whole (steps 3-6: 4 shards, 4 bad) and half of epoch 1 (steps 7-8: 2
     # shards, 2 bad): the 2 shards read before the stop are not counted a second time.
     assert (summary["bad_samples"]["bad"], summary["bad_samples"]["total"]) == (6, 54), summary["bad_samples"]
@@ -452,24 +474,22 @@ def test_a_compiled_run_with_activation_checkpointing_trains_like_an_eager_one(w
 
 def test_the_next_epochs_input_starts_while_the_last_steps_of_this_one_train(world, monkeypatch, tmp_path):
     """A new epoch's pipeline takes a while to its first input (1-1.5 s on a GPU node): it is started
-    when this rank's stream runs dry, and the run trains what it trained without the head start."""
+    once this rank's stream has run dry, and the run trains what it trained without the head start."""
     events = []
 
     def micro_batches(*args, epoch, **kwargs):
-        events.append(("stream", epoch))
-        yield from fake_micro_batches(*args, epoch=epoch, **kwargs)
+        events.append(("stream", epoch))  # as the stream is opened
+        return fake_micro_batches(*args, epoch=epoch, **kwargs)
 
-    real = loop.Trainer.train_step
-
-    def train_step(self, data, step_input, agreement):
-        events.append(("step", self.state.epoch, self.state.step))
-        return real(self, data, step_input, agreement)
+    class Steps(Seen):
+        def taken(self, step):
+            events.append(("step", step.epoch, step.step))
+            super().taken(step)
 
     monkeypatch.setattr(dataplan, "micro_batches", micro_batches)
-    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
-    taken = record_keys(monkeypatch)
+    seen = Steps()
     ahead = config(tmp_path / "ahead", prefetch_steps=2, max_steps=12, checkpoint_every=12)
-    run(ahead, world)
+    run(ahead, world, seen)
     streams = [events.index(e) for e in events if e[0] == "stream"]
     last_steps = [
         max(i for i, e in enumerate(events) if e[0] == "step" and e[1] == epoch) for epoch in (0, 1)
@@ -477,7 +497,6 @@ def test_the_next_epochs_input_starts_while_the_last_steps_of_this_one_train(wor
     # 4 steps an epoch, 3 epochs; the fourth epoch's input, started ahead of the run's end, is closed
     assert [events[i][1] for i in streams] == [0, 1, 2, 3]
     assert streams[1] < last_steps[0] and streams[2] < last_steps[1]  # before each epoch's last step
-    ahead_keys = list(taken)
-    taken.clear()
-    run(ahead.replace(out=str(tmp_path / "plain"), prefetch_steps=0), world)  # no thread: no head start
-    assert taken == ahead_keys and len(taken) == 12
+    ahead_keys = seen.clear()
+    run(ahead.replace(out=str(tmp_path / "plain"), prefetch_steps=0), world, seen)  # no thread: no head start
+    assert seen.keys == ahead_keys and len(ahead_keys) == 12

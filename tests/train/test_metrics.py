@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from pipeline.train import metrics, stacks
-from pipeline.train.metrics import MetricsLog, MetricsWindow, format_line, plot_training_curve
+from pipeline.train.observe import stacks
+from pipeline.train.observe.host_copy import HostCopy
+from pipeline.train.observe.metrics import MetricsLog, MetricsWindow, format_line, plot_training_curve
 
 
 def row(step: int, loss: float = 1.0) -> dict:
@@ -116,7 +117,7 @@ def test_windows_cover_every_second_the_device_backlog_at_a_log_line_included(wo
         time.sleep(collective)
         return all_reduce(tensor, *args, **kwargs)
 
-    monkeypatch.setattr(metrics.HostCopy, "record_event", staticmethod(lambda device: Backlog()))
+    monkeypatch.setattr(HostCopy, "record_event", staticmethod(lambda device: Backlog()))
     monkeypatch.setattr(dist, "all_reduce", slow_all_reduce)
     window = MetricsWindow(world)
     started, rows = window.start, []
@@ -229,7 +230,7 @@ def test_each_ranks_step_time_is_recorded_and_a_slow_one_named_in_the_log_line(t
 
 
 def test_a_rank_is_named_only_past_twenty_percent_over_the_median():
-    from pipeline.train.metrics import straggler
+    from pipeline.train.observe.stragglers import straggler
 
     assert straggler([1.0, 1.0, 1.19]) == ""
     assert straggler([1.0, 1.0, 1.0, 1.0]) == ""
@@ -243,7 +244,7 @@ def test_a_rank_is_named_only_past_twenty_percent_over_the_median():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_host_copy_on_cuda_is_read_while_the_work_queued_after_it_still_runs():
-    """A log line's read (`metrics.HostCopy`): pinned memory, a non-blocking copy and an event, so that its
+    """A log line's read (`host_copy.HostCopy`): pinned memory, a non-blocking copy and an event, so that its
     wait returns the values as of the copy while the next step's kernels (here a kernel that spins)
     is still running, and a later change of the device tensor does not reach them."""
     device = torch.device("cuda")
@@ -255,7 +256,7 @@ def test_a_host_copy_on_cuda_is_read_while_the_work_queued_after_it_still_runs()
     values += 10
     values -= 10
     torch.cuda.synchronize()
-    copy = metrics.HostCopy(values)
+    copy = HostCopy(values)
     assert copy.values.is_pinned() and copy.event is not None
     torch.cuda._sleep(4_000_000_000)  # the next step: a kernel of about 2 s queued behind the copy
     values += 10  # the next step changes what the copy took

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import vit
-from pipeline.train import mixing
-from pipeline.train.mixing import Mix, cutmix_mask, draw, mix_patches, mix_seed, soft_targets
-from pipeline.train.model import build_model, model_config
-from pipeline.train.objective import objective_for
-from pipeline.train.step import TrainStep
+from pipeline.train.step import mixing
+from pipeline.train.step.mixing import Mix, cutmix_mask, draw, mix_patches, mix_seed, soft_targets
+from pipeline.train.step.model import build_model, model_config
+from pipeline.train.step.objective import objective_for
+from pipeline.train.step.train_step import TrainStep
 from tests.configs import tiny_config
 
 CONFIG = tiny_config()  # vit_tiny_test at 32 px: 4x4 patches of 8x8x3, 4 classes

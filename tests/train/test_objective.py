@@ -13,12 +13,13 @@ import vit
 from pipeline.data.config import DataConfig
 from pipeline.data.masking import mask_batch
 from pipeline.model_source import load_model_source
-from pipeline.train import checkpoint, finetune
+from pipeline.train import finetune
+from pipeline.train.checkpointing import checkpoint
 from pipeline.train.config import TrainConfig
-from pipeline.train.model import build_model, model_config
-from pipeline.train.objective import CLASSES, MAEObjective, Objective, objective_for
 from pipeline.train.sections import OBJECTIVES
-from pipeline.train.step import TrainStep
+from pipeline.train.step.model import build_model, model_config
+from pipeline.train.step.objective import CLASSES, MAEObjective, Objective, objective_for
+from pipeline.train.step.train_step import TrainStep
 from tests.configs import tiny_config
 
 SUPERVISED = tiny_config()

@@ -1,4 +1,4 @@
-"""MFU (`pipeline.train.mfu`): its denominator, the datasheet peak of exactly the GPU torch reports (or no
+"""MFU (`pipeline.train.observe.mfu`): its denominator, the datasheet peak of exactly the GPU torch reports (or no
 MFU at all), and the formula over model FLOPs per image."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 import vit
 from pipeline.train.config import TrainConfig
-from pipeline.train.mfu import PEAK_BF16_TFLOPS, achieved_tflops, mfu, peak_tflops, train_flops
-from pipeline.train.objective import MAEObjective, Objective
+from pipeline.train.observe.mfu import PEAK_BF16_TFLOPS, achieved_tflops, mfu, peak_tflops, train_flops
+from pipeline.train.step.objective import MAEObjective, Objective
 
 CUDA = torch.device("cuda", 0)
 

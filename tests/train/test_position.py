@@ -1,4 +1,4 @@
-"""The data position by sample (`pipeline.train.position.EpochPosition`): what ranks consume, the union
+"""The data position by sample (`pipeline.train.input.position.EpochPosition`): what ranks consume, the union
 a checkpoint holds, the deal of the rest at another layout, and its size at scale. No Ray, no torch
 collective (but the figure's test, which prints the size of a 14M-sample epoch's position)."""
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from pipeline.data.config import shard_order
 from pipeline.data.consumed import Consumed
-from pipeline.train.position import EpochPosition
+from pipeline.train.input.position import EpochPosition
 
 SHARDS = [f"s3://bucket/data/train-{i:05d}.tar" for i in range(10)]
 

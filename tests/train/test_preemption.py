@@ -1,4 +1,4 @@
-"""A checkpoint on a preemption notice (`pipeline.train.preemption`), without Ray: the watcher's flag from
+"""A checkpoint on a preemption notice (`pipeline.train.checkpointing.preemption`), without Ray: the watcher's flag from
 a SIGTERM and from Ray's notice, the test hook, the ranks' agreement (any rank's notice stops every
 rank at the same step, with the same plan), and the worker loop in one process, stopped by a notice and
 by a SIGTERM and resumed.
@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from pipeline import dcp
-from pipeline.train import preemption
-from pipeline.train.preemption import Notice, Plan, Preempted, PreemptionWatcher, decide
+from pipeline.train.checkpointing import preemption
+from pipeline.train.checkpointing.preemption import Notice, Plan, Preempted, PreemptionWatcher, decide
 from pipeline.train.state import StepAgreement, agree_on_step
-from pipeline.train.step import TrainStep
+from pipeline.train.step.train_step import TrainStep
 from tests.distributed import spawn
 
 HOOK = preemption.TEST_HOOK
@@ -226,14 +226,14 @@ def test_a_sigterm_during_a_step_checkpoints_that_step_and_the_resumed_run_ends_
 ):
     """SIGTERM while step 3 runs (logged: its row goes with the checkpoint)."""
     cfg = loop_tests().config(tmp_path / "run", log_every=1, checkpoint_every=4)
-    real_step, sent = TrainStep.__call__, []
+    real_passes, sent = TrainStep.forward_backward, []
 
-    def step(self, index, *args, **kwargs):
+    def forward_backward(self, index, *args, **kwargs):
         if index == 2 and not sent:
             sent.append(os.kill(os.getpid(), signal.SIGTERM))
-        return real_step(self, index, *args, **kwargs)
+        return real_passes(self, index, *args, **kwargs)
 
-    monkeypatch.setattr(TrainStep, "__call__", step)
+    monkeypatch.setattr(TrainStep, "forward_backward", forward_backward)
     message, _, summary = stopped_and_resumed(cfg, world, capsys)
     assert message.startswith(f"preempted at step 3 (SIGTERM on rank 0): {dcp.checkpoint_name(3)} saved in ")
     assert dcp.is_complete(Path(cfg.run.out) / dcp.checkpoint_name(3))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples
-from pipeline.train.prefetch import Prefetcher
+from pipeline.train.input.prefetch import Prefetcher
 
 
 def micro_batch(i: int, size: int = 4) -> dict[str, np.ndarray]:
@@ -163,38 +163,38 @@ def test_a_stream_that_ran_dry_gives_its_short_tail_then_empty_inputs(depth):
 
 
 @pytest.mark.parametrize("depth", [0, 2])
-def test_on_dry_is_called_once_with_the_final_counts_before_the_dry_input_is_handed_over(depth):
-    """The loop starts the next epoch's pipeline there: on the data thread as soon as the stream has
-    run dry (with a thread, while up to `depth` built steps still wait to train), never on an error."""
-    bad, calls, taken = BadSamples(), [], []
+def test_the_final_counts_are_known_once_the_stream_has_run_dry_before_the_dry_input_is_taken(depth):
+    """The loop starts the next epoch's pipeline once it sees them: with a thread, as soon as the thread
+    has found the stream's end (while up to `depth` built steps still wait to train); inline, with the
+    input where it ran dry. Never after an error."""
+    bad, taken = BadSamples(), []
 
     def counted():
         for i in range(5):
             bad.total += 4
             yield micro_batch(i)
 
-    def on_dry(final):
-        calls.append((final.total, threading.current_thread().name, len(taken)))
-
     prefetcher = Prefetcher(
-        counted(), accum=2, columns=("patches", "label"), bad_samples=bad, pin=False, depth=depth,
-        on_dry=on_dry,
-    )  # fmt: skip
+        counted(), accum=2, columns=("patches", "label"), bad_samples=bad, pin=False, depth=depth
+    )
     if depth:
         deadline = time.monotonic() + 10
-        while not calls and time.monotonic() < deadline:  # the thread reads all 3 steps ahead
+        while prefetcher.ran_dry() is None and time.monotonic() < deadline:  # the thread reads 3 steps ahead
             time.sleep(0.01)
+        assert prefetcher.ran_dry() is not None  # before any step was taken
+    dry = []
     for _ in range(5):
         taken.append(prefetcher.next())
+        dry.append(prefetcher.ran_dry() is not None)
     prefetcher.close()
     assert [s.ran_dry for s in taken] == [False, False, True, True, True]
-    thread = "vitray-prefetch" if depth else threading.current_thread().name
-    assert calls == [(20, thread, 0 if depth else 2)]  # once; with a thread, before any step was taken
+    assert dry == ([True] * 5 if depth else [False, False, True, True, True])
+    final = prefetcher.ran_dry()
+    assert final.total == 20 and final is not bad  # a copy of the counts, as the stream ended them
 
     failing = Prefetcher(
         stream(3, fail=BadSampleBudgetError("too many bad samples")), accum=2,
         columns=("patches", "label"), bad_samples=BadSamples(), pin=False, depth=depth,
-        on_dry=on_dry,
     )  # fmt: skip
     assert [s.error for s in steps(failing)][-1] == "too many bad samples"
-    assert len(calls) == 1
+    assert failing.ran_dry() is None

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import vit
-from pipeline.train.model import model_config
 from pipeline.train.presets import PRESETS
+from pipeline.train.step.model import model_config
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -11,7 +11,7 @@ from torch import nn
 import vit
 from pipeline.data.config import sample_seed
 from pipeline.train import finetune, presets
-from pipeline.train.model import build_model, model_config
+from pipeline.train.step.model import build_model, model_config
 from tests.configs import tiny_config
 
 CONFIG = tiny_config()

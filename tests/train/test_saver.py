@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints (`pipeline.train.saver`) in one process, without Ray: they hold what the
+"""Asynchronous checkpoints (`pipeline.train.checkpointing.saver`) in one process, without Ray: they hold what the
 synchronous ones hold, the stall of each lands in the log line and `metrics.jsonl`, a save waits for the
 one before it, the host buffers of the copy are reused from one save to the next, and a preemption
 stops the run only once the save in flight is in storage.
@@ -24,13 +24,13 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from pipeline import dcp
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
-from pipeline.train.cursor import EpochCursor
+from pipeline.train.checkpointing.saver import Checkpointer, FiniteCheck, KeptStager, Saver
 from pipeline.train.driver import read_metrics
-from pipeline.train.model import build_model
-from pipeline.train.objective import objective_for
-from pipeline.train.saver import Checkpointer, FiniteCheck, KeptStager, Saver
+from pipeline.train.input.cursor import EpochCursor
 from pipeline.train.state import Rank, TrainState
-from pipeline.train.step import TrainStep
+from pipeline.train.step.model import build_model
+from pipeline.train.step.objective import objective_for
+from pipeline.train.step.train_step import TrainStep
 from tests.train.test_loop import SHARDS, LocalSession, config, fake_micro_batches, run
 
 CHECKPOINT_FILES = (dcp.TRAIN_STATE, dcp.CONFIG, "__0_0.distcp")
@@ -52,7 +52,8 @@ def slow_copy(mp: pytest.MonkeyPatch, seconds: float) -> None:
 def sync_and_async(world, tmp_path_factory):
     """The same 8-step run saved synchronously and asynchronously; the asynchronous one uploads beside
     training (`BackgroundSession`) with each copy 0.3 s late, so training goes on while it is taken."""
-    from pipeline.train import dataplan, loop
+    from pipeline.train import loop
+    from pipeline.train.input import dataplan
 
     root = tmp_path_factory.mktemp("saver")
     runs = {}
@@ -120,7 +121,7 @@ def test_the_stall_of_each_checkpoint_is_in_its_log_line_and_metrics_row(sync_an
 
 
 def test_the_log_line_says_what_a_checkpoint_stalled(world, tmp_path, capsys, monkeypatch):
-    from pipeline.train import dataplan
+    from pipeline.train.input import dataplan
 
     monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     run(config(tmp_path / "run", max_steps=4), world)
@@ -282,7 +283,9 @@ class BackgroundSession(LocalSession):
 def test_a_preemption_at_a_checkpoint_step_stops_only_once_that_save_is_in_storage(
     world, monkeypatch, tmp_path
 ):
-    from pipeline.train import dataplan, loop, preemption
+    from pipeline.train import loop
+    from pipeline.train.checkpointing import preemption
+    from pipeline.train.input import dataplan
 
     monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     monkeypatch.setenv(preemption.TEST_HOOK, "4")  # a notice at step 4, whose save is then in flight
@@ -387,10 +390,10 @@ def test_a_run_makes_the_staging_buffers_after_its_first_step_and_each_checkpoin
 ):
     """DCP builds the staged state once, after the step that made the optimizer's state, outside any
     checkpoint's window; the four checkpoints of an 8-step run (every 2) each refill it."""
-    from pipeline.train import dataplan
+    from pipeline.train.input import dataplan
 
     built, refills, steps = [], [], []
-    real_stage, real_release, real_call = DefaultStager._stage, KeptStager.release, TrainStep.__call__
+    real_stage, real_release, real_update = DefaultStager._stage, KeptStager.release, TrainStep.update
 
     def build(self, state_dict, **kwargs):
         built.append(len(steps))
@@ -400,13 +403,13 @@ def test_a_run_makes_the_staging_buffers_after_its_first_step_and_each_checkpoin
         refills.append(self.refills)
         real_release(self)
 
-    def step(self, *args, **kwargs):
+    def update(self, gradients):
         steps.append(1)
-        return real_call(self, *args, **kwargs)
+        return real_update(self, gradients)
 
     monkeypatch.setattr(DefaultStager, "_stage", build)
     monkeypatch.setattr(KeptStager, "release", release)
-    monkeypatch.setattr(TrainStep, "__call__", step)
+    monkeypatch.setattr(TrainStep, "update", update)
     monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
     summary, _ = run(config(tmp_path / "run", checkpoint_every=2, async_checkpoint=True), world)
     assert summary["error"] == "" and built == [1] and refills == [4]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.train.config import TrainConfig
-from pipeline.train.metrics import MetricsLog
-from pipeline.train.sinks import TENSORBOARD_DIR, SinkedLog, attach, run_id, scalars
+from pipeline.train.observe.metrics import MetricsLog
+from pipeline.train.observe.sinks import TENSORBOARD_DIR, SinkedLog, attach, run_id, scalars
 
 
 def row(step: int) -> dict:

@@ -1,4 +1,4 @@
-"""The position by sample of mixed sources (`pipeline.train.source_position.SourcesPosition`): per source
+"""The position by sample of mixed sources (`pipeline.train.input.source_position.SourcesPosition`): per source
 and pass, the complete passes as a number, the union a checkpoint holds, each pass dealt at another layout,
 and its size at scale. No Ray, no torch collective."""
 
@@ -10,8 +10,8 @@ import random
 import numpy as np
 
 from pipeline.data.config import shard_order
-from pipeline.train.position import EpochPosition
-from pipeline.train.source_position import SourcesPosition
+from pipeline.train.input.position import EpochPosition
+from pipeline.train.input.source_position import SourcesPosition
 from tests.train.test_position import simulated_rank
 
 A = [f"s3://bucket/a/{i:03d}.tar" for i in range(6)]
@@ -98,7 +98,7 @@ def test_the_position_of_two_sources_at_scale_stays_small():
 
 def test_a_pass_position_is_built_once_not_at_every_step(monkeypatch):
     """Building a pass's position hashes its source's whole shard list: once per pass, never per add."""
-    from pipeline.train import source_position
+    from pipeline.train.input import source_position
 
     built = []
 

@@ -19,10 +19,11 @@ import pytest
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
 from pipeline.data.shards import ShardError, shard_id
-from pipeline.train import dataplan, driver, loop
-from pipeline.train.metrics import format_line
+from pipeline.train import driver, loop
+from pipeline.train.input import dataplan
+from pipeline.train.observe.metrics import format_line
 from pipeline.train.presets import PRESETS
-from tests.train.test_loop import LocalSession, assert_same_weights, config, record_keys
+from tests.train.test_loop import LocalSession, Seen, assert_same_weights, config
 
 SOURCES = [
     {"name": "big", "weight": 0.7, "shards": [f"mem://big/shard-{i}" for i in range(4)]},
@@ -58,11 +59,11 @@ def mixed_data(monkeypatch):
     monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
 
 
-def run(cfg, device, mix=SOURCES):
+def run(cfg, device, mix=SOURCES, watch=None):
     session = LocalSession(device, Path(cfg.run.out))
     shards = [url for s in mix for url in s["shards"]]
     loop_config = {"train": cfg.to_dict(), "shards": shards, "sources": mix, "data_cpus_per_worker": 1.0}
-    return loop.Trainer(loop_config, session).train(), session
+    return loop.Trainer(loop_config, session, watch).train(), session
 
 
 def source_of(key: str) -> str:
@@ -73,16 +74,16 @@ def source_of(key: str) -> str:
 def test_a_mixed_run_stopped_and_resumed_trains_on_the_samples_of_a_straight_run(
     world, mixed_data, monkeypatch, tmp_path, stop_at
 ):
-    taken = record_keys(monkeypatch)
+    seen = Seen()
     straight = config(tmp_path / "straight", max_steps=10)
-    summary, session = run(straight, world)
-    straight_keys, _ = list(taken), taken.clear()
+    summary, session = run(straight, world, watch=seen)
+    straight_keys = seen.clear()
     assert len(straight_keys) == 10
 
     stopped = config(tmp_path / "stopped", max_steps=10, stop_at_step=stop_at)
-    run(stopped, world)
-    resumed, resumed_session = run(stopped.replace(stop_at_step=None), world)
-    assert taken == straight_keys  # the same samples, step by step, in the same places
+    run(stopped, world, watch=seen)
+    resumed, resumed_session = run(stopped.replace(stop_at_step=None), world, watch=seen)
+    assert seen.keys == straight_keys  # the same samples, step by step, in the same places
     assert resumed["bad_samples"] == summary["bad_samples"]  # per source too: the re-read not counted twice
     assert summary["bad_samples"]["sources"]["small"]["bad"] > 0
     assert resumed_session.reports[-1]["sources"] == session.reports[-1]["sources"]
@@ -92,10 +93,10 @@ def test_a_mixed_run_stopped_and_resumed_trains_on_the_samples_of_a_straight_run
 def test_metrics_rows_and_the_log_line_say_where_the_run_is_in_each_source(
     world, mixed_data, monkeypatch, tmp_path
 ):
-    taken = record_keys(monkeypatch)
+    seen = Seen()
     cfg = config(tmp_path / "run", max_steps=12)
-    run(cfg, world)
-    trained = [k for keys in taken for k in keys]
+    run(cfg, world, watch=seen)
+    trained = [k for keys in seen.keys for k in keys]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]["sources"]
     assert set(last) == {"big", "small"}
@@ -114,16 +115,10 @@ def test_with_cycle_the_small_source_repeats_within_an_epoch_with_end_it_ends_th
     world, mixed_data, monkeypatch, tmp_path
 ):
     epochs: dict[str, list[tuple[int, list[str]]]] = {}
-    real = loop.Trainer.train_step
     for mode in ("cycle", "end"):
-        steps = epochs[mode] = []
-
-        def train_step(self, data, step_input, agreement, steps=steps):
-            steps.append((self.state.epoch, list(step_input.keys)))
-            return real(self, data, step_input, agreement)
-
-        monkeypatch.setattr(loop.Trainer, "train_step", train_step)
-        run(config(tmp_path / mode, max_steps=8, source_exhausted=mode), world)
+        seen = Seen()
+        run(config(tmp_path / mode, max_steps=8, source_exhausted=mode), world, watch=seen)
+        epochs[mode] = [(step.epoch, list(step.keys)) for step in seen.steps]
     for mode, steps in epochs.items():
         first = [k for epoch, keys in steps if epoch == 0 for k in keys]
         small = [k for k in first if source_of(k) == "small"]
@@ -179,20 +174,23 @@ def test_the_driver_refuses_sources_that_share_shards_naming_them(synthetic_shar
 def test_the_next_epochs_mixed_input_starts_ahead_and_trains_what_input_built_in_step_trains(
     world, mixed_data, monkeypatch, tmp_path
 ):
-    taken = record_keys(monkeypatch)
-    started = []
-    real = loop.Trainer.epoch_input
+    seen, started = Seen(), []
+    real = dataplan.MixedSources.epoch_input
 
-    def epoch_input(trainer, ahead=None):
-        started.append((trainer.state.epoch, ahead is not None))
-        return real(trainer, ahead)
+    def epoch_input(plan, epoch, cursor, *, ahead):
+        last = seen.steps[-1] if seen.steps else None
+        started.append((epoch, ahead is not None, last and (last.epoch, last.step)))
+        return real(plan, epoch, cursor, ahead=ahead)
 
-    monkeypatch.setattr(loop.Trainer, "epoch_input", epoch_input)
-    run(config(tmp_path / "ahead", max_steps=12, prefetch_steps=3), world)
-    assert (0, True) in started  # epoch 1's input started during epoch 0's last steps
-    ahead, _ = list(taken), taken.clear()
-    run(config(tmp_path / "inline", max_steps=12, prefetch_steps=0), world)
-    assert taken == ahead
+    monkeypatch.setattr(dataplan.MixedSources, "epoch_input", epoch_input)
+    run(config(tmp_path / "ahead", max_steps=12, prefetch_steps=3), world, watch=seen)
+    # epoch 1's input started from epoch 0's final counts, while epoch 0's last steps trained
+    epoch_1 = next(when for epoch, ahead, when in started if epoch == 1)
+    assert (1, True) in [(epoch, ahead) for epoch, ahead, _ in started]
+    assert epoch_1[0] == 0 and epoch_1[1] < max(s.step for s in seen.steps if s.epoch == 0)
+    ahead = seen.clear()
+    run(config(tmp_path / "inline", max_steps=12, prefetch_steps=0), world, watch=seen)
+    assert seen.keys == ahead
     assert_same_weights(
         config(tmp_path / "ahead", max_steps=12), config(tmp_path / "inline", max_steps=12), 12
     )
@@ -202,7 +200,7 @@ def test_the_deal_type_says_what_the_cursor_deals():
     """`dataplan.Deal` stands for `EpochCursor.deal`: the same parameters, defaults and return type."""
     import inspect
 
-    from pipeline.train.cursor import EpochCursor
+    from pipeline.train.input.cursor import EpochCursor
 
     deal = inspect.signature(EpochCursor.deal)
     typed = inspect.signature(dataplan.Deal.__call__)

@@ -32,17 +32,15 @@ def config(out: Path, **changes):
 def _runs(rank: int, root: str) -> None:
     """A straight run, then the same run stopped at `STOP` and resumed; rank 0 writes every step's keys
     of each rank, the summaries and the last metrics rows to ``root``/runs.json."""
-    from pipeline.train import dataplan, loop
+    from pipeline.train import loop
+    from pipeline.train.input import dataplan
 
     dataplan.micro_batches = fake_micro_batches  # this process is the test's own
     steps: list[list[str]] = []
-    real = loop.Trainer.train_step
 
-    def train_step(self, data, step_input, agreement):
-        steps.append(list(step_input.keys))
-        return real(self, data, step_input, agreement)
-
-    loop.Trainer.train_step = train_step
+    class Keys(loop.StepWatch):
+        def taken(self, step):
+            steps.append(list(step.keys))
 
     def run(cfg) -> tuple[dict, list, dict]:
         session = LocalSession(torch.device("cpu"), Path(cfg.run.out), rank, 2)
@@ -53,7 +51,7 @@ def _runs(rank: int, root: str) -> None:
             "sources": SOURCES,
             "data_cpus_per_worker": 1.0,
         }
-        summary = loop.Trainer(loop_config, session).train()
+        summary = loop.Trainer(loop_config, session, Keys()).train()
         dist.barrier()  # every rank's checkpoint files are in place before a resume reads them
         ranks: list = [None, None]
         dist.all_gather_object(ranks, list(steps))

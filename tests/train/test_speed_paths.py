@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import vit
-from pipeline.train.model import build_model
-from pipeline.train.optim import adamw_impl, optimizer_kernels
-from pipeline.train.step import TrainStep
+from pipeline.train.step.model import build_model
+from pipeline.train.step.optim import adamw_impl, optimizer_kernels
+from pipeline.train.step.train_step import TrainStep
 from tests.configs import tiny_config
 from tests.distributed import spawn
 from vit.parallelize import AC_MODES, apply_activation_checkpointing, apply_compile, apply_fsdp

@@ -1,17 +1,17 @@
-"""The training thread's stack sampler (`pipeline.train.stacks`) and its per-window summary."""
+"""The training thread's stack sampler (`pipeline.train.observe.stacks`) and its per-window summary."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from pipeline.train import stacks
-from pipeline.train.stacks import table, windows
+from pipeline.train.observe import stacks
+from pipeline.train.observe.stacks import table, windows
 
 # Two functions whose frames look like the loop's: waiting for input, and the step.
 LOOP = (
     compile("import time\ndef next(seconds):\n    time.sleep(seconds)\n", "prefetch.py", "exec"),
-    compile("import time\ndef __call__(seconds):\n    time.sleep(seconds)\n", "step.py", "exec"),
+    compile("import time\ndef update(seconds):\n    time.sleep(seconds)\n", "train_step.py", "exec"),
 )
 
 
@@ -26,7 +26,7 @@ def test_samples_fall_into_the_log_windows_and_say_where_the_thread_waited(tmp_p
         stacks.start(rank=3)
         wait["next"](0.4)  # a window spent waiting for data
         stacks.mark(10)
-        step["__call__"](0.4)  # a window spent in the step
+        step["update"](0.4)  # a window spent in the step
         stacks.mark(20)
 
     thread = threading.Thread(target=training_thread)

@@ -10,11 +10,11 @@ import torch
 
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
-from pipeline.train import checkpoint
+from pipeline.train.checkpointing import checkpoint
 from pipeline.train.config import TrainConfig
-from pipeline.train.model import build_model, model_config
-from pipeline.train.optim import lr_factor, param_groups
-from pipeline.train.step import TrainStep
+from pipeline.train.step.model import build_model, model_config
+from pipeline.train.step.optim import lr_factor, param_groups
+from pipeline.train.step.train_step import TrainStep
 from tests.configs import tiny_config
 from tests.distributed import spawn
 

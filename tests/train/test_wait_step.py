@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from pipeline.train.metrics import MetricsWindow, SkippedSteps
-from pipeline.train.model import build_model
-from pipeline.train.objective import objective_for
+from pipeline.train.observe.metrics import MetricsWindow, SkippedSteps
+from pipeline.train.step.model import build_model
+from pipeline.train.step.objective import objective_for
 from tests.configs import tiny_config
 from tests.job_scripts import load_job
 
@@ -69,7 +69,7 @@ def test_a_step_holds_the_host_for_its_wait_without_a_queue_and_not_with_one(dep
 
 def test_a_log_lines_read_waits_until_the_device_ran_its_step_and_not_the_step_queued_after(monkeypatch):
     """The loop's plain log line at step N closes its window behind step N, queues step N+1, then reads
-    (`pipeline.train.metrics.HostCopy`): the read waits for step N's end on the device, as a CUDA event
+    (`pipeline.train.observe.host_copy.HostCopy`): the read waits for step N's end on the device, as a CUDA event
     recorded after step N would, not for step N+1's."""
     device, ends = host.DeviceQueue(1), {}
     host.wait_at_device_reads(device, monkeypatch.setattr)

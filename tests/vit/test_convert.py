@@ -381,3 +381,31 @@ def test_hf_with_a_missing_projection_names_the_source_key():
     with pytest.raises(ValueError, match=r"has no layers\.1\.attention\.k_proj\.weight \(beside") as info:
         vit.convert_state_dict(sd, "hf")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("library", ["timm", "hf"])
+def test_each_librarys_names_are_one_table_read_both_ways(library):
+    """`vit.convert.NAMES`: every key of a vitray ViT, renamed to the library's name (as `vit.export` does)
+    and back (as `convert_state_dict` does), is itself again; transformers' names are the published ones."""
+    from vit.convert import rename
+
+    keys = vit.create_model("vit_tiny_test", head="pretrain", num_classes=4).state_dict().keys()
+    keys = [k for k in keys if k not in ("patch_embed.mean", "patch_embed.std")]  # the preprocessing's
+    if library == "hf":  # transformers keeps Q, K and V apart: split as the export does
+        roles = ("query", "key", "value")
+        keys = [
+            n for k in keys for n in ([k.replace(".qkv.", f".{r}.") for r in roles] if ".qkv." in k else [k])
+        ]
+    theirs = {k: rename(k, library, to_vitray=False) for k in keys}
+    assert None not in theirs.values() and len(set(theirs.values())) == len(keys)
+    assert all(rename(name, library) == k for k, name in theirs.items())
+    if library == "hf":
+        assert theirs["blocks.1.attn.key.weight"] == "encoder.layer.1.attention.attention.key.weight"
+        assert (
+            rename("layers.1.attention.k_proj.weight", "hf") == "blocks.1.attn.key.weight"
+        )  # transformers 5
+    else:
+        assert (
+            theirs["head.fc.weight"] == "head.weight"
+            and theirs["head.pre_logits.bias"] == "pre_logits.fc.bias"
+        )

@@ -2,7 +2,7 @@
 
     supervised  columns (patches, label)              cross-entropy of the classifier, top-1 hits
                 with --label-smoothing / --mixup-alpha / --cutmix-alpha: cross-entropy against soft
-                targets (`pipeline.train.mixing`), a hit being the argmax of the soft target
+                targets (`pipeline.train.step.mixing`), a hit being the argmax of the soft target
                 export: the ViT as trained
     mae         columns (visible, masked, ids_shuffle) reconstruction error on the masked patches
                 export: the encoder alone, under the ViT's own names; its pool (gap) is what the
@@ -13,9 +13,9 @@ is padded with copies of its first sample, whose outputs are dropped before the 
 zero loss takes a full batch. A compiled graph sees one batch shape for the whole run, so an epoch's
 end recompiles nothing (a new batch size recompiled the whole model: tens of seconds, mid-run).
 
-The step (`pipeline.train.step.TrainStep`) and the loop call the objective instead of naming a loss
+The step (`pipeline.train.step.train_step.TrainStep`) and the loop call the objective instead of naming a loss
 or a column, so both objectives share every other part of a run: FSDP2, accumulation, skipped steps,
-checkpoints, resume, metrics. The module itself is built by `pipeline.train.model.create_module`
+checkpoints, resume, metrics. The module itself is built by `pipeline.train.step.model.create_module`
 (what gets built is the model's business; what it is trained for is this module's).
 """
 
@@ -29,9 +29,9 @@ from torch import nn
 
 import vit
 from pipeline.train.config import TrainConfig
-from pipeline.train.mfu import train_flops
-from pipeline.train.mixing import Mixer
-from pipeline.train.model import mae_config, model_config
+from pipeline.train.observe.mfu import train_flops
+from pipeline.train.step.mixing import Mixer
+from pipeline.train.step.model import mae_config, model_config
 
 
 class Objective:
@@ -63,7 +63,7 @@ class Objective:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One micro-batch -> (per-sample losses ``(B,)`` float32, top-1 hits (a 0-dim count) or None).
 
-        ``seed`` (`pipeline.train.mixing.mix_seed`) draws this micro-batch's Mixup/CutMix; without it
+        ``seed`` (`pipeline.train.step.mixing.mix_seed`) draws this micro-batch's Mixup/CutMix; without it
         (a pass of zero loss, or mixing off) the labels are the targets, smoothed if asked. With mixed
         targets a hit is a prediction of the soft target's largest class (the label of the larger share).
         """
@@ -90,7 +90,7 @@ class Objective:
         (losses.sum() * 0.0).backward()
 
     def flops_per_image(self) -> float:
-        """Model FLOPs of one training image (`pipeline.train.mfu.train_flops` of the ViT's forward)."""
+        """Model FLOPs of one training image (`pipeline.train.observe.mfu.train_flops` of the ViT's forward)."""
         return train_flops(vit.count_flops(self.model_config))
 
     def checkpoint_meta(self) -> dict[str, Any]:

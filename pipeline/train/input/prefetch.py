@@ -9,13 +9,13 @@ the (non-blocking) copies to the device.
 A rank's stream ends before the epoch does when other ranks still hold samples: its last input holds
 what was left (fewer micro-batches than a step takes, the last one maybe smaller), and every input
 after it is empty, so the rank joins the epoch's last steps with nothing to train on
-(`pipeline.train.step.TrainStep` makes its passes with zero loss).
+(`pipeline.train.step.train_step.TrainStep` makes its passes with zero loss).
 
-When the stream runs dry, `on_dry` is called with its final bad-sample counts, on the thread that
-found it, before the step that input belongs to is handed over: the loop starts the next epoch's
-pipeline there, while this epoch's last steps (up to `depth` of them built) still train, so the next
-epoch's first input is not waited for from scratch (a new Ray Data pipeline takes 1-1.5 s to its
-first step of input on a GPU node: BENCHMARKS.md, "The product path on one GPU").
+When the stream runs dry, the thread that found it keeps its final bad-sample counts (`ran_dry`), up
+to `depth` steps before the loop takes the input where it ran dry: the loop asks at every step and starts
+the next epoch's pipeline then, while this epoch's last steps still train, so the next epoch's first
+input is not waited for from scratch (a new Ray Data pipeline takes 1-1.5 s to its first step of input
+on a GPU node: BENCHMARKS.md, "The product path on one GPU").
 
 Pinned buffers are reused: a buffer goes back to the pool with a CUDA event recorded after its copy
 to the device was issued, and the thread waits on that event before writing into it again.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,7 @@ class StepInput:
     error: str  # a data error's one line (bad-sample budget, unlabeled shards), "" when none
     bad_samples: BadSamples  # this rank's counts as of this step's last micro-batch (a copy)
     buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)  # pinned, back to the pool after use
-    # For the data position (`pipeline.train.position`): the micro-batches' samples as (url, index,
+    # For the data position (`pipeline.train.input.position`): the micro-batches' samples as (url, index,
     # shard_size) columns, and the bad samples counted while building this input (url, index, shard_size);
     # a mixed run's also hold each sample's source and pass (`POSITION`).
     consumed: list[tuple[np.ndarray, ...]] = field(default_factory=list)
@@ -111,7 +111,7 @@ class Prefetcher:
     `bad_samples` is the object the stream counts into; each `StepInput` carries a copy of it, so the
     caller never reads it while the thread writes it. After the input where the stream ran dry, `next`
     returns empty inputs (`ran_dry`, no samples, the stream's final counts) for as long as it is called.
-    `on_dry(final_counts)`, if given, is called once, when the stream has run dry (not on an error).
+    `ran_dry` gives the final counts as soon as the thread has found the stream's end (not on an error).
     """
 
     def __init__(
@@ -123,10 +123,9 @@ class Prefetcher:
         bad_samples: BadSamples,
         pin: bool,
         depth: int,
-        on_dry: Callable[[BadSamples], None] | None = None,
     ):
         self.stream, self.accum, self.columns = stream, accum, tuple(columns)
-        self.on_dry = on_dry
+        self.dry: BadSamples | None = None  # the stream's final counts, set by the thread that found its end
         self.bad_samples = bad_samples
         self.pool = PinnedPool() if pin else None
         self.depth = depth
@@ -154,6 +153,11 @@ class Prefetcher:
         if item.ran_dry:
             self._final_counts = item.bad_samples
         return item
+
+    def ran_dry(self) -> BadSamples | None:
+        """The stream's final counts (a copy) once it has run dry, maybe steps ahead of the input that
+        ends it; None before, and after a data error."""
+        return self.dry
 
     def release(self, step_input: StepInput) -> None:
         """After `StepInput.to_device`: its pinned buffers may be refilled once the copies are done."""
@@ -185,9 +189,8 @@ class Prefetcher:
             self._hand_over(_DONE)
 
     def _dry(self, step_input: StepInput) -> None:
-        if step_input.ran_dry and not step_input.error and self.on_dry is not None:
-            on_dry, self.on_dry = self.on_dry, None
-            on_dry(_copy(step_input.bad_samples))
+        if step_input.ran_dry and not step_input.error and self.dry is None:
+            self.dry = _copy(step_input.bad_samples)
 
     def _hand_over(self, item: Any) -> bool:
         while not self._stop.is_set():

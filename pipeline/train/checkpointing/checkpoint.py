@@ -8,7 +8,7 @@ Design notes
   directory and hands it to `ray.train.report(checkpoint=...)`, which merges the ranks' files into
   one directory of the run's storage (local, s3://, gs://) and registers it only once every rank
   has uploaded. Outside Ray the same functions write straight to a shared directory. The worker loop
-  saves through `pipeline.train.saver`, which by default hands `prepare`'s state to DCP's asynchronous
+  saves through `pipeline.train.checkpointing.saver`, which by default hands `prepare`'s state to DCP's asynchronous
   save (training waits for the copy to host memory alone) and lets the write and upload run beside it.
 - Completeness: a directory counts only once `.metadata`, `train_state.json`, `config.json` and every
   shard file the metadata names are there whole (`pipeline.dcp.is_complete`); `latest_complete` skips
@@ -21,7 +21,7 @@ Design notes
   from its stream this epoch: `pipeline.train.loop` resumes at the next sample), and every rank's RNG
   state (restored when the world size matches; otherwise each rank reseeds from (seed, step, rank)).
   The learning-rate schedule is a pure function of the step, so it needs no state of its own.
-- The EMA of the weights (`pipeline.train.ema`, with ``--ema-decay``) is saved beside the model as
+- The EMA of the weights (`pipeline.train.step.ema`, with ``--ema-decay``) is saved beside the model as
   ``ema.<parameter name>``, DTensors of the parameters' layout, so it reshards alike. A checkpoint without
   it resumes with the EMA started from its weights; a run without EMA never reads it.
 - The final export gathers one full tensor at a time onto rank 0's CPU (`cpu_offload`), so no
@@ -55,10 +55,10 @@ from torch.distributed.tensor import DTensor
 import vit
 from pipeline import storage
 from pipeline.dcp import CONFIG, TRAIN_STATE, CheckpointRefusedError, plain_data_planner, safe_reader
-from pipeline.train.ema import PREFIX as EMA_PREFIX
-from pipeline.train.ema import WeightEMA
-from pipeline.train.metrics import log_line
+from pipeline.train.observe.metrics import log_line
 from pipeline.train.sections import OptimConfig
+from pipeline.train.step.ema import PREFIX as EMA_PREFIX
+from pipeline.train.step.ema import WeightEMA
 from vit.weights import WEIGHTS_FILE
 
 
@@ -105,7 +105,7 @@ def prepare(
 ) -> dict[str, Any]:
     """Collective: what `save` does before DCP writes: every rank's RNG gathered, rank 0's
     `train_state.json` and `config.json` written into `directory`; returns the state dict for DCP
-    (model, optimizer, EMA: views of the live tensors). `pipeline.train.saver` hands it to DCP's
+    (model, optimizer, EMA: views of the live tensors). `pipeline.train.checkpointing.saver` hands it to DCP's
     asynchronous save instead."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -135,7 +135,7 @@ def check_compatible(
     optim: OptimConfig | None = None,
 ) -> None:
     """Raise a one-line error when a checkpoint was made for another model, or (with ``objective``,
-    `pipeline.train.objective.Objective.checkpoint_meta`) another objective or MAE decoder, or holds
+    `pipeline.train.step.objective.Objective.checkpoint_meta`) another objective or MAE decoder, or holds
     (with ``optim``, the run's section) the state of another optimizer or of other parameter groups
     (layer decay 1 or not: two groups, or one per layer). Other optimizer settings may change: the
     run's own apply (`load`). The error is a `CheckpointRefusedError`: workers refuse alike, and a

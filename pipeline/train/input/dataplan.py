@@ -5,16 +5,17 @@ fingerprint of its streams, and the entry its metrics rows add.
     DataPlan (protocol) --- OneSource: a plain ``--data``, the shards of one dataset
                         +-- Mixture:   sources mixed by weight (``--data a=URL:0.7,b=URL:0.3``)
 
-Both hand the loop step inputs through a `pipeline.train.prefetch.Prefetcher` built over the rank's
-stream of micro-batches, after those the rank has taken (`pipeline.train.cursor.EpochCursor`); when the
-stream runs dry, the loop's ``on_dry`` starts the next epoch's input while this one's last steps train.
-`pipeline.train.feeder` hands out the same `StepInputs` from a process of the rank's own (``--data-process
+Both hand the loop step inputs through a `pipeline.train.input.prefetch.Prefetcher` built over the rank's
+stream of micro-batches, after those the rank has taken (`pipeline.train.input.cursor.EpochCursor`); once the
+stream has run dry (`StepInputs.ran_dry`), the loop starts the next epoch's input while this one's last
+steps train.
+`pipeline.train.input.feeder` hands out the same `StepInputs` from a process of the rank's own (``--data-process
 feeder``).
 
 One source. Each epoch has one shard order, a pure function of (seed, epoch); rank r streams
 ``order[r::world]`` through its own Ray Data pipeline (`pipeline.data.dataset.micro_batches`). Its
-position by sample is one `pipeline.train.position.EpochPosition` of the shards, its fingerprint
-`pipeline.train.cursor.stream_fingerprint`, and its metrics rows add nothing.
+position by sample is one `pipeline.train.input.position.EpochPosition` of the shards, its fingerprint
+`pipeline.train.input.cursor.stream_fingerprint`, and its metrics rows add nothing.
 
 Mixed sources. The driver expands each source of a ``--data`` mixture (`pipeline.data.mixture`) and hands
 the workers ``sources``: ``[{"name", "weight", "shards"}, ...]``. A rank reads each source as it would read
@@ -24,7 +25,7 @@ it. The mixed stream is a pure function of the run's seed, the epoch and the ran
 it as it resumes a single source: by re-reading the micro-batches taken; the per-source counts come back
 with the re-read.
 
-At another layout the cursor goes on by sample (`pipeline.train.source_position`): each source starts at
+At another layout the cursor goes on by sample (`pipeline.train.input.source_position`): each source starts at
 its first pass not complete on the union of the old ranks, and each pass it reads is dealt by the cursor
 (`EpochCursor.deal`) as a single source's epoch is: its shards not done, every ``world``-th, their
 consumed samples passed over. A source whose first pass was complete has run out on every new rank: with
@@ -50,11 +51,11 @@ from pipeline.data.dataset import Batch, micro_batches
 from pipeline.data.mixture import SourceReader, mixed_micro_batches, pass_epoch, shares
 from pipeline.data.shards import dataset_root, shard_names
 from pipeline.train.config import TrainConfig
-from pipeline.train.cursor import EpochCursor, Position, fingerprint, stream_fingerprint
-from pipeline.train.position import EpochPosition
-from pipeline.train.prefetch import Prefetcher, StepInput
+from pipeline.train.input.cursor import EpochCursor, Position, fingerprint, stream_fingerprint
+from pipeline.train.input.position import EpochPosition
+from pipeline.train.input.prefetch import Prefetcher, StepInput
+from pipeline.train.input.source_position import SourcesPosition
 from pipeline.train.resources import data_cpus_per_worker
-from pipeline.train.source_position import SourcesPosition
 from pipeline.train.state import Rank
 
 
@@ -62,6 +63,10 @@ class StepInputs(Protocol):
     """An epoch's step inputs for this rank, as the loop takes them (`Prefetcher`)."""
 
     def next(self) -> StepInput: ...
+
+    def ran_dry(self) -> BadSamples | None:
+        """The stream's final counts once it has run dry (maybe steps ahead of the input that ends it)."""
+        ...
 
     def release(self, step_input: StepInput) -> None: ...
 
@@ -88,11 +93,9 @@ class DataPlan(Protocol):
         cursor: EpochCursor,
         *,
         ahead: BadSamples | None,
-        on_dry: Callable[[BadSamples], None],
     ) -> StepInputs:
         """This rank's steps of ``epoch`` after the micro-batches ``cursor`` has taken; given ``ahead``
-        (the counts the epoch before ended with), from the epoch's start. ``on_dry(final counts)`` is
-        called once the rank's stream has run dry."""
+        (the counts the epoch before ended with), from the epoch's start."""
         ...
 
     def metrics(self, counts: BadSamples, group: dist.ProcessGroup | None) -> dict[str, Any]:
@@ -105,7 +108,7 @@ class DataPlan(Protocol):
 
 
 class Deal(Protocol):
-    """`pipeline.train.cursor.EpochCursor.deal`: this rank's shards of a shard ``order`` (here: of source
+    """`pipeline.train.input.cursor.EpochCursor.deal`: this rank's shards of a shard ``order`` (here: of source
     ``part[0]``'s pass ``part[1]``), and the keyword arguments of their `micro_batches` (``skip``)."""
 
     def __call__(
@@ -134,7 +137,7 @@ class Mixture:
         )  # fmt: skip
 
     def fingerprint(self, seed: int, shuffle_buffer: int) -> str:
-        """What fixes every rank's mixed stream beside the layout (as `pipeline.train.cursor.
+        """What fixes every rank's mixed stream beside the layout (as `pipeline.train.input.cursor.
         stream_fingerprint` for one source): each source's shard names, its weight, the seed, the shuffle
         buffer and what a source that runs out does."""
         named = [[name, shard_names(shards)] for name, shards in zip(self.names, self.shards, strict=True)]
@@ -235,7 +238,7 @@ class StreamPlan:
         self.config, self.data_config, self.me = settings.config, settings.data_config, settings.me
         self.columns, self.data_cpus = settings.columns, settings.data_cpus
         # The stream of one pass of shards, as found when the plan is made: a plan handed to a feeder
-        # process (`pipeline.train.feeder`) reads with the same function there.
+        # process (`pipeline.train.input.feeder`) reads with the same function there.
         self.read = micro_batches
 
     def cpus(self, epoch: int) -> float:
@@ -248,7 +251,6 @@ class StreamPlan:
         cursor: EpochCursor,
         *,
         ahead: BadSamples | None,
-        on_dry: Callable[[BadSamples], None],
     ) -> StepInputs:
         counts = cursor.replay_counts() if ahead is None else ahead
         stream = self.stream(epoch, cursor, counts, ahead=ahead is not None)
@@ -259,7 +261,6 @@ class StreamPlan:
             bad_samples=counts,
             pin=self.me.device.type == "cuda",
             depth=self.config.speed.prefetch_steps,
-            on_dry=on_dry,
         )
 
     def stream(self, epoch: int, cursor: EpochCursor, counts: BadSamples, *, ahead: bool) -> Iterator[Batch]:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from pipeline import storage
 from pipeline.train.config import TrainConfig
-from pipeline.train.metrics import log_line
+from pipeline.train.observe.metrics import log_line
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"

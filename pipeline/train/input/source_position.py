@@ -1,22 +1,22 @@
 """`SourcesPosition`: what the current epoch of a mixed run has consumed, per source and per pass, by sample.
 
-A mixed run (`pipeline.train.dataplan.MixedSources`) reads each source in passes: pass p of a source has its own shard
+A mixed run (`pipeline.train.input.dataplan.MixedSources`) reads each source in passes: pass p of a source has its own shard
 order (`pipeline.data.mixture.pass_epoch`), and a cycled source's sample comes again in its next pass. So
 a sample of a mixed epoch is named by its source, its pass and, within that pass, as one source's sample
-is (`pipeline.train.position.EpochPosition`: shard and index in the shard's tar order). The mixed stream
+is (`pipeline.train.input.position.EpochPosition`: shard and index in the shard's tar order). The mixed stream
 tags each sample it hands out, and each bad sample its sources count, with its source and pass
 (`SourceReader`), and a rank keeps one `EpochPosition` per (source, pass) it has consumed from.
 
 A pass is complete once every shard of it is done; ranks go through a source's passes in turn, so the
 complete passes are a prefix, kept as a number (``passes_done``) with no shard list. A checkpoint holds
-the union over ranks (`pipeline.train.position.union_over_ranks`) as `TrainState.epoch_consumed`:
+the union over ranks (`pipeline.train.input.position.union_over_ranks`) as `TrainState.epoch_consumed`:
 
     {"sources": {name: {"shards": fingerprint, "passes_done": d, "passes": {p: EpochPosition record}}}}
 
 with a record only for the passes begun and not complete: at most the spread of passes the ranks are in,
 each the size of a single source's position (BENCHMARKS.md). A run resumed at another layout deals, per
 source, each pass from ``passes_done`` on as a single source's epoch is dealt (`EpochPosition.deal`, via
-`pipeline.train.cursor.EpochCursor.deal`): the shards of that pass's order not done, every ``world``-th,
+`pipeline.train.input.cursor.EpochCursor.deal`): the shards of that pass's order not done, every ``world``-th,
 their consumed samples passed over by the read stage. No torch collective here but through
 `union_over_ranks`.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.train.position import EpochPosition, shards_fingerprint, union_over_ranks
+from pipeline.train.input.position import EpochPosition, shards_fingerprint, union_over_ranks
 
 
 class SourcesPosition:

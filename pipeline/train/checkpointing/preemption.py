@@ -3,8 +3,8 @@
     SIGTERM (the handler sets a flag) --+
     Ray's drain notice (read locally) --+--> PreemptionWatcher.notice(step), at every step boundary
     the test hook (an env variable)  ---+        -> agree_on_step(preempted=...): any rank -> every rank
-                                                 -> checkpoint_and_stop: the plan (one gather), a normal
-                                                    checkpoint of this step, one log line, `Preempted`
+                                                 -> agree: the plan (one gather); the loop's normal
+                                                    checkpoint of this step; stop: one log line, `Preempted`
 
 Notices. Ray Train watches the cluster's node drains (a spot reclaim or a scale-down that the cluster
 reports to Ray, `ray drain-node`) and hands every worker of the run a `ray.train.PreemptionInfo` with
@@ -22,7 +22,7 @@ Agreement. A notice may reach one rank only (a SIGTERM) or the ranks at differen
 agreement folds every rank's flag into the all-reduce it makes anyway, so every rank stops at the same
 step boundary, before that step: the checkpoint holds the steps up to N and every rank's cursor as of
 step N, as a periodic checkpoint at step N would, and a resume goes on at the sample
-(`pipeline.train.cursor`). One gather then settles the plan, the same on every rank: every rank's
+(`pipeline.train.input.cursor`). One gather then settles the plan, the same on every rank: every rank's
 reason, the least time left before a deadline, the longest a checkpoint took in this attempt.
 
 Stop. The checkpoint is a normal one (`dcp.checkpoint_name(step)`), reported to Ray Train with its
@@ -44,14 +44,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 import torch.distributed as dist
 
 from pipeline import compat, dcp
-from pipeline.train.metrics import log_line
-from pipeline.train.saver import Checkpointer
+from pipeline.train.checkpointing.saver import Checkpointer
+from pipeline.train.observe.metrics import log_line
 from pipeline.train.state import Rank
 
 POLL_SECONDS = 2.0  # between two reads of Ray's notice: a drain gives minutes, a step may take ms
@@ -199,7 +199,7 @@ class PreemptionWatcher:
         self.info: Any = None  # Ray's notice, once read (a node drain is not taken back)
         self.next_poll = clock()
         self.handles_sigterm = _on_main_thread(_install)
-        compat.drop_ray_train_tracebacks(Preempted)  # `checkpoint_and_stop` logs its own line
+        compat.drop_ray_train_tracebacks(Preempted)  # `stop` logs its own line
 
     def notice(self, step: int) -> Notice | None:
         """This rank's notice at the step boundary after ``step``, or None."""
@@ -248,39 +248,57 @@ def agree_on_plan(notice: Notice | None, save_seconds: float, group: dist.Proces
     return decide(every)
 
 
-def checkpoint_and_stop(
+@dataclass(frozen=True)
+class Stop:
+    """What every rank does at a preempted step boundary, alike (`agree`): its plan, and whether a
+    checkpoint of the step is saved (``saves``), else why none is (``done``) and where the restart resumes."""
+
+    plan: Plan
+    step: int
+    saves: bool
+    done: str  # "" when a checkpoint is saved
+    source: str  # what Ray Train's restart resumes from
+    max_failures: int
+    settled: float  # `time.perf_counter()` when the ranks settled it
+
+
+def agree(
     watcher: PreemptionWatcher,
     me: Rank,
     step: int,
     checkpointer: Checkpointer,
-    save: Callable[[], None],
     *,
     held: bool,
     max_failures: int,
-) -> NoReturn:
-    """Collective, at the step boundary where the ranks agreed that one of them has a notice: a normal
-    checkpoint of ``step`` (``save``, the loop's; none where one holds the step already, ``held``, or the
-    deadline leaves no time), one log line from rank 0, then `Preempted` on every rank."""
+) -> Stop:
+    """Collective, at the step boundary where the ranks agreed that one of them has a notice: the plan (one
+    gather), and whether a normal checkpoint of ``step`` is saved: not at step 0, nor where one holds the
+    step already (``held``), nor where the deadline leaves less time than a checkpoint takes. The loop
+    saves it; `stop` then waits for it and stops."""
     # What a save takes, start to storage (an asynchronous one returns before): the checkpointer's record.
     plan = agree_on_plan(watcher.notice(step), checkpointer.longest_seconds, me.group)
-    name = dcp.checkpoint_name(step)
-    source = "it"
+    unsaved = Stop(plan, step, False, "", "it", max_failures, time.perf_counter())
     if step == 0:
-        done, source = "no step trained yet", "the start"
-    elif held:
-        done = f"{name} holds this step already"
-    elif not plan.save:
-        done = (
-            f"{plan.seconds_left:.0f} s left before the deadline and a checkpoint takes "
-            f"{plan.save_seconds:.0f} s: none saved"
+        return replace(unsaved, done="no step trained yet", source="the start")
+    if held:
+        return replace(unsaved, done=f"{dcp.checkpoint_name(step)} holds this step already")
+    if not plan.save:
+        return replace(
+            unsaved,
+            done=f"{plan.seconds_left:.0f} s left before the deadline and a checkpoint takes "
+            f"{plan.save_seconds:.0f} s: none saved",
+            source="its latest checkpoint",
         )
-        source = "its latest checkpoint"
-    else:
-        start = time.perf_counter()
-        save()
-        checkpointer.wait()  # written and uploaded before the restart
-        done = f"{name} saved in {time.perf_counter() - start:.1f} s"
-    checkpointer.wait()  # a save still in flight (this step's own, or the one before) completes first
+    return replace(unsaved, saves=True)
+
+
+def stop(settled: Stop, checkpointer: Checkpointer, rank: int) -> NoReturn:
+    """Collective: once the save in flight is in storage (this step's, or the one before), one log line
+    from rank 0, then `Preempted` on every rank."""
+    checkpointer.wait()  # written and uploaded before the restart
+    done = settled.done or (
+        f"{dcp.checkpoint_name(settled.step)} saved in {time.perf_counter() - settled.settled:.1f} s"
+    )
     # Ray Train registers a checkpoint only from a report its controller took before this rank raised.
     if not compat.wait_for_ray_train_reports(REPORTS_TIMEOUT_S):
         done += (
@@ -288,9 +306,9 @@ def checkpoint_and_stop(
             "(the restart may resume from the checkpoint before)"
         )
     line = (
-        f"preempted at step {step} ({plan.why}): {done}; Ray Train restarts the run from {source} "
-        f"within --max-failures {max_failures}, or run the same command again"
+        f"preempted at step {settled.step} ({settled.plan.why}): {done}; Ray Train restarts the run from "
+        f"{settled.source} within --max-failures {settled.max_failures}, or run the same command again"
     )
-    if me.rank == 0:
+    if rank == 0:
         log_line(line)
     raise Preempted(line)

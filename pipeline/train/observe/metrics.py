@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import resource
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -16,8 +14,11 @@ import torch
 import torch.distributed as dist
 
 from pipeline import storage
-from pipeline.train import stacks
-from pipeline.train.mfu import mfu
+from pipeline.train.observe import stacks
+from pipeline.train.observe.collector import Collector
+from pipeline.train.observe.host_copy import HostCopy
+from pipeline.train.observe.mfu import mfu
+from pipeline.train.observe.stragglers import slow_window, straggler
 
 if TYPE_CHECKING:
     from pipeline.train.state import TrainState
@@ -41,45 +42,11 @@ def log_line(line: str) -> None:
 @dataclass
 class RunTotals:
     """What the windows of one attempt share: when its first window began, the images stepped over
-    since (all ranks), and whether the collector has frozen the objects of the warm-up."""
+    since (all ranks), and Python's collector (`pipeline.train.observe.collector`)."""
 
     start: float
+    collector: Collector
     images: float = 0.0
-    frozen: bool = False
-
-
-class HostCopy:
-    """Device values copied into host memory behind the work queued so far, read without waiting for
-    the work queued after them: on CUDA a non-blocking copy into pinned memory and an event recorded
-    after it, so that `wait` waits for the device to reach that point and no further (a ``tolist`` of
-    the device tensor would wait for every kernel queued before the read, the next step's included).
-    On a device that runs each operation as it is called (CPU) the copy is made at once and the event is
-    None; the code path is the same."""
-
-    def __init__(self, values: torch.Tensor):
-        pinned = values.device.type == "cuda"
-        self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=pinned)
-        self.values.copy_(values, non_blocking=pinned)
-        self.event = HostCopy.record_event(values.device)
-        self.taken = time.perf_counter()
-
-    @staticmethod
-    def record_event(device: torch.device) -> Any:
-        """An event recorded on ``device``'s current stream after the work queued so far (its
-        ``synchronize`` waits for that work only); None on CPU, where that work is done already."""
-        if device.type == "cpu":
-            return None
-        event = torch.Event(device=device)
-        event.record()
-        return event
-
-    def wait(self) -> tuple[list[float], float]:
-        """The values, and the instant the host saw the device reach them: when the event's wait
-        returned, or, without an event, when the copy was taken."""
-        if self.event is None:
-            return self.values.tolist(), self.taken
-        self.event.synchronize()
-        return self.values.tolist(), time.perf_counter()
 
 
 class MetricsWindow:
@@ -97,10 +64,9 @@ class MetricsWindow:
     the wait falls in the next window, beside the device's next step. Its all-reduces are of host
     values, over the CPU group it is given, and wait for no device.
 
-    Python's collector runs at log lines only (`collect_garbage`): the first window turns its
-    automatic collections off (a full collection of a large heap holds the interpreter lock for a
-    second or more, whenever allocation counts say, in the middle of a step), and each log line's
-    collection is timed into the window after the device wait and reported as ``gc_s``.
+    Python's collector runs at log lines only: the first window makes the run's `Collector`, which turns
+    its automatic collections off, and each log line's collection is timed into the window after the
+    device wait and reported as ``gc_s``.
     """
 
     def __init__(self, device: torch.device, totals: RunTotals | None = None):
@@ -117,8 +83,7 @@ class MetricsWindow:
         self.steps = 0
         first = totals is None
         if totals is None:
-            gc.disable()
-            totals = RunTotals(start=time.perf_counter())
+            totals = RunTotals(start=time.perf_counter(), collector=Collector())
         self.totals = totals
         self.start = totals.start if first else time.perf_counter()  # a following one's: set at `wait`
         self.copy: HostCopy | None = None  # set by `close`: the device values as of the last step
@@ -189,7 +154,7 @@ class MetricsWindow:
         self.wait()
         assert self.end is not None
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        gc_s = collect_garbage(self.totals)
+        gc_s = self.totals.collector.collect()
         own = [0.0] * world
         own[rank] = (self.end - self.start - self.sync_wait) / max(self.steps, 1)
         loss, correct, scored, norm = self.values[:4]
@@ -226,20 +191,6 @@ class MetricsWindow:
             "run_images_per_s": self.totals.images / (self.end - self.totals.start),
             "rank_step_s": step_s,
         }
-
-
-def collect_garbage(totals: RunTotals) -> float:
-    """A log line's collection of the young generations, in seconds. At the first log line, after the
-    warm-up (model, optimizer, compiled code, the pipeline's first objects), what survives it is
-    frozen (`gc.freeze`): no later collection walks it. The oldest generation is never collected (as
-    torchtitan does): a full collection walks the whole heap, which took 1 s on a 2-core machine at a
-    run's first log line (BENCHMARKS.md, "The host beside a device-shaped step")."""
-    started = time.perf_counter()
-    gc.collect(1)
-    if not totals.frozen:
-        gc.freeze()
-        totals.frozen = True
-    return time.perf_counter() - started
 
 
 class SkippedSteps:
@@ -347,25 +298,6 @@ class MetricsLog:
         return next((r for r in reversed(self.rows) if r["step"] == step), {})
 
 
-SLOW = 0.15  # a window this far under the run's median says what the training thread was doing
-BASELINE = 3  # earlier windows (after the first) before a median is one: a run of a few is no baseline
-
-
-def slow_window(row: dict[str, Any], rates: list[float], window: stacks.Window) -> str:
-    """One line for a window more than `SLOW` under the median of ``rates`` (the earlier windows after
-    the first, `BASELINE` of them at least; this row's rate is added to them), saying where the training
-    thread was (`pipeline.train.stacks.summary`); "" for the others."""
-    rate = row.get("images_per_s") or 0.0
-    median = statistics.median(rates) if rates else rate
-    rates.append(rate)
-    if len(rates) <= BASELINE or rate >= (1 - SLOW) * median:
-        return ""
-    return (
-        f"step {row['step']}: {rate:,.0f} img/s, {100 * (1 - rate / median):.0f}% under the run's median "
-        f"({median:,.0f}); the training thread: {stacks.summary(window)}"
-    )
-
-
 def format_line(m: dict[str, Any], last_step: int, started: float, first_step: int) -> str:
     """`step 120/1000 (12%) | loss 1.234 | acc 56.0% | ...`: what a person watching wants to read."""
     parts = [
@@ -397,25 +329,6 @@ def format_line(m: dict[str, Any], last_step: int, started: float, first_step: i
         eta = (time.perf_counter() - started) / done * (last_step - m["step"])
         parts.append(f"eta {_hms(eta)}")
     return " | ".join(parts)
-
-
-STRAGGLER = 0.2  # a rank this far over the ranks' median time per step is named in the log line
-
-
-def straggler(step_s: list[float]) -> str:
-    """``slowest rank 3: 0.52 s/step, 37% over the median 0.38`` for the slowest of the ranks' own times per
-    step (`MetricsWindow.reduce`) when more than `STRAGGLER` over their median; "" otherwise. On many
-    nodes one slow rank (its decode, its node) sets every rank's pace: this says which."""
-    if len(step_s) < 2:
-        return ""
-    median = statistics.median(step_s)
-    slowest = max(range(len(step_s)), key=step_s.__getitem__)
-    if median <= 0 or step_s[slowest] <= (1 + STRAGGLER) * median:
-        return ""
-    return (
-        f"slowest rank {slowest}: {step_s[slowest]:.2f} s/step, "
-        f"{100 * (step_s[slowest] / median - 1):.0f}% over the median {median:.2f}"
-    )
 
 
 def format_sources(sources: dict[str, dict[str, Any]]) -> str:

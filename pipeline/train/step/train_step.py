@@ -1,5 +1,10 @@
-"""The optimizer step, without Ray: forward/backward over micro-batches, clip, update.
+"""The optimizer step, without Ray: forward and backward over micro-batches, then clip and update.
 
+    gradients = step.forward_backward(n, micro_batches, global_count)   # in the model's parameters
+    stats = step.update(gradients)                                       # clip, learning rate, AdamW
+
+Two calls, so that whoever runs the step can do what must come before the update between them (the
+training loop: the previous step's report and checkpoint, `pipeline.train.loop`); ``step(...)`` makes both.
 It runs under Ray Train workers, under `torchrun`, or in one plain process, which is how
 `jobs/benchmark.py train` measures a variant on a bare GPU machine.
 """
@@ -7,7 +12,6 @@ It runs under Ray Train workers, under `torchrun`, or in one plain process, whic
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +19,20 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.train.config import TrainConfig
-from pipeline.train.mixing import mix_seed
-from pipeline.train.objective import Objective, objective_for
-from pipeline.train.optim import build_optimizer, lr_factor
+from pipeline.train.step.mixing import mix_seed
+from pipeline.train.step.objective import Objective, objective_for
+from pipeline.train.step.optim import build_optimizer, lr_factor
+
+
+@dataclass
+class Gradients:
+    """One step's gradients, in the model's parameters (reduced over the ranks), and the sums of the
+    forward and backward passes on this rank that made them."""
+
+    step: int  # the optimizer step (0-based) they belong to
+    loss_sum: torch.Tensor  # sum of per-sample losses on this rank (the objective's)
+    correct: torch.Tensor  # top-1 hits on this rank (0 for an objective without classes)
+    count: int  # samples on this rank
 
 
 @dataclass
@@ -33,7 +48,7 @@ class StepStats:
 
 
 class TrainStep:
-    """One optimizer step: forward/backward over micro-batches, sync on the last, clip, update."""
+    """One optimizer step: `forward_backward` over micro-batches (sync on the last), then `update`."""
 
     def __init__(
         self, model: nn.Module, config: TrainConfig, device: torch.device, objective: Objective | None = None
@@ -43,10 +58,6 @@ class TrainStep:
         self.device = device
         self.objective = objective or objective_for(config)  # the loss; the step is the same for all
         self.optimizer = build_optimizer(model, config)
-        # Called once the step's gradients are in and before anything writes what a checkpoint holds
-        # (learning rate, weights, optimizer state): the loop's checkpoint of the step before, and its
-        # wait for a save's copy (`Trainer.before_update`).
-        self.before_update: Callable[[], None] = lambda: None
 
     def __call__(
         self,
@@ -55,10 +66,20 @@ class TrainStep:
         global_count: int,
         micro_steps: int | None = None,
     ) -> StepStats:
-        """Run optimizer step `step` (0-based) over this rank's micro-batches, each a tuple of the
-        objective's columns (supervised: `(patches uint8 (B, N, K), labels (B,))`). The learning rate
-        is a pure function of `step` (set here: no scheduler state to checkpoint), and so is each
-        micro-batch's Mixup/CutMix draw, of (seed, step, rank, its index): a resumed run draws alike.
+        """`forward_backward`, then `update`, with nothing between them."""
+        return self.update(self.forward_backward(step, micro_batches, global_count, micro_steps))
+
+    def forward_backward(
+        self,
+        step: int,
+        micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+        global_count: int,
+        micro_steps: int | None = None,
+    ) -> Gradients:
+        """The passes of optimizer step `step` (0-based) over this rank's micro-batches, each a tuple of
+        the objective's columns (supervised: `(patches uint8 (B, N, K), labels (B,))`). Each micro-batch's
+        Mixup/CutMix draw is a pure function of (seed, step, rank, its index): a resumed run draws alike.
+        Nothing a checkpoint holds is written here (learning rate, weights, optimizer state).
 
         `global_count` is the number of samples in this step across all ranks: each rank scales
         its summed loss by world_size / global_count, so after FSDP2 averages gradients over ranks
@@ -90,7 +111,13 @@ class TrainStep:
             if hits is not None:
                 correct += hits
             count += losses.shape[0]
-        self.before_update()
+        return Gradients(step, loss_sum, correct, count)
+
+    def update(self, gradients: Gradients) -> StepStats:
+        """Clip the ``gradients`` and update the weights at the learning rate of their step,
+        a pure function of the step (set here: no scheduler state to checkpoint); a step whose loss or
+        gradient norm is not finite changes no weight."""
+        model, step = self.model, gradients.step
         # The global norm is measured either way (it is logged, and tells a non-finite step); at a
         # threshold of inf the scale is 1, so grad_clip 0 leaves the gradients as they are.
         max_norm = self.config.optim.grad_clip or math.inf
@@ -111,4 +138,6 @@ class TrainStep:
         elif not bool(skipped):  # other kernels: decided on the host, the step's one wait for the device
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss_sum, correct, count, grad_norm.detach(), lr, skipped)
+        return StepStats(
+            gradients.loss_sum, gradients.correct, gradients.count, grad_norm.detach(), lr, skipped
+        )

@@ -1,6 +1,6 @@
 """Float8 training (``--fp8``): the blocks' Linear layers compute in float8 with torchao, under FSDP2.
 
-Order of setup (`pipeline.train.model.build_model`): model on meta -> `convert_to_float8` -> activation
+Order of setup (`pipeline.train.step.model.build_model`): model on meta -> `convert_to_float8` -> activation
 checkpointing -> compile -> FSDP2. The conversion swaps each chosen ``nn.Linear`` for torchao's
 ``Float8Linear`` (a subclass holding the same ``weight`` and ``bias``), so parameter names, state
 dicts and checkpoints are those of the bf16 model, and a run can resume with or without ``--fp8``.

@@ -103,7 +103,7 @@ def build_model(config: TrainConfig, device: torch.device, mesh: DeviceMesh | No
     with torch.device("meta"):
         model = create_module(config)
     if config.speed.fp8:
-        from pipeline.train import fp8
+        from pipeline.train.step import fp8
 
         # Emulated on CPU: only tests get there, as the config refuses --fp8 with --cpu.
         if device.type == "cuda":

@@ -20,7 +20,7 @@ shards that are not done, in the epoch's shard order, to its ranks (``remaining[
 read stage passes over the consumed samples of each (`skip`) before decoding them, so the rest of the
 epoch trains each remaining sample once and none twice. What is not kept: the order in which those
 samples come (another layout has other streams and shuffle buffers), and so which samples share a step.
-A mixed run keeps one per source and pass of that source (`pipeline.train.source_position`).
+A mixed run keeps one per source and pass of that source (`pipeline.train.input.source_position`).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class EpochPosition:
 
 def union_over_ranks(position: Any, group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Collective: the union of every rank's ``position`` (anything with ``to_dict``, ``fresh`` and
-    ``update``: `EpochPosition`, `pipeline.train.source_position.SourcesPosition`), as its ``to_dict``."""
+    ``update``: `EpochPosition`, `pipeline.train.input.source_position.SourcesPosition`), as its ``to_dict``."""
     records: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(records, position.to_dict(), group=group)
     merged = position.fresh()

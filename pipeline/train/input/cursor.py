@@ -11,10 +11,10 @@ what the rank has taken from it:
   a resume at the same layout and fingerprint skips exactly what the rank trained on (`skip` stops
   at the stream's end) and trains on the rest; at another layout (or after such a resume in the
   same epoch) the cursor is ``elastic``: the epoch goes on from its position by sample
-  (`pipeline.train.position`), each remaining sample once; without one (another fingerprint, a
+  (`pipeline.train.input.position`), each remaining sample once; without one (another fingerprint, a
   checkpoint that predates it) the epoch starts again from its first sample. The resume's log line
   says which and why (`resume`). Mixed sources keep their position per source and per pass
-  (`pipeline.train.source_position`), and go on by sample alike.
+  (`pipeline.train.input.source_position`), and go on by sample alike.
 - ``counts``: this rank's bad-sample counts as of the last step's input (what reports, checkpoints and
   the summary hold), and ``at_epoch_start``: its counts when the epoch began. A resume re-reads the
   skipped micro-batches counting from ``at_epoch_start``, so it ends at exactly ``counts``: each bad
@@ -42,8 +42,8 @@ import torch.distributed as dist
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.data.shards import shard_names
-from pipeline.train.position import EpochPosition
-from pipeline.train.source_position import SourcesPosition
+from pipeline.train.input.position import EpochPosition
+from pipeline.train.input.source_position import SourcesPosition
 from pipeline.train.state import TrainState, gather_bad_samples
 
 T = TypeVar("T")
@@ -134,7 +134,7 @@ class EpochCursor:
     # This epoch's streams hold what its position by sample had not consumed (a resume at another
     # layout): re-reading micro-batches does not apply to it, not even at the same layout later.
     elastic: bool = False
-    # What the epoch has consumed, by sample (`pipeline.train.position`): this rank's part, and what
+    # What the epoch has consumed, by sample (`pipeline.train.input.position`): this rank's part, and what
     # the run had consumed when it resumed; None where the cursor is given no shards (not tracked).
     samples: Position | None = None
     # An ``elastic`` epoch's position as resumed (the run's union): what its shards are dealt from.

@@ -75,7 +75,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
         fused=impl == "fused",
     )
     if config.speed.fp8:
-        from pipeline.train.fp8 import precompute_scales_after_step
+        from pipeline.train.step.fp8 import precompute_scales_after_step
 
         precompute_scales_after_step(optimizer, model)
     return optimizer

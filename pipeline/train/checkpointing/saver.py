@@ -16,7 +16,7 @@ Design notes
   Ray Train uploads it, and only then does training go on: the stall is the write plus the upload.
 - Asynchronous (the default): DCP's `DefaultStager` copies the state into host memory (pinned on CUDA)
   on a thread of its own while the next step's forward and backward run; that step waits for the copy
-  only before it writes anything the copy holds (`TrainStep.before_update` -> `Saver.staged`: the
+  only before it writes anything the copy holds (the loop's `Checkpointer.staged` before the update: the
   learning rate, the weights, the optimizer state; the EMA follows the update). On CUDA the copy reads
   what the checkpoint's step wrote: a save starts once the host has seen the device run that step (the
   finite check's event, recorded behind the step and its EMA update; the steps queued after it only read
@@ -58,11 +58,11 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from pipeline import compat, dcp
-from pipeline.train import checkpoint
-from pipeline.train.cursor import EpochCursor
-from pipeline.train.ema import WeightEMA
-from pipeline.train.metrics import HostCopy
+from pipeline.train.checkpointing import checkpoint
+from pipeline.train.input.cursor import EpochCursor
+from pipeline.train.observe.host_copy import HostCopy
 from pipeline.train.state import Rank, TrainState, local_shard
+from pipeline.train.step.ema import WeightEMA
 
 # A test hook, unset in real runs: "STEP:SECONDS" holds the background write of checkpoint STEP for
 # SECONDS on every rank, so that a test can kill a run while that save is in flight
@@ -169,7 +169,7 @@ class Saver:
         self.staging: Future | None = None  # its copy of the state, until `staged` has seen it done
         self.directory: str | None = None  # its local files
         # The longest any save took from its start until in storage: what a save before a deadline
-        # needs (`pipeline.train.preemption`).
+        # needs (`pipeline.train.checkpointing.preemption`).
         self.longest_seconds = 0.0
 
     def start(

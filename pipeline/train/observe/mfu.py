@@ -9,8 +9,8 @@ usual for MFU. An inference image costs its forward's. The peak is the vendor's 
 exactly the GPU torch reports (`peak_tflops`); the benchmarks may put a measured matmul rate in its
 place (`jobs.benchmarks.timing.matmul_tflops`).
 
-The one home of the three: the training metrics (`pipeline.train.metrics`), the objectives' FLOPs per
-image (`pipeline.train.objective`) and the benchmarks (`jobs/benchmarks/`) all take them from here.
+The one home of the three: the training metrics (`pipeline.train.observe.metrics`), the objectives' FLOPs per
+image (`pipeline.train.step.objective`) and the benchmarks (`jobs/benchmarks/`) all take them from here.
 """
 
 from __future__ import annotations

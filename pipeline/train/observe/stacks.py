@@ -73,8 +73,8 @@ def innermost_frames(target: int) -> list[str] | None:
 
 PARTS = (  # the first part whose frame is on a sample's stack names it
     ("data wait", ("prefetch.py:next",)),
-    ("report", ("loop.py:report", "loop.py:save_checkpoint", "saver.py:start")),
-    ("step", ("step.py:__call__",)),
+    ("report", ("loop.py:take_report", "loop.py:finish_report", "saver.py:start")),
+    ("step", ("train_step.py:forward_backward", "train_step.py:update")),
 )
 
 

@@ -3,7 +3,7 @@ feeder, a Ray actor on the rank's node, and the training process only copies fin
 the device and steps.
 
     training process (rank r)                          feeder (an actor on rank r's node, no GPU)
-    FeederPlan.epoch_input --- open(epoch, cursor) --> the rank's own plan (`pipeline.train.dataplan`):
+    FeederPlan.epoch_input --- open(epoch, cursor) --> the rank's own plan (`pipeline.train.input.dataplan`):
     FeederInputs.next <------- next(epoch) ----------- Ray Data's executor, the shuffle buffer, rebatch,
       uint8 patches, labels, keys (the object store)   bad samples, the position's columns (`Prefetcher`)
 
@@ -32,9 +32,9 @@ Head start. The feeder's `Prefetcher` builds ``--prefetch-steps`` ahead, and the
 many ``next`` calls in flight (at least one; at most as many as a share of the node's object store holds,
 `calls_in_flight`: each reply in flight is a step's input there) from a thread that receives the replies
 (`FeederInputs`), so a step's arrays are in shared memory, and copied out of it, before the training
-thread asks.
-When the feeder's stream runs dry, its final counts ride on its next reply, and the loop's ``on_dry``
-opens the next epoch on the same feeder while this epoch's last steps train.
+thread asks. When the feeder's stream runs dry, its final counts ride on its next replies
+(`FeederInputs.ran_dry`), and the loop opens the next epoch on the same feeder while this epoch's last
+steps train.
 
 Device copies. On CUDA a step's arrays are copied into reused pinned buffers (`PinnedPool`) on that
 receiving thread, and from there to the device on a CUDA stream of the training process's own, which the
@@ -54,7 +54,6 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -68,9 +67,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.train.config import TrainConfig
-from pipeline.train.cursor import EpochCursor, Position
-from pipeline.train.dataplan import DataPlan, StepInputs, plan_for
-from pipeline.train.prefetch import PinnedPool, StepInput
+from pipeline.train.input.cursor import EpochCursor, Position
+from pipeline.train.input.dataplan import DataPlan, StepInputs, plan_for
+from pipeline.train.input.prefetch import PinnedPool, StepInput
 from pipeline.train.state import Rank
 
 # The longest a rank waits for one reply of its feeder. A reply is a step's input, which a feeder
@@ -120,24 +119,21 @@ class Feeder:
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # as in the training process
         self.plan = plan
         self.inputs: dict[int, StepInputs] = {}
-        self.dry: dict[int, dict[str, Any]] = {}  # an epoch's final counts, until a reply carries them
 
     def pid(self) -> int:
         return os.getpid()
 
     def open(self, epoch: int, cursor: EpochCursor, ahead: dict[str, Any] | None) -> None:
         """Start ``epoch``'s step inputs (`DataPlan.epoch_input`, with ``cursor`` as the rank's was)."""
-
-        def on_dry(final: BadSamples) -> None:
-            self.dry[epoch] = final.to_dict()
-
         counts = None if ahead is None else BadSamples.from_dict(ahead)
-        self.inputs[epoch] = self.plan.epoch_input(epoch, cursor, ahead=counts, on_dry=on_dry)
+        self.inputs[epoch] = self.plan.epoch_input(epoch, cursor, ahead=counts)
 
     def next(self, epoch: int) -> dict[str, Any]:
         """The next step input of ``epoch`` as arrays (one dict of columns a micro-batch), and the
-        epoch's final counts once its stream has run dry (``dry``, once)."""
-        step_input = self.inputs[epoch].next()
+        epoch's final counts once its stream has run dry (``dry``; None before)."""
+        inputs = self.inputs[epoch]
+        step_input = inputs.next()
+        dry = inputs.ran_dry()
         columns = self.plan.columns
         return {
             "micro_batches": [
@@ -150,7 +146,7 @@ class Feeder:
             "bad_samples": step_input.bad_samples.to_dict(),
             "consumed": step_input.consumed,
             "counted": step_input.counted,
-            "dry": self.dry.pop(epoch, None),
+            "dry": None if dry is None else dry.to_dict(),
         }
 
     def close(self, epoch: int) -> None:
@@ -192,14 +188,14 @@ class DeviceCopies:
 
 
 class FeederInputs:
-    """An epoch's step inputs from the rank's feeder (`pipeline.train.dataplan.StepInputs`).
+    """An epoch's step inputs from the rank's feeder (`pipeline.train.input.dataplan.StepInputs`).
 
     Its replies are received on a thread of its own (`start`): the ``in_flight`` calls kept waiting on the
     feeder, the reply mapped from the object store and its arrays copied into pinned buffers (a ViT-B/16
     step of 256 images is 38.5 MB), up to `READY` steps ahead of the training thread, which only takes a
     step that is ready. On the training thread, that copy was a tenth of each step of the B/16 job on an
-    H200 (its windows' data wait, 9-11% in every one). The epoch's final counts ride on the reply that
-    carries them, and ``on_dry`` is called on the training thread when it takes that reply, as before."""
+    H200 (its windows' data wait, 9-11% in every one). The epoch's final counts ride on the replies after
+    the feeder found its stream's end: `ran_dry` gives them once the training thread has taken one."""
 
     READY = 2  # steps received and copied ahead: hides the copy; more would only pin more memory
 
@@ -212,12 +208,12 @@ class FeederInputs:
         columns: tuple[str, ...],
         in_flight: int,
         copies: DeviceCopies,
-        on_dry: Callable[[BadSamples], None],
     ):
         self.feeder, self.epoch, self.rank, self.columns = feeder, epoch, rank, columns
-        self.in_flight, self.on_dry = max(in_flight, 1), on_dry
+        self.in_flight = max(in_flight, 1)
         self.pool, self.copy_stream = copies.pool, copies.stream
-        self.final: BadSamples | None = None  # the stream's final counts, once it has run dry
+        self.dry: BadSamples | None = None  # the stream's final counts, once a reply taken carried them
+        self.final: BadSamples | None = None  # the same, once the input where it ran dry was taken
         self._ready: queue.Queue[tuple[Any, FedInput] | BaseException] = queue.Queue(maxsize=self.READY)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -242,12 +238,15 @@ class FeederInputs:
         if isinstance(item, BaseException):
             raise item
         dry, step_input = item
-        if dry is not None and self.on_dry is not None:
-            on_dry, self.on_dry = self.on_dry, None
-            on_dry(BadSamples.from_dict(dry))
+        if dry is not None and self.dry is None:
+            self.dry = BadSamples.from_dict(dry)
         if step_input.ran_dry:
             self.final = step_input.bad_samples
         return step_input
+
+    def ran_dry(self) -> BadSamples | None:
+        """The stream's final counts once a reply taken carried them (`Prefetcher.ran_dry`)."""
+        return self.dry
 
     def _receive(self) -> None:
         """The thread: ``in_flight`` calls kept waiting, their replies turned into step inputs in order,
@@ -343,7 +342,6 @@ class FeederPlan:
         cursor: EpochCursor,
         *,
         ahead: BadSamples | None,
-        on_dry: Callable[[BadSamples], None],
     ) -> StepInputs:
         if self.feeder is None:
             self.feeder = self.start()
@@ -352,7 +350,7 @@ class FeederPlan:
         self.feeder.open.remote(epoch, snapshot, None if ahead is None else ahead.to_dict())
         return FeederInputs(
             self.feeder, epoch, rank=self.me.rank, columns=self.inline.columns, in_flight=self.depth,
-            copies=self.copies, on_dry=on_dry,
+            copies=self.copies,
         )  # fmt: skip
 
     def start(self) -> Any:
@@ -381,7 +379,7 @@ def feeder_plan_for(
     me: Rank,
     columns: tuple[str, ...],
 ) -> DataPlan:
-    """`pipeline.train.dataplan.plan_for`, its pipeline in a feeder with ``--data-process feeder``."""
+    """`pipeline.train.input.dataplan.plan_for`, its pipeline in a feeder with ``--data-process feeder``."""
     plan = plan_for(loop_config, config, data_config, me, columns)
     if config.speed.data_process != "feeder":
         return plan
