@@ -24,16 +24,24 @@ jobs/analyze.py take.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from pipeline import cli
+from pipeline.evaluate import checkpoint_probe
 from pipeline.train import driver, presets
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(presets.finetune_parser(__doc__), driver.finetune_command, argv)
+    # The checkpoint probe (--probe-data) embeds and scores with the embed and evaluate jobs' code, which
+    # the training room never imports: this job hands it in.
+    return cli.main(
+        presets.finetune_parser(__doc__),
+        partial(driver.finetune_command, scorer=checkpoint_probe.score),
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -59,6 +59,9 @@ QUIET_LINES: dict[str, str] = {
     # Ray Train's controller, with a traceback, when Ray's autoscaling coordinator does not answer its
     # resource request (sent every 20 s) within 5 s: on a busy machine. The run goes on; nothing to do.
     "resource_request": r"Failed to (?:send|cancel) resource request for train-\w+",
+    # The raylet, when more worker processes start at once than twice a node's CPUs: a training run's
+    # checkpoint probe holds tasks and an actor of no CPU (`pipeline.train.scoring.probe`), a process each.
+    "worker_startup": r"PYTHON worker processes have been started on node",
 }
 
 # Set while a job runs (`Console.apply`), for the library code that configures Ray per run

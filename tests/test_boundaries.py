@@ -59,6 +59,7 @@ ALLOWED = {
     "pipeline.train": {
         "pipeline.train",
         "pipeline.linear_probe",
+        "pipeline.redaction",  # a checkpoint probe's error, as its row and log line hold it
         "pipeline.settings",
         "pipeline.cli",  # its job's parser, made from its config
         "pipeline.console",
@@ -215,6 +216,9 @@ TRAIN_ROOMS = {
         "pipeline.train.input",  # the cursor a checkpoint records
         "pipeline.train.observe",
     },
+    # The checkpoint probe and the best checkpoint: the rows and log it writes into; the model's config
+    # (the probe sets' patch size). Its scorer (embed + evaluate) is handed in by the jobs, never imported.
+    "pipeline.train.scoring": {"pipeline.train.observe", "pipeline.train.step"},
 }
 # The room that runs under torchrun or in one plain process too (the train benchmark on a bare GPU
 # machine): nothing it loads, through any module of ours, imports Ray.

@@ -10,6 +10,9 @@
 `prepare` does every check that needs no cluster (shards exist, weights load and fit ``--model``, the
 first shard holds images, ``--out`` holds nothing of another model) and decides which shards are left;
 `run` does the Ray part. Both are what ``jobs/embed.py`` and ``jobs/benchmark.py embed`` call.
+`run_in_process` runs the same stages in this one process instead of Ray Data's tasks and actors (the
+read, the eval decode, `Embedder`, the same sink and output): what a training run's checkpoint probe
+embeds its probe sets with (`pipeline.evaluate.checkpoint_probe`), on the resources of its own task.
 
 Weights travel to the actors through the object store: the driver has loaded and checked them anyway
 (its one-line errors come before any shard is read), so one ``ray.put`` of float32 numpy arrays ships
@@ -160,8 +163,9 @@ def check_device_decode(config: EmbedConfig, data_config: DataConfig) -> None:
     device_decode.check_available()
 
 
-def prepare(config: EmbedConfig) -> EmbedPlan:
-    """Every check that needs no cluster, in the order that fails cheapest first; raises ValueError."""
+def prepare(config: EmbedConfig, source: ModelSource | None = None) -> EmbedPlan:
+    """Every check that needs no cluster, in the order that fails cheapest first; raises ValueError.
+    ``source``: the weights, loaded already (else `load_model_source` of ``config.weights``)."""
     config.validate()
     out = config.location(config.out)
     storage.check_output_dir(  # an output's manifest is written before its first commit: it marks it
@@ -171,7 +175,7 @@ def prepare(config: EmbedConfig) -> EmbedPlan:
     sources = parse_sources(config.data)
     parts = [s.urls for s in sources] if sources else [config.data]
     shards = distinct(url for urls in parts for url in expand_shards(config.location(urls)))
-    source = load_model_source(
+    source = source or load_model_source(
         config.location(config.weights),
         weights_format=config.weights_format,
         model=config.model,
@@ -254,15 +258,58 @@ def run(plan: EmbedPlan, *, on_commit: Callable[[str, dict], None] | None = None
     sink.close()
     output.finish()
     bad.check_budget(final=True)
+    return summary(plan, sink, bad, start)
+
+
+def run_in_process(plan: EmbedPlan) -> EmbedSummary:
+    """`run`'s stages in this process, shard after shard: `read_shard`, the eval decode
+    (`preprocess_batch`), an `Embedder` holding the model (its ``--cpus-per-actor`` torch threads, its GPU
+    with ``--gpu``), the same `ShardSink` and output; no Ray. The same rows, files and manifest as `run`
+    (`Embedder` pads every forward to one shape), with the same errors. ``--decode gpu`` is `run`'s only."""
+    from pipeline.data.decode import preprocess_batch
+    from pipeline.data.rows import read_shard
+
+    config, output, data = plan.config, plan.output, plan.data_config
+    if config.decode != "cpu":
+        raise ValueError("run_in_process decodes on this process's CPU: --decode cpu")
+    output.start(plan.work)
+    bad = BadSamples.from_config(data)
+    sink = ShardSink(plan, bad, None)
+    start = time.perf_counter()
+    if plan.work.pending:
+        embedder = Embedder(
+            [pack_state_dict(plan.source.state_dict)],
+            plan.source.config.to_dict(),
+            pre_logits=config.embedding == "pre_logits",
+            batch_size=config.forward_batch_size(),
+            use_gpu=config.use_gpu,
+            threads=max(1, int(config.cpus_per_actor)),
+        )
+        read = {shard_id(url): url for url in plan.shards}
+        for name in plan.work.pending:
+            for table in read_shard(data.location(read[name]), data.row_spec, data.block_rows, data.retry):
+                rows = {
+                    column: table.column(column).to_numpy(zero_copy_only=False)
+                    for column in table.column_names
+                }
+                sink.add(embedder(preprocess_batch(rows, config=data, train=False, epoch=0)))
+    sink.close()
+    output.finish()
+    bad.check_budget(final=True)
+    return summary(plan, sink, bad, start)
+
+
+def summary(plan: EmbedPlan, sink: ShardSink, bad: BadSamples, start: float) -> EmbedSummary:
+    """What a run that began at ``start`` (`time.perf_counter`) did, once its sink is closed."""
     seconds = time.perf_counter() - start
     return EmbedSummary(
-        out=config.out,
+        out=plan.config.out,
         shards=len(plan.shards),
         committed=sink.committed,
         already_done=len(plan.work.done),
-        failed=dict(output.failed),
+        failed=dict(plan.output.failed),
         rows=sink.rows,
-        rows_in_output=sum(r["rows"] for r in output.shards.values()),
+        rows_in_output=sum(r["rows"] for r in plan.output.shards.values()),
         bad_samples=bad.to_dict(),
         seconds=seconds,
         images_per_s=bad.total / seconds if seconds > 0 else 0.0,

@@ -151,21 +151,22 @@ def write_json(report: EvaluationReport, uri: storage.Location | str) -> None:
     storage.write_text(uri, json.dumps(report.to_dict(), indent=2) + "\n")
 
 
-def check_pair(train: Embeddings, test: Embeddings) -> None:
+def check_pair(train: Embeddings, test: Embeddings, names: tuple[str, str] = ("--train", "--test")) -> None:
     """One line when the two outputs cannot be compared: other widths, other weights, one L2-normalized
     and one not, shards in common (the manifests' shard lists), or test classes the training rows never
-    show."""
+    show. ``names``: the flags that named the two, for the message."""
+    fit, scored = names
     if train.dim != test.dim:
         raise ValueError(
-            f"--train has D = {train.dim} but --test D = {test.dim}; embed both with the same model"
+            f"{fit} has D = {train.dim} but {scored} D = {test.dim}; embed both with the same model"
         )
     if train.weights_sha256 and test.weights_sha256 and train.weights_sha256 != test.weights_sha256:
         raise ValueError(
-            f"--train and --test were embedded with other weights (sha256 {train.weights_sha256[:12]} vs "
+            f"{fit} and {scored} were embedded with other weights (sha256 {train.weights_sha256[:12]} vs "
             f"{test.weights_sha256[:12]}); embed both with the same --weights"
         )
     if train.normalized != test.normalized:  # distances and probes would compare rows of other scales
-        plain, unit = ("--test", "--train") if train.normalized else ("--train", "--test")
+        plain, unit = (scored, fit) if train.normalized else (fit, scored)
         raise ValueError(
             f"{unit} was embedded with --normalize (unit-length rows) and {plain} without; embed both with "
             "the same --normalize"
@@ -173,12 +174,12 @@ def check_pair(train: Embeddings, test: Embeddings) -> None:
     shared = sorted(set(train.about.get("shards") or {}) & set(test.about.get("shards") or {}))
     if shared:
         raise ValueError(
-            f"--train and --test were embedded from {len(shared)} of the same shards (first: {shared[0]}): "
-            "the test would score images the classifier trained on; embed a held-out split for --test"
+            f"{fit} and {scored} were embedded from {len(shared)} of the same shards (first: {shared[0]}): "
+            f"the test would score images the classifier trained on; embed a held-out split for {scored}"
         )
     unseen = sorted(set(np.unique(test.labels)) - set(np.unique(train.labels)))
     if unseen:
         raise ValueError(
-            f"--test has classes that --train never shows ({', '.join(map(str, unseen[:5]))}); "
-            "pass a --train split that holds every class"
+            f"{scored} has classes that {fit} never shows ({', '.join(map(str, unseen[:5]))}); "
+            f"pass a {fit} split that holds every class"
         )

@@ -1,7 +1,8 @@
 """What a training run is: a frozen `TrainConfig` of sections, resolved from a preset plus overrides.
 
 Sections: ``arch`` (which model, its head), ``task`` (the objective), ``data`` (`pipeline.data.DataConfig`:
-which pixels a sample becomes), ``optim``, ``speed``, ``cluster``, ``run``. Every field is a
+which pixels a sample becomes), ``optim``, ``speed``, ``cluster``, ``run``, ``scoring`` (the checkpoint
+probe and the best checkpoint kept). Every field is a
 `pipeline.settings.setting` with its one doc line: the flags of `jobs/pretrain.py` and
 `jobs/finetune.py`, their help and the names validation messages give are made from it, so adding a
 knob is adding a field. Code that needs one section takes that section, not the whole config.
@@ -30,6 +31,7 @@ from pipeline.train.sections import (
     ClusterConfig,
     OptimConfig,
     RunConfig,
+    ScoringConfig,
     SpeedConfig,
     TaskConfig,
     shown_workers,
@@ -54,6 +56,10 @@ class TrainConfig(settings.Settings):
     speed: SpeedConfig = setting(help="speed switches", factory=SpeedConfig)
     cluster: ClusterConfig = setting(help="the run's shape on the cluster", factory=ClusterConfig)
     run: RunConfig = setting(help="inputs, outputs, cadence", factory=RunConfig)
+    scoring: ScoringConfig = setting(
+        help="what each checkpoint is worth: its probe, the validation split, the best kept",
+        factory=ScoringConfig,
+    )
 
     def __post_init__(self) -> None:
         # The data section's fields owned by other sections follow them.
@@ -98,7 +104,7 @@ class TrainConfig(settings.Settings):
     def validate(self) -> None:
         """Raise a one-line ValueError for a config that cannot run (before any cluster work)."""
         self.run.validate()
-        for section in (self.arch, self.task, self.optim, self.speed, self.cluster):
+        for section in (self.arch, self.task, self.optim, self.speed, self.cluster, self.scoring):
             section.validate()
         self.check_batch()
         if self.speed.fp8 and not self.cluster.use_gpu:
@@ -110,6 +116,12 @@ class TrainConfig(settings.Settings):
             )
         if self.task.objective != "supervised" and (self.arch.weights or self.run.eval_shards):
             raise ValueError("fine-tuning and --eval-data are supervised; drop --objective mae")
+        scoring = self.scoring
+        if self.task.objective != "supervised" and (scoring.keep_best == "eval" or scoring.val_shards):
+            raise ValueError(
+                "--keep-best eval and --val-data score the supervised head, which --objective "
+                f"{self.task.objective} has not: use --keep-best probe (with --probe-data) or loss"
+            )
 
     def check_batch(self) -> None:
         """A one-line ValueError for a global batch that some world size of ``--num-workers`` cannot

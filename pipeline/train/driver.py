@@ -24,7 +24,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline import cli, console, storage
 from pipeline.data.dataset import check_shards
@@ -35,7 +35,11 @@ from pipeline.train.checkpointing import lease as run_lease
 from pipeline.train.config import TrainConfig
 from pipeline.train.resources import local_out_problem, worker_resources
 
-# torch comes in with pipeline.train.step.model and .metrics; they are imported where used, so that
+if TYPE_CHECKING:
+    from pipeline.train.scoring.probe import CheckpointScorer
+
+# torch comes in with pipeline.train.step.model and .metrics, Ray with pipeline.train.scoring; they are
+# imported where used, so that
 # `--print-config` and the one-line errors before cluster work stay quick.
 
 
@@ -192,9 +196,10 @@ def eval_note(config: TrainConfig) -> str | None:
 
 def local_cpus_needed(config: TrainConfig) -> float:
     """Logical CPUs a local Ray needs: the training workers' plus two decode slots per worker (an
-    elastic run's largest group: a local Ray has no node to join later)."""
+    elastic run's largest group: a local Ray has no node to join later), and the checkpoint probe's."""
     workers = config.cluster.max_workers
-    return math.ceil(workers * config.cluster.cpus_per_worker) + 2 * workers
+    probe = math.ceil(config.scoring.probe_cpus) if config.scoring.probing else 0
+    return math.ceil(workers * config.cluster.cpus_per_worker) + 2 * workers + probe
 
 
 def check_cluster(config: TrainConfig, *, local_ray: bool) -> None:
@@ -244,12 +249,16 @@ def fit(
     sources: list[dict[str, Any]] | None = None,
     worker_loop: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     lease: str | None = None,
+    val_shards: list[str] | None = None,
+    scorer: CheckpointScorer | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) training on the connected Ray cluster; `eval_shards` (fine-tuning) are
     evaluated every ``eval_every`` steps and at the end; ``sources`` (`prepare_data`) are mixed by weight.
     ``worker_loop`` replaces `train_loop_per_worker` (`jobs/benchmark.py host`: its step a wait);
     ``lease``: the run id of the lease this run holds on ``--out`` (`pipeline.train.checkpointing.lease`), which the
-    workers check before each write there.
+    workers check before each write there. ``val_shards``: the validation split, scored at every checkpoint
+    (`pipeline.train.scoring.best.validation_split`); ``scorer``: what the checkpoint probe runs
+    (`pipeline.evaluate.checkpoint_probe.score`, which the jobs hand in), needed with --probe-data.
 
     Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts).
     """
@@ -257,7 +266,12 @@ def fit(
     from ray.train.torch import TorchTrainer
 
     from pipeline.train.loop import train_loop_per_worker
+    from pipeline.train.scoring import best
+    from pipeline.train.scoring.probe import ProbePlan
 
+    if config.scoring.probing and scorer is None:
+        raise ValueError("--probe-data: this entry point runs no checkpoint probe; use jobs/pretrain.py")
+    probe = ProbePlan.start(config, scorer) if config.scoring.probing and scorer is not None else None
     storage_path, name, filesystem = ray_storage(config.run_dir)
     trainer = TorchTrainer(
         worker_loop or train_loop_per_worker,
@@ -270,6 +284,8 @@ def fit(
             "shards": shards,
             **({"sources": sources} if sources else {}),
             "eval_shards": list(eval_shards or []),
+            "val_shards": list(val_shards or []),
+            **({"probe": probe} if probe is not None else {}),
             # None: each worker decides every epoch (pipeline.train.resources); the cluster the
             # driver sees now may not have its GPU and decode nodes yet.
             "data_cpus_per_worker": config.cluster.data_cpus_per_worker,
@@ -288,10 +304,15 @@ def fit(
             storage_path=storage_path,
             storage_filesystem=filesystem,
             failure_config=FailureConfig(max_failures=config.run.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=config.run.keep_checkpoints),
+            # With --keep-best, ranked by its score: the best kept, and the latest (`scoring.best`).
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=config.run.keep_checkpoints, **best.retention(config.scoring.keep_best)
+            ),
             # Ray Train's own INFO lines would bury the training log (back with --verbose).
             logging_config=LoggingConfig(log_level=console.train_log_level()),
         ),
+        # Every checkpoint probed beside training, in a task of its own (`pipeline.train.scoring.probe`).
+        validation_config=probe.validation_config() if probe is not None else None,
     )
     claim_out(config)
     if config.cluster.data_cpus_per_worker is not None:
@@ -339,19 +360,47 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
             for name, c in bad.get("sources", {}).items()
         )
         + f"lost shards (no readable sample): {len(lost)}{' (' + ', '.join(lost) + ')' if lost else ''}\n"
-        f"run directory: {config.run.out} (checkpoints, metrics.jsonl, final/)"
+        + scores_summary(summary)
+        + f"run directory: {config.run.out} (checkpoints, metrics.jsonl, final/"
+        + (", best/)" if summary.get("best") else ")")
     )
 
 
-def train(config: TrainConfig, args: argparse.Namespace) -> int:
+def scores_summary(summary: dict[str, Any]) -> str:
+    """The lines a run's probe and best checkpoint add to its summary ("" without either)."""
+    from pipeline.train.scoring import best
+    from pipeline.train.scoring.results import describe
+
+    lines = ""
+    if summary.get("probe"):  # the latest checkpoint's probe
+        lines += f"last {describe(summary['probe'])}\n"
+    if summary.get("best"):
+        chosen = summary["best"]
+        shown = best.Best(chosen["step"], chosen["score"], chosen["name"])
+        lines += f"best checkpoint by --keep-best {chosen['by']}: {shown.describe(chosen['by'])} (best/)\n"
+    return lines
+
+
+def train(config: TrainConfig, args: argparse.Namespace, scorer: CheckpointScorer | None = None) -> int:
     """A training job once its config is resolved (`jobs/pretrain.py`, `jobs/finetune.py`): every check
     that needs no cluster, then Ray (`pipeline.cli.connect_ray` with ``args``), the run, its summary.
-    A config with ``weights`` is a fine-tuning run: the weights' model with a new head."""
+    A config with ``weights`` is a fine-tuning run: the weights' model with a new head. ``scorer``: what
+    the checkpoint probe runs (`fit`)."""
     if config.arch.weights:
         from pipeline.train.finetune import resolve_pretrained
 
         config = resolve_pretrained(config)  # one line if the weights do not load
+    from pipeline.train.scoring.sets import check_sets, validation_split
+
     shards, sources = prepare_data(config)
+    shards, val_shards = validation_split(config, shards, mixed=sources is not None)
+    if val_shards and not config.scoring.val_shards:
+        print(
+            f"validation split for --keep-best eval: the last {len(val_shards)} of {len(shards) + len(val_shards)} "
+            "shards of --data, held out from training (--val-data names others)",
+            flush=True,
+        )
+    check_sets(config)
     eval_shards = prepare_eval(config)
     note = eval_note(config)
     if note:
@@ -363,20 +412,23 @@ def train(config: TrainConfig, args: argparse.Namespace) -> int:
     try:
         cli.start_work()
         held.keep_renewed()
-        summary = fit(config, shards, eval_shards, sources, lease=held.run)
+        summary = fit(
+            config, shards, eval_shards, sources, lease=held.run, val_shards=val_shards, scorer=scorer
+        )
     finally:
         held.release()
     print(format_summary(summary, config))
     return 0
 
 
-def pretrain_command(args: argparse.Namespace) -> int:
-    """`jobs/pretrain.py`: the preset and flags resolved, then `train` (or the config printed)."""
+def pretrain_command(args: argparse.Namespace, scorer: CheckpointScorer | None = None) -> int:
+    """`jobs/pretrain.py`: the preset and flags resolved, then `train` (or the config printed);
+    ``scorer``: what the checkpoint probe runs, which the job hands in (train reads no embedding code)."""
     config = presets.resolve(args)
-    return 0 if cli.printed(args, config) else train(config, args)
+    return 0 if cli.printed(args, config) else train(config, args, scorer)
 
 
-def finetune_command(args: argparse.Namespace) -> int:
+def finetune_command(args: argparse.Namespace, scorer: CheckpointScorer | None = None) -> int:
     """`jobs/finetune.py`: as `pretrain_command`, the objective supervised."""
     config = presets.resolve(args, objective="supervised")
-    return 0 if cli.printed(args, config) else train(config, args)
+    return 0 if cli.printed(args, config) else train(config, args, scorer)

@@ -259,10 +259,12 @@ def evaluate_in_run(
     step: int,
     data_cpus: float,
     weights: str = "",
+    split: str = "eval",
 ) -> tuple[float, float]:
     """Collective: the training loop's evaluation at ``step``: (top-1 accuracy over the evaluation
     ``shards``, each rank its slice, with the evaluation crop; its seconds, which are not training time).
-    Rank 0 logs it, ``weights`` naming what was scored where it is not the model's own ("EMA").
+    Rank 0 logs it, ``weights`` naming what was scored where it is not the model's own ("EMA"), ``split``
+    which shards ("eval": --eval-data, "val": the validation split).
     A data error on any rank raises RuntimeError with that rank's line on every rank."""
     start = time.perf_counter()
     eval_config = eval_data_config(config, patch_size)
@@ -271,7 +273,9 @@ def evaluate_in_run(
     seconds = time.perf_counter() - start
     if me.rank == 0:
         what = f" of the {weights} weights" if weights else ""
-        log_line(f"step {step}: eval accuracy{what} {100 * accuracy:.2f}% on {seen} images ({seconds:.0f} s)")
+        log_line(
+            f"step {step}: {split} accuracy{what} {100 * accuracy:.2f}% on {seen} images ({seconds:.0f} s)"
+        )
     return accuracy, seconds
 
 

@@ -59,6 +59,9 @@ from pipeline.train.observe.metrics import (
     format_line,
     log_line,
 )
+from pipeline.train.scoring import best
+from pipeline.train.scoring.probe import SCORES, ProbePlan, submit
+from pipeline.train.scoring.results import ProbeResults, wait_in_step
 from pipeline.train.session import RaySession
 from pipeline.train.state import (
     Rank,
@@ -163,6 +166,10 @@ class Trainer:
         self.session, self.watch = session, watch or StepWatch()
         self.shards: list[str] = loop_config["shards"]  # every source's, for the log lines
         self.eval_shards: list[str] = loop_config.get("eval_shards", [])
+        self.val_shards: list[str] = loop_config.get("val_shards", [])  # --keep-best eval's, or --val-data
+        self.probe: ProbePlan | None = loop_config.get(
+            "probe"
+        )  # the checkpoint probe (`pipeline.train.scoring`)
         self.lease: str | None = loop_config.get("lease")  # the driver's lease on --out (`lease`)
         world = session.world
         accum = config.optim.batch_size // (config.optim.micro_batch_size * world)
@@ -190,9 +197,20 @@ class Trainer:
             **self.objective.checkpoint_meta(),
         }
         saver = Saver(
-            session, self.model, self.step.optimizer, self.ema, asynchronous=config.run.async_checkpoint
+            session,
+            self.model,
+            self.step.optimizer,
+            self.ema,
+            asynchronous=config.run.async_checkpoint,
+            probed=self.probe is not None,
         )
         self.checkpointer = Checkpointer(saver, me, self.model, saved_config)
+        # Rank 0 takes the probes' records into the rows (`pipeline.train.scoring.results`); a checkpoint's
+        # report holds the score --keep-best ranks by (`best.report_fields`).
+        keep = config.scoring.keep_best
+        self.probes = None if self.probe is None or me.rank else ProbeResults(self.probe, self.log, keep)
+        self.report_fields = best.report_fields(keep)
+        self.best: best.Best | None = None  # best/ as the run's end chose it (rank 0)
         self.preemption = preemption.PreemptionWatcher(me.rank, world, first_step=self.state.step)
         # The reports: the window of steps since the last log line, the skipped steps counted on the
         # device, the report in flight (finished at the next step boundary), and the last row made.
@@ -273,6 +291,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         error = ""
         try:
+            self.score_start()
             while self.state.step < self.config.last_step:
                 self.train_epoch()
         except StopRun as stop:
@@ -378,32 +397,38 @@ class Trainer:
         last = step == self.config.last_step
         save = step % run.checkpoint_every == 0 or last
         evaluate = bool(self.eval_shards) and (last or (run.eval_every > 0 and step % run.eval_every == 0))
+        validate = bool(self.val_shards) and save  # every checkpoint's, what --keep-best eval ranks by
         if save or evaluate or step % run.log_every == 0:
-            self.take_report(stats, save=save, evaluation=self.evaluate() if evaluate else None)
+            scores = self.evaluate(test=evaluate, val=validate) if evaluate or validate else None
+            self.take_report(stats, save=save, evaluation=scores)
 
-    def evaluate(self) -> dict[str, float]:
-        """Collective: the row's top-1 accuracies over the evaluation shards (`finetune.evaluate_in_run`):
-        ``eval_accuracy``, and with an EMA ``eval_ema_accuracy``, the EMA's weights in the model for that
-        pass (`WeightEMA.applied`). Their time is not training time: the metrics window starts later
-        by as much."""
+    def evaluate(self, *, test: bool = True, val: bool = False) -> dict[str, float]:
+        """Collective: the row's top-1 accuracies (`finetune.evaluate_in_run`): with ``test``, over the
+        evaluation shards, ``eval_accuracy``, and with an EMA ``eval_ema_accuracy``, the EMA's weights in the
+        model for that pass (`WeightEMA.applied`); with ``val``, over the validation split, ``val_accuracy``.
+        Their time is not training time: the metrics window starts later by as much."""
         cpus = self.plan.cpus(self.state.epoch)
         idle = self.objective.idle_batch(self.me.device)[0]
 
-        def score(weights: str = "") -> float:
+        def score(shards: list[str], weights: str = "", split: str = "eval") -> float:
             try:
                 accuracy, seconds = finetune.evaluate_in_run(
-                    self.model, self.eval_shards, self.config, self.model_config.patch_size, self.me, idle,
-                    step=self.state.step, data_cpus=cpus, weights=weights,
+                    self.model, shards, self.config, self.model_config.patch_size, self.me, idle,
+                    step=self.state.step, data_cpus=cpus, weights=weights, split=split,
                 )  # fmt: skip
             except RuntimeError as e:  # every rank raises alike, with the failing rank's message
                 raise StopRun(str(e)) from e
             self.window.start += seconds
             return accuracy
 
-        scores = {"eval_accuracy": score()}
-        if self.ema is not None:
-            with self.ema.applied():
-                scores["eval_ema_accuracy"] = score("EMA")
+        scores = {}
+        if test:
+            scores["eval_accuracy"] = score(self.eval_shards)
+            if self.ema is not None:
+                with self.ema.applied():
+                    scores["eval_ema_accuracy"] = score(self.eval_shards, "EMA")
+        if val:
+            scores["val_accuracy"] = score(self.val_shards, split="val")
         return scores
 
     # --- report and checkpoint -------------------------------------------------------------------
@@ -457,7 +482,8 @@ class Trainer:
             if self.log is not None:
                 self.log.flush(pending=metrics)
             try:  # the seconds training waited for the save
-                metrics["checkpoint_stall_s"] = self.checkpointer.save(self.state, p.checkpoint, metrics)
+                report = {**self.report_fields, **metrics}  # the score --keep-best ranks by, NaN until known
+                metrics["checkpoint_stall_s"] = self.checkpointer.save(self.state, p.checkpoint, report)
             except WeightsNotFinite as e:
                 raise StopRun(
                     f"{e} and were not saved; resume from the last checkpoint with a lower --lr or a smaller "
@@ -466,6 +492,10 @@ class Trainer:
         if self.log is not None:
             log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
             self.log.append(metrics, flush=p.checkpoint is not None)
+        if self.probes is not None:  # the probes that landed since the last line, into their rows
+            if p.checkpoint is not None:
+                self.probes.expect(p.step)
+            self.probes.poll()
         stacks.mark(p.step)
         self.last_metrics = metrics
 
@@ -489,9 +519,11 @@ class Trainer:
 
     # --- finish ----------------------------------------------------------------------------------
     def finish(self, error: str) -> dict[str, Any]:
-        """Collective: the last checkpoint in storage; merge every rank's bad samples; export the model
-        unless the run failed."""
+        """Collective: the last checkpoint in storage, and its probe's record; merge every rank's bad
+        samples; export the model (and with --keep-best the best checkpoint) unless the run failed."""
         self.checkpointer.close()
+        if not error and self.probe is not None:  # every rank in step until rank 0 has them
+            wait_in_step(self.probes, 2 * self.probe.timeout, self.me.group)
         me, merged = self.me, BadSamples.from_config(self.data_config)
         for counts in gather_bad_samples(self.cursor.counts, me.group):
             merged.merge(counts)
@@ -499,24 +531,56 @@ class Trainer:
             if self.log is not None:  # the last checkpoint's stall, which followed its row's write
                 self.log.flush()
             self.export()
+            if self.log is not None and self.config.scoring.keep_best:  # rank 0: best/
+                self.best = best.keep(
+                    self.config.scoring.keep_best, self.config.run_dir, self.log, self.export_extra
+                )
+        if self.log is not None:
+            self.log.close()  # sinks held open for the probes that land after their rows
         summary = {"metrics": self.last_metrics, "bad_samples": merged.to_dict(), "error": error}
+        if self.probes is not None or self.best is not None:
+            best_of = {"by": self.config.scoring.keep_best, **vars(self.best)} if self.best else None
+            summary.update(probe=self.probes.last if self.probes else None, best=best_of)
         return {**summary, "resumed_from": self.resumed_from}
 
     def export(self) -> None:
         """Collective: the run directory's `final/` (and `final_ema/` with an EMA of the weights)."""
-        config = self.config
         # A run resumed at the end of its schedule trained no step: its last step's row was logged.
         metrics = self.last_metrics or (self.log.row(self.state.step) if self.log else {})
-        extra = {
+        extra, exported = self.export_extra(metrics, self.state.step), self.objective.export_state
+        checkpoint.export_run(self.config.run_dir, self.model, self.model_config, extra, exported, self.ema)
+
+    def export_extra(self, metrics: dict[str, Any], step: int) -> dict[str, Any]:
+        """What an export of the weights at ``step`` records beside them (its config.json): the objective,
+        the preprocessing, the run's figures at that step (``metrics``: its row) and the run's config."""
+        config = self.config
+        return {
             **self.objective.checkpoint_meta(),  # MAE: objective, mask ratio, decoder (not exported)
             "preprocessing": self.data_config.to_dict(),
             "training": {
-                "step": self.state.step,
+                "step": step,
                 "max_steps": config.optim.max_steps,
-                "finished": self.state.step >= config.optim.max_steps,
-                **{key: metrics.get(key) for key in ("loss", *(key for key, *_ in ACCURACIES))},
+                "finished": step >= config.optim.max_steps,
+                **{key: metrics.get(key) for key in ("loss", *(key for key, *_ in ACCURACIES), *SCORES)},
                 "config": config.to_dict(),
             },
         }
-        exported = self.objective.export_state
-        checkpoint.export_run(config.run_dir, self.model, self.model_config, extra, exported, self.ema)
+
+    # --- the best checkpoint (--keep-best) -------------------------------------------------------
+    def score_start(self) -> None:
+        """Collective, before a fine-tuning's first step with --keep-best: its starting point (the
+        pretrained weights under the head it starts with) scored and exported as best/, so that best/ is
+        never worse than where the run started (`pipeline.train.scoring.best`). eval: the validation split's
+        accuracy, here; probe, knn: the checkpoint probe of best/, beside training (its record goes into
+        best/'s own); loss: no step has run, so no score. A resumed run has done it."""
+        kind = self.config.scoring.keep_best
+        if kind in (None, "loss") or not self.config.arch.weights or self.resumed_from is not None:
+            return
+        scores = self.evaluate(test=False, val=True) if kind == "eval" else {}
+        key, _ = best.SCORES[kind]
+        extra = best.training_record(self.export_extra(scores, 0), kind, 0, scores.get(key))
+        where = self.config.run_dir.join(best.BEST)
+        checkpoint.export_into(where, self.model, self.model_config, extra, self.objective.export_state)
+        if self.probes is not None and self.probe is not None and kind in ("probe", "knn"):
+            submit(self.probe, best.BEST, 0)
+            self.probes.expect(0)

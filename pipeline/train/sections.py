@@ -11,6 +11,7 @@ every job that reads shards shares.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import Any
@@ -389,3 +390,75 @@ class RunConfig(settings.Settings):
         super().validate()
         if self.wandb and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb needs the wandb package: pip install 'vitray[wandb]'")
+
+
+# `--keep-best`: the score that ranks a run's checkpoints (`pipeline.train.scoring.best`).
+KEEP_BEST = ("probe", "knn", "eval", "loss")
+
+
+@dataclass(frozen=True)
+class ScoringConfig(settings.Settings):
+    """What each checkpoint is worth: the probe beside training, the validation split, the best one kept
+    (`pipeline.train.scoring`)."""
+
+    probe_shards: str = setting(
+        "",
+        "labeled shards the checkpoint probe fits its linear probe and k-NN on, at every checkpoint, off the "
+        "training workers (with --probe-eval-data)",
+        flag="probe-data",
+    )
+    probe_eval_shards: str = setting(
+        "", "labeled shards the checkpoint probe scores (held out from --probe-data)", flag="probe-eval-data"
+    )
+    probe_label_key: str = setting(
+        "auto",
+        "label member of the probe's shards, cls or json:<field> (auto: the run's --label-key, else cls)",
+    )
+    probe_cpus: float = setting(
+        1.0,
+        "CPUs of the probe's task: its torch threads (Ray schedules it beside the workers)",
+        gt=0,
+        le=MAX_CPUS,
+    )
+    probe_gpu: bool = setting(
+        False, "run the probe's model on a GPU of its own, in bf16 (never a training one)"
+    )
+    probe_timeout: float = setting(
+        3600.0,
+        "seconds a probe may take before it is stopped and recorded as failed (the run's end waits at most "
+        "twice this for its last one: the one before may still run)",
+        gt=0,
+        le=10**7,
+    )
+    keep_best: str | None = setting(
+        None,
+        "keep the best checkpoint by this score (never deleted by --keep-checkpoints, which then keeps the best "
+        "ones and the latest) and export it as best/ beside final/: probe, knn (the checkpoint probe's), eval "
+        "(the supervised head on --val-data), loss (the training loss)",
+        choices=KEEP_BEST,
+    )
+    val_shards: str = setting(
+        "",
+        "held-out labeled shards the supervised head is scored on at every checkpoint, val_accuracy (with "
+        "--keep-best eval and none given: carved from --data, never --eval-data)",
+        flag="val-data",
+    )
+
+    @property
+    def probing(self) -> bool:
+        """Whether every checkpoint is probed (`pipeline.train.scoring.probe`)."""
+        return bool(self.probe_shards)
+
+    def validate(self) -> None:
+        super().validate()
+        flag = functools.partial(settings.flag, type(self))
+        if bool(self.probe_shards) != bool(self.probe_eval_shards):
+            given, missing = ("probe_shards", "probe_eval_shards")[:: 1 if self.probe_shards else -1]
+            raise ValueError(
+                f"{flag(given)} needs {flag(missing)}: the probe fits on one labeled set and scores another"
+            )
+        if self.keep_best in ("probe", "knn") and not self.probing:
+            raise ValueError(
+                f"--keep-best {self.keep_best} ranks checkpoints by the checkpoint probe: pass {flag('probe_shards')} "
+                f"and {flag('probe_eval_shards')} (labeled shards), or --keep-best loss"
+            )

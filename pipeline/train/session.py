@@ -45,8 +45,10 @@ class RaySession:
         checkpoint_dir: str | None = None,
         name: str = "",
         written: Future | None = None,
+        validation: bool = False,
     ) -> Future | None:
-        """Collective: hand metrics (and this rank's part of a checkpoint) to Ray Train.
+        """Collective: hand metrics (and this rank's part of a checkpoint) to Ray Train; with ``validation``,
+        Ray Train probes the checkpoint once registered (`pipeline.train.scoring.probe`).
 
         Without ``written`` the checkpoint is uploaded before this returns. With it (a future that
         completes once DCP has written ``checkpoint_dir`` whole, `pipeline.train.checkpointing.saver`), the upload
@@ -70,6 +72,7 @@ class RaySession:
                 checkpoint=Checkpoint.from_directory(checkpoint_dir),
                 checkpoint_dir_name=name,
                 checkpoint_upload_fn=partial(upload_checked, store, self.run_dir) if remote else None,
+                validation=validation,
             )
             return None
         uploaded: Future = Future()
@@ -80,6 +83,7 @@ class RaySession:
             checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
             delete_local_checkpoint_after_upload=False,
             checkpoint_upload_fn=partial(upload_when_written, written, uploaded, store, self.run_dir),
+            validation=validation,
         )
         return uploaded
 

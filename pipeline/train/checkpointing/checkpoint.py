@@ -309,16 +309,27 @@ def export_run(
             }
         exports["final_ema"] = (ema_extra, ema)
     for name, (meta, averaged) in exports.items():
-        where = out.join(name)
-        with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
-            if export_final(tmp, model, model_config, meta, exported, averaged) is not None:
-                storage.upload_dir(tmp, where, commit_last=CONFIG)
-                log_line(f"exported {where}")
+        export_into(out.join(name), model, model_config, meta, exported, averaged)
     stale = out.join("final_ema")
     if ema is None and dist.get_rank() == 0 and storage.list_files(stale):
         for file in (CONFIG, WEIGHTS_FILE):  # config.json first: then it is no export
             storage.remove(stale.join(file))
         log_line(f"removed {stale}: it is older than final/, and this run keeps no EMA (--ema-decay)")
+
+
+def export_into(
+    where: storage.Location,
+    model: nn.Module,
+    model_config: vit.ViTConfig,
+    extra: dict[str, Any],
+    exported: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ema: WeightEMA | None = None,
+) -> None:
+    """Collective: `export_final` into ``where`` (rank 0 uploads it, config.json last, and logs it)."""
+    with tempfile.TemporaryDirectory(prefix="vitray-final-") as tmp:
+        if export_final(tmp, model, model_config, extra, exported, ema) is not None:
+            storage.upload_dir(tmp, where, commit_last=CONFIG)
+            log_line(f"exported {where}")
 
 
 def _gathered_to_rank0(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:

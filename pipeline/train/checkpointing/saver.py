@@ -148,7 +148,8 @@ class Checkpointer:
 
 class Saver:
     """One rank's checkpoint saves, at most one in flight. ``session``: `pipeline.train.session.RaySession`
-    or a stand-in with its `report`; ``asynchronous``: see the module's notes."""
+    or a stand-in with its `report`; ``asynchronous``: see the module's notes; ``probed``: every checkpoint
+    is reported for the checkpoint probe (`pipeline.train.scoring.probe`)."""
 
     def __init__(
         self,
@@ -158,9 +159,12 @@ class Saver:
         ema: WeightEMA | None,
         *,
         asynchronous: bool,
+        probed: bool = False,
     ):
         self.session, self.model, self.optimizer, self.ema = session, model, optimizer, ema
         self.asynchronous = asynchronous
+        # Only where asked: a stand-in session's `report` need not know the keyword.
+        self.report_options = {"validation": True} if probed else {}
         self.cuda = next(model.parameters()).device.type == "cuda"  # a CPU run on a GPU machine: not
         # Collective: every rank makes the group at set-up, in the same order.
         self.group = dist.new_group(backend="gloo") if asynchronous else None
@@ -194,7 +198,7 @@ class Saver:
             parts = (self.model, self.optimizer, train_state, config, self.ema)
             if not self.asynchronous:
                 checkpoint.save(directory, *parts)
-                self.session.report(metrics, directory, name)
+                self.session.report(metrics, directory, name, **self.report_options)
                 self._took(started)
                 return
             if self.cuda and not ready:  # the copy's stream reads what the step's kernels wrote
@@ -209,7 +213,7 @@ class Saver:
             written = getattr(response, "upload_completion", response)
             self.staging = getattr(response, "staging_completion", None)
             self.in_flight, self.directory = [written], directory
-            uploaded = self.session.report(metrics, directory, name, written=written)
+            uploaded = self.session.report(metrics, directory, name, written=written, **self.report_options)
         finally:
             if not self.in_flight:  # synchronous, or it failed before the write began
                 shutil.rmtree(directory, ignore_errors=True)

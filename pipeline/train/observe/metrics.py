@@ -29,6 +29,7 @@ ACCURACIES = (
     ("accuracy", "acc", "accuracy"),
     ("eval_accuracy", "eval acc", "eval accuracy"),
     ("eval_ema_accuracy", "EMA eval acc", "EMA eval accuracy"),
+    ("val_accuracy", "val acc", "val accuracy"),  # the validation split's (`pipeline.train.scoring.best`)
 )
 
 
@@ -297,6 +298,21 @@ class MetricsLog:
         """The row logged at `step`, or {}."""
         return next((r for r in reversed(self.rows) if r["step"] == step), {})
 
+    def amend(self, step: int, fields: dict[str, Any]) -> bool:
+        """Add ``fields`` to the row of ``step`` (a checkpoint's probe, which lands after its row) and write
+        the file now; False where no row of that step is kept (nothing is written)."""
+        row = self.row(step)
+        if not row:
+            return False
+        row.update(fields)
+        if self.stored_ahead is None:  # a row stored ahead of its save is written whole by its append
+            self.flush()
+        return True
+
+    def close(self) -> None:
+        """The run's end: every row is in storage already (a checkpoint's at its save, the last at the run's
+        end)."""
+
 
 def format_line(m: dict[str, Any], last_step: int, started: float, first_step: int) -> str:
     """`step 120/1000 (12%) | loss 1.234 | acc 56.0% | ...`: what a person watching wants to read."""
@@ -348,14 +364,17 @@ def _hms(seconds: float) -> str:
 
 def plot_training_curve(rows: list[dict[str, Any]], path: str) -> str:
     """Loss and accuracy against step, from `metrics.jsonl` rows, as a PNG at a local `path` (loss
-    alone for an objective without accuracy)."""
+    alone for an objective without accuracy); beside it, where the rows hold a checkpoint probe's scores,
+    the linear probe's and k-NN's accuracy against step (`pipeline.train.scoring`)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    probed = [r for r in rows if r.get("probe_accuracy") is not None]
     steps = [r["step"] for r in rows]
-    fig, loss_axis = plt.subplots(figsize=(7, 4), dpi=120)
+    fig, axes = plt.subplots(1, 2 if probed else 1, figsize=(12 if probed else 7, 4), dpi=120, squeeze=False)
+    loss_axis = axes[0][0]
     loss_axis.plot(steps, [r["loss"] for r in rows], color="tab:blue", marker="o", markersize=3)
     loss_axis.set_xlabel("step")
     loss_axis.set_ylabel("training loss", color="tab:blue")
@@ -366,6 +385,20 @@ def plot_training_curve(rows: list[dict[str, Any]], path: str) -> str:
         accuracy_axis.set_ylabel("training accuracy (%)", color="tab:orange")
         accuracy_axis.set_ylim(0, 100)
     loss_axis.grid(alpha=0.3)
+    if probed:
+        probe_axis = axes[0][1]
+        at = [r["step"] for r in probed]
+        for key, label, color in (
+            ("probe_accuracy", "linear probe", "tab:green"),
+            ("knn_accuracy", "k-NN", "tab:red"),
+        ):
+            probe_axis.plot(at, [100 * r[key] for r in probed], color=color, marker="o", label=label)
+        probe_axis.set_xlim(loss_axis.get_xlim())  # the same steps as the loss beside it
+        probe_axis.set_xlabel("step (checkpoints)")
+        probe_axis.set_ylabel("accuracy on --probe-eval-data (%)")
+        probe_axis.grid(alpha=0.3)
+        probe_axis.legend()
+        probe_axis.set_title("what the model has learned: the checkpoint probe")
     fig.suptitle("vitray pretraining")
     fig.tight_layout()
     fig.savefig(path)

@@ -30,10 +30,21 @@ from pipeline.train.observe.metrics import log_line
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
+# A checkpoint probe's numeric fields (`pipeline.train.scoring.results`), which a row gets after its step.
+PROBE_FIELDS = (
+    "probe_accuracy",
+    "knn_accuracy",
+    "probe_images",
+    "probe_eval_images",
+    "probe_bad_samples",
+    "probe_seconds",
+)
+PROBE_STEP = "probe_step"  # W&B's x-axis of those
 
 
 class Sink(Protocol):
     def log(self, row: dict[str, Any]) -> None: ...
+    def amend(self, step: int, fields: dict[str, Any]) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
 
@@ -65,6 +76,10 @@ class TensorBoardSink:
             self.writer.add_scalar(tag, value, global_step=row["step"])
         if self.staging is None:
             self.writer.flush()  # a local file costs nothing to keep current, as metrics.jsonl is
+
+    def amend(self, step: int, fields: dict[str, Any]) -> None:
+        """Scalars of a step logged before (a checkpoint's probe): TensorBoard takes any step's points."""
+        self.log({"step": step, **fields})
 
     def flush(self) -> None:
         self.writer.flush()
@@ -105,11 +120,20 @@ class WandbSink:
         else:
             where = self.run.url
         log_line(f"W&B run {self.run.id}: {where}")
+        # A checkpoint's probe lands after its step was logged, and a W&B run's steps only go forward: its
+        # scalars are plotted against a step of their own, the checkpoint's (W&B's `define_metric`).
+        self.run.define_metric(f"train/{PROBE_STEP}", hidden=True)
+        for field in PROBE_FIELDS:
+            self.run.define_metric(f"train/{field}", step_metric=f"train/{PROBE_STEP}")
 
     def log(self, row: dict[str, Any]) -> None:
         if row["step"] < self.run.step:
             return  # logged before this resume: a W&B run's steps only go forward
         self.run.log(scalars(row), step=row["step"])
+
+    def amend(self, step: int, fields: dict[str, Any]) -> None:
+        """A checkpoint's probe, plotted at its step (`define_metric` above), sent with W&B's next step."""
+        self.run.log(scalars({PROBE_STEP: step, **fields}), commit=False)
 
     def flush(self) -> None:
         """W&B writes (and, online, uploads) in its own process."""
@@ -129,21 +153,33 @@ def run_id(out: str) -> str:
 
 
 class SinkedLog:
-    """A `MetricsLog` that also hands every row to the sinks; its other attributes are the log's."""
+    """A `MetricsLog` that also hands every row to the sinks; its other attributes are the log's. The sinks
+    close with the last step's row, or with ``hold`` (a run whose probes land after their rows) at `close`."""
 
-    def __init__(self, log: Any, sinks: list[Sink], last_step: int):
-        self.inner, self.sinks, self.last_step = log, sinks, last_step
+    def __init__(self, log: Any, sinks: list[Sink], last_step: int, hold: bool = False):
+        self.inner, self.sinks, self.last_step, self.hold = log, sinks, last_step, hold
 
     def append(self, row: dict[str, Any], flush: bool) -> None:
         self.inner.append(row, flush)
+        last = row["step"] >= self.last_step and not self.hold
         for sink in self.sinks:
             sink.log(row)
-            if row["step"] >= self.last_step:
-                sink.close()
-            elif flush:
+            if flush and not last:
                 sink.flush()
-        if row["step"] >= self.last_step:
-            self.sinks = []
+        if last:
+            self.close()
+
+    def amend(self, step: int, fields: dict[str, Any]) -> bool:
+        """`MetricsLog.amend`, and the sinks get the fields at ``step``."""
+        amended = self.inner.amend(step, fields)
+        for sink in self.sinks:
+            sink.amend(step, fields)
+        return amended
+
+    def close(self) -> None:
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -157,4 +193,4 @@ def attach(log: Any, config: TrainConfig) -> Any:
         sinks.append(TensorBoardSink(config.run_dir, resume_step))
     if config.run.wandb:
         sinks.append(WandbSink(config))
-    return SinkedLog(log, sinks, config.last_step) if sinks else log
+    return SinkedLog(log, sinks, config.last_step, hold=config.scoring.probing) if sinks else log
