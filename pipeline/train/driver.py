@@ -372,6 +372,11 @@ def scores_summary(summary: dict[str, Any]) -> str:
     from pipeline.train.scoring.results import describe
 
     lines = ""
+    start = summary.get("start")  # a fine-tuning's starting point, scored before its first step
+    if start and start.get("val_accuracy") is not None:
+        lines += f"starting point (step 0): val accuracy {100 * start['val_accuracy']:.2f}%\n"
+    elif start:
+        lines += f"starting point: {describe(start)}\n"
     if summary.get("probe"):  # the latest checkpoint's probe
         lines += f"last {describe(summary['probe'])}\n"
     if summary.get("best"):

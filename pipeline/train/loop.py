@@ -211,6 +211,7 @@ class Trainer:
         self.probes = None if self.probe is None or me.rank else ProbeResults(self.probe, self.log, keep)
         self.report_fields = best.report_fields(keep)
         self.best: best.Best | None = None  # best/ as the run's end chose it (rank 0)
+        self.start: dict[str, Any] | None = None  # a fine-tuning's starting point's scores (`score_start`)
         self.preemption = preemption.PreemptionWatcher(me.rank, world, first_step=self.state.step)
         # The reports: the window of steps since the last log line, the skipped steps counted on the
         # device, the report in flight (finished at the next step boundary), and the last row made.
@@ -540,7 +541,8 @@ class Trainer:
         summary = {"metrics": self.last_metrics, "bad_samples": merged.to_dict(), "error": error}
         if self.probes is not None or self.best is not None:
             best_of = {"by": self.config.scoring.keep_best, **vars(self.best)} if self.best else None
-            summary.update(probe=self.probes.last if self.probes else None, best=best_of)
+            start = self.start or (self.probes.start if self.probes else None)
+            summary.update(probe=self.probes.last if self.probes else None, best=best_of, start=start)
         return {**summary, "resumed_from": self.resumed_from}
 
     def export(self) -> None:
@@ -577,6 +579,7 @@ class Trainer:
         if kind in (None, "loss") or not self.config.arch.weights or self.resumed_from is not None:
             return
         scores = self.evaluate(test=False, val=True) if kind == "eval" else {}
+        self.start = {"step": 0, "checkpoint": best.BEST, **scores} if scores else None
         key, _ = best.SCORES[kind]
         extra = best.training_record(self.export_extra(scores, 0), kind, 0, scores.get(key))
         where = self.config.run_dir.join(best.BEST)

@@ -47,10 +47,10 @@ def describe(record: dict[str, Any]) -> str:
         return f"{where} failed: {record['probe_error']}; training goes on"
     note = "" if record.get("probe_converged", True) else " (L-BFGS stopped before converging)"
     bad = f", {record['probe_bad_samples']} bad samples skipped" if record.get("probe_bad_samples") else ""
+    sizes = f" (fit on {record.get('probe_images', 0):,} images, scored on {record.get('probe_eval_images', 0):,}{bad})"
     return (
         f"{where}: linear probe {100 * record['probe_accuracy']:.2f}%{note}, k-NN "
-        f"{100 * record['knn_accuracy']:.2f}% (fit on {record['probe_images']:,} images, scored on "
-        f"{record['probe_eval_images']:,}{bad}) in {record.get('probe_seconds', 0):.0f} s"
+        f"{100 * record['knn_accuracy']:.2f}%{sizes} in {record.get('probe_seconds', 0):.1f} s"
     )
 
 
@@ -63,6 +63,7 @@ class ProbeResults:
         self.asked: Any = None  # a take asked of the ledger, not read yet
         self.expected: set[int] = set()  # steps probed in this attempt whose record has not come
         self.last: dict[str, Any] | None = None
+        self.start: dict[str, Any] | None = None  # the record of best/ at step 0 (a fine-tuning's start)
 
     def expect(self, step: int) -> None:
         """A checkpoint (or best/) of ``step`` is to be probed: its record will come."""
@@ -99,6 +100,7 @@ class ProbeResults:
             log_line(describe(record))
             fields = {k: record[k] for k in ROW_FIELDS if k in record}
             if record["checkpoint"] == best.BEST:  # a fine-tuning's starting point: best/'s own record
+                self.start = record
                 if self.kind in ("probe", "knn"):
                     best.record_scores(self.plan.run_dir, self.kind, fields)
                 continue
