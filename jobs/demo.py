@@ -1,7 +1,8 @@
 """The quickstart demo (`make demo`): the whole pipeline, locally on CPU, on generated data.
 
 Writes a small synthetic shard set, pretrains the `tiny` preset with 2 FSDP2 workers on a local
-Ray, extracts CLS embeddings to Parquet, fine-tunes the result at a higher resolution (48 px, a new
+Ray (each checkpoint probed beside training: a linear probe and k-NN on held-out images), extracts CLS
+embeddings to Parquet, fine-tunes the result at a higher resolution (48 px, a new
 head) against a held-out set, draws what the model learned (the paper's Fig. 7), plots the training
 curve, and prints where everything is.
 Each stage runs the command a user would type, so what works here works on a cluster with other
@@ -66,9 +67,11 @@ def main() -> None:
     seconds = [
         stage("1/5 synthetic shards", "make_shards.py", "--synthetic", str(args.samples), "--out", str(shards))
         + stage("", "make_shards.py", "--synthetic", "128", "--seed", "1", "--out", str(held_out)),
-        # A log line every 60 of the 240 steps: the demo's whole console fits on about one screen.
-        stage("2/5 pretrain the tiny preset (2 FSDP2 workers, local Ray)", "pretrain.py",
-              "--preset", "tiny", "--data", str(shards), "--out", str(run), "--log-every", "60"),
+        # A log line every 60 of the 240 steps: the demo's whole console fits on about one screen. Each
+        # checkpoint (120, 240) probed off the workers: fit on the shards, scored on the held-out images.
+        stage("2/5 pretrain the tiny preset (2 FSDP2 workers, local Ray), its checkpoints probed", "pretrain.py",
+              "--preset", "tiny", "--data", str(shards), "--out", str(run), "--log-every", "60",
+              "--probe-data", str(shards), "--probe-eval-data", str(held_out)),
         stage("3/5 extract CLS embeddings", "embed.py", "--data", str(shards), "--weights", str(run / "final"),
               "--out", str(embeddings)),
         # Images the model never saw (another seed), fine-tuned on at 48 px: 6x6 patches after 4x4.
@@ -101,7 +104,12 @@ def main() -> None:
     print(f"\n=== vitray demo finished in {time.perf_counter() - start:.0f} s ({stages})")
     print(f"training:   loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}), "
           f"accuracy {100 * first['accuracy']:.0f}% -> {100 * last['accuracy']:.0f}%")  # fmt: skip
-    print(f"curve:      {curve}")
+    probed = [r for r in rows if r.get("probe_accuracy") is not None]
+    print("probe:      " + " -> ".join(
+        f"step {r['step']}: linear probe {100 * r['probe_accuracy']:.0f}%, k-NN {100 * r['knn_accuracy']:.0f}%"
+        for r in probed
+    ) + f" (fit on {shards.name}/, scored on {held_out.name}/)")  # fmt: skip
+    print(f"curve:      {curve}  (loss, and the probe beside it)")
     print(f"fine-tuned: {finetuned / 'final'}  (48 px, eval accuracy {100 * tuned['eval_accuracy']:.0f}% "
           f"on {held_out.name}/ at step {tuned['step']})")  # fmt: skip
     print(f"figures:    {', '.join(str(p) for p in sorted(analysis.glob('*.png')))}")

@@ -2,6 +2,7 @@
 
     python jobs/benchmark.py host --step-ms 50 --steps 200 --log-every 20
     python jobs/benchmark.py host --device-queue 0 ...     # a host that waits for the device every step
+    python jobs/benchmark.py host --probe ...              # every checkpoint probed beside training
 
 The real job on a local Ray (the driver, Ray Train's worker loop `pipeline.train.loop`, the rank's Ray
 Data pipeline decoding synthetic JPEG shards on this machine's other cores) with one change: the
@@ -80,6 +81,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--data-process", choices=("inline", "feeder"), default="inline",
         help="where the rank's pipeline runs (the job's --data-process)",
     )  # fmt: skip
+    p.add_argument(
+        "--probe", action="store_true",
+        help="the checkpoint probe on (--probe-data, --probe-eval-data: synthetic shards of its own, "
+        "--probe-images of them), its task on one more logical CPU of the local Ray",
+    )  # fmt: skip
+    p.add_argument("--probe-images", type=int, default=384, help="with --probe: images of its two sets")
     p.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2, help="logical CPUs of the local Ray")
     p.add_argument("--no-py-spy", action="store_true", help="do not sample the GIL holder with py-spy")
     p.add_argument("--json", help="also write the figures to this JSON file")
@@ -407,6 +414,7 @@ def main(argv: list[str]) -> dict[str, Any]:
 
     from pipeline.cli import apply_local_ray_env
     from pipeline.data.synthetic import write_synthetic_shards
+    from pipeline.evaluate import checkpoint_probe
     from pipeline.train.config import TrainConfig
     from pipeline.train.driver import fit, read_metrics
 
@@ -422,18 +430,39 @@ def main(argv: list[str]) -> dict[str, Any]:
     os.environ[STEPS_ENV] = f"{args.step_ms},{args.device_queue},{record}"
     os.environ["VITRAY_SAMPLE_STACKS"] = str(scratch / "stacks")
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    probe: dict[str, Any] = {}
+    if args.probe:  # two thirds to fit on, a third to score, each its own shards
+        sets = [("probe", 2 * args.probe_images // 3, 1), ("probe-eval", args.probe_images // 3, 2)]
+        fit_on, scored = (
+            write_synthetic_shards(
+                scratch / name,
+                n,
+                samples_per_shard=max(n // 2, 1),
+                image_size=args.source_size,
+                num_classes=10,
+                seed=seed,
+            )
+            for name, n, seed in sets
+        )
+        probe = {"probe_data": ",".join(fit_on.urls), "probe_eval_data": ",".join(scored.urls)}
     apply_local_ray_env()
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=True)
+    cpus = args.num_cpus + (1 if args.probe else 0)  # the probe's task: one logical CPU beside the rest
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
     config = TrainConfig().replace(
         model=args.model, image_size=args.image_size, num_classes=10, batch_size=args.batch_size,
         micro_batch_size=args.micro_batch_size, num_workers=1, use_gpu=False, max_steps=args.steps, warmup_steps=1,
         checkpoint_every=args.checkpoint_every, log_every=args.log_every, keep_checkpoints=1,
         data_process=args.data_process,
-        max_failures=0, shards=",".join(shards.urls), out=str(scratch / "run"),
+        max_failures=0, shards=",".join(shards.urls), out=str(scratch / "run"), **probe,
     )  # fmt: skip
     spy = None if args.no_py_spy else _start_py_spy(record, scratch / "gil.txt", args)
     started = time.perf_counter()
-    fit(config, shards.urls, worker_loop=device_shaped_worker)
+    fit(
+        config,
+        shards.urls,
+        worker_loop=device_shaped_worker,
+        scorer=checkpoint_probe.score if args.probe else None,
+    )
     seconds = time.perf_counter() - started
     if spy is not None:
         try:
@@ -453,7 +482,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     title = (
         f"host beside a {args.step_ms:g} ms device-shaped step: batch {args.batch_size} "
         f"({args.micro_batch_size} a micro-batch), {args.source_size}px JPEGs cropped to {args.image_size}px, "
-        f"{args.num_cpus} CPUs, data process {args.data_process}, device queue {args.device_queue}; "
+        f"{args.num_cpus} CPUs, data process {args.data_process}, device queue {args.device_queue}"
+        f"{', the checkpoint probe on' if args.probe else ''}; "
         f"ideal {1000 / args.step_ms:.1f} steps/s"
     )
     if later:

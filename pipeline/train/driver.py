@@ -222,6 +222,13 @@ def check_cluster(config: TrainConfig, *, local_ray: bool) -> None:
                 f"the local Ray has {gpus:.0f} GPUs for {workers} GPU workers; pass --cpu, fewer "
                 "--num-workers, or submit to a GPU cluster"
             )
+        training = workers if config.cluster.use_gpu else 0
+        if config.scoring.probing and config.scoring.probe_gpu and gpus < training + 1:
+            raise ValueError(
+                f"--probe-gpu runs the checkpoint probe on a GPU of its own, and the local Ray has {gpus:.0f} "
+                f"for {training} training worker(s); drop --probe-gpu (the probe runs on CPUs) or use fewer "
+                "--num-workers"
+            )
         return
     nodes = [{"resources": n.get("Resources", {})} for n in ray.nodes() if n.get("Alive")]
     problem = local_out_problem(config, nodes, worker_resources(config))

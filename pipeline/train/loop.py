@@ -27,7 +27,10 @@ Every report is finished in one place (`finish_report`), so every row holds the 
 stop on too many skipped steps in a row, found when a row is finished, comes during the next step. The
 epoch's rules (unequal streams, the smaller last steps) are in docs/design.md, "Training"; where a rank
 stands in its epoch, and how a resume goes on at the sample, `pipeline.train.input.cursor`; a preemption
-notice's checkpoint, `pipeline.train.checkpointing.preemption`.
+notice's checkpoint, `pipeline.train.checkpointing.preemption`. With --probe-data every checkpoint is probed
+beside training (`pipeline.train.scoring`): rank 0 takes the probes' records into their rows in
+`finish_report`, without waiting, and the run's end waits for the last before it exports (with
+--keep-best, `best/` too).
 """
 
 from __future__ import annotations
@@ -167,9 +170,8 @@ class Trainer:
         self.shards: list[str] = loop_config["shards"]  # every source's, for the log lines
         self.eval_shards: list[str] = loop_config.get("eval_shards", [])
         self.val_shards: list[str] = loop_config.get("val_shards", [])  # --keep-best eval's, or --val-data
-        self.probe: ProbePlan | None = loop_config.get(
-            "probe"
-        )  # the checkpoint probe (`pipeline.train.scoring`)
+        # The checkpoint probe (`pipeline.train.scoring`), with --probe-data.
+        self.probe: ProbePlan | None = loop_config.get("probe")
         self.lease: str | None = loop_config.get("lease")  # the driver's lease on --out (`lease`)
         world = session.world
         accum = config.optim.batch_size // (config.optim.micro_batch_size * world)

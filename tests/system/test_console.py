@@ -25,6 +25,7 @@ from pipeline.console import (
     StripColour,
     quiet_pattern,
 )
+from pipeline.train.observe.sinks import PROBE_FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,6 +43,10 @@ RAY_LINES = {
     "resource_request": "(TrainController pid=12716) Failed to send resource request for "
     "train-9fea8b19f5924b72ad6478a457d276ed. If this only happens transiently during network partition or "
     "CPU being overloaded, it's safe to ignore this error. If this error persists, file a GitHub issue.",
+    "worker_startup": "(raylet) WARNING: 8 PYTHON worker processes have been started on node: 450f5eb3e45f1608de"
+    "f72c6c1742fda92a44e2ac260af99590736c89 with address: 192.0.2.2, which is 4x the maximum expected startup "
+    "concurrency (2). This could be a result of using a large number of actors, tasks blocked in ray.get() "
+    "calls, or tasks with fractional CPU requests (e.g., num_cpus=0.1) allowing high concurrency.",
 }
 # The traceback Ray Train's controller logs after its resource-request line, as a busy machine showed it
 # (the process prefix is the driver's: Ray forwards the bare lines).
@@ -221,8 +226,20 @@ def test_make_demo_runs_every_stage_learns_and_its_console_is_vitray_lines_only(
     run = out / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["epoch"]) for r in rows] == [(s, (s - 1) // 8) for s in (60, 120, 180, 240)]
-    # A checkpoint's row also says how long it kept training waiting; the last step always checkpoints.
-    assert all(r.keys() - {"checkpoint_stall_s"} == METRICS_FIELDS for r in rows), rows[0].keys()
+    # A checkpoint's row also says how long it kept training waiting, and what its probe found (the
+    # checkpoints of 120 and 240, probed beside training: fit on the shards, scored on the held-out
+    # images); the last step always checkpoints.
+    probed = {"checkpoint_stall_s", *PROBE_FIELDS, "probe_converged"}
+    assert all(r.keys() - probed == METRICS_FIELDS for r in rows), rows[0].keys()
+    assert [r["step"] for r in rows if "probe_accuracy" in r] == [120, 240]
+    for r in rows[1::2]:  # 10 classes: chance is 10%
+        assert r["probe_accuracy"] > 0.6 and r["knn_accuracy"] > 0.6, r
+        assert f"probe of step {r['step']} (checkpoint_{r['step']:08d}): linear probe " in console
+    shown = " -> ".join(
+        f"step {r['step']}: linear probe {100 * r['probe_accuracy']:.0f}%, k-NN {100 * r['knn_accuracy']:.0f}%"
+        for r in rows[1::2]
+    )
+    assert f"probe:      {shown} (fit on shards/, scored on held-out/)" in console
     assert "checkpoint_stall_s" in rows[-1] and re.search(r"\| checkpoint stall \d+\.\d\d s \|", console)
     assert all(r["mfu"] is None for r in rows)  # no datasheet peak for a CPU
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
@@ -239,16 +256,18 @@ def test_make_demo_runs_every_stage_learns_and_its_console_is_vitray_lines_only(
         "checkpoint_00000120",
         "checkpoint_00000240",
     ]
-    # The curve the demo draws from metrics.jsonl: a readable 840 x 480 PNG with both curves on it
-    # (their colours cover a few hundred pixels each; the axis labels alone, about a hundred).
+    # The curve the demo draws from metrics.jsonl: a readable 1440 x 480 PNG, loss and accuracy on the
+    # left and the probe's two accuracies beside them (their colours cover a few hundred pixels each; the
+    # axis labels alone, about a hundred).
     curve = run / "training_curve.png"
-    assert f"curve:      {curve}" in console and 10_000 < curve.stat().st_size < 1_000_000
+    assert f"curve:      {curve}  (loss, and the probe beside it)" in console
+    assert 10_000 < curve.stat().st_size < 1_000_000
     with Image.open(curve) as im:
-        assert (im.format, im.size) == ("PNG", (840, 480))
+        assert (im.format, im.size) == ("PNG", (1440, 480))
         pixels = {colour: n for n, colour in im.convert("RGB").getcolors(maxcolors=1_000_000)}
-    assert (
-        pixels.get((0x1F, 0x77, 0xB4), 0) > 250 and pixels.get((0xFF, 0x7F, 0x0E), 0) > 250
-    )  # loss, accuracy
+    # loss, accuracy; linear probe, k-NN
+    for colour in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E), (0x2C, 0xA0, 0x2C), (0xD6, 0x27, 0x28)):
+        assert pixels.get(colour, 0) > 250, colour
 
     # Embeddings of the export: one row per image, the job's progress and summary lines.
     embeddings = out / "embeddings"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -72,6 +73,28 @@ def test_tensorboard_event_files_hold_every_logged_scalar(tmp_path):
     for step in (10, 20, 30, 40):
         for tag, value in scalars(row(step)).items():
             assert found[tag][step] == pytest.approx(value, rel=1e-6), (tag, step)
+
+
+def test_a_probe_landing_after_the_last_row_reaches_its_row_and_tensorboard_at_its_step(tmp_path):
+    config = TrainConfig().replace(
+        shards="x",
+        out=str(tmp_path / "run"),
+        max_steps=40,
+        tensorboard=True,
+        probe_data="a",
+        probe_eval_data="b",
+    )
+    log = attach(MetricsLog(config.run.out), config)
+    for step in (20, 40):
+        log.append(row(step), flush=True)
+    # The last checkpoint's probe lands after its row: a probed run's sinks stay open for it until `close`.
+    assert log.amend(40, {"probe_accuracy": 0.75, "knn_accuracy": 0.5, "probe_error": None})
+    assert not log.amend(30, {"probe_accuracy": 0.5})  # no row at that step: nothing written
+    log.close()
+    stored = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert stored[1] == {**row(40), "probe_accuracy": 0.75, "knn_accuracy": 0.5, "probe_error": None}
+    found = read_scalars(tmp_path / "run" / TENSORBOARD_DIR)
+    assert found["train/probe_accuracy"] == {40: 0.75} and found["train/knn_accuracy"] == {40: 0.5}
 
 
 def test_no_sink_asked_for_leaves_the_log_as_it_is(tmp_path):

@@ -170,9 +170,9 @@ class SinkedLog:
             self.close()
 
     def amend(self, step: int, fields: dict[str, Any]) -> bool:
-        """`MetricsLog.amend`, and the sinks get the fields at ``step``."""
+        """`MetricsLog.amend`, and where it found the row, the sinks get the fields at ``step``."""
         amended = self.inner.amend(step, fields)
-        for sink in self.sinks:
+        for sink in self.sinks if amended else ():
             sink.amend(step, fields)
         return amended
 

@@ -41,6 +41,7 @@ Design notes
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -92,7 +93,7 @@ class ProbePlan:
     checkpoints are in, and the ledger its records go to."""
 
     scorer: CheckpointScorer
-    request: dict[str, Any]
+    request: dict[str, Any] = dataclasses.field(repr=False)  # its URLs may be signed: not in Ray's records
     cpus: float
     gpu: bool
     timeout: float
