@@ -54,3 +54,61 @@ def resample_pos_embed(
     grid = grid.permute(0, 2, 3, 1).reshape(gh_new * gw_new, dim).to(x.dtype)  # (GH*GW, D)
     out = torch.cat([prefix, grid], dim=0)  # (1 + GH*GW, D)
     return out.unsqueeze(0) if batched else out
+
+
+# The cubic convolution kernel's parameter in PyTorch's bicubic upsampling (and OpenCV's); Keys' is -0.5.
+_CUBIC_A = -0.75
+
+
+def _cubic_taps(
+    position: torch.Tensor, out_size: torch.Tensor, in_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where output ``position`` of an axis resampled from ``in_size`` to ``out_size`` (tensors of one
+    shape) reads its input: the 4 source indices ``(..., 4)``, clamped to the axis, and their weights
+    ``(..., 4)``. The arithmetic of ``F.interpolate(mode="bicubic", align_corners=False)``, in float32
+    as its kernels compute it: source ``in/out * (i + 0.5) - 0.5``, Keys' cubic with a = -0.75."""
+    scale = float(in_size) / out_size.float()
+    real = scale * (position.float() + 0.5) - 0.5
+    base = torch.minimum(real.floor(), torch.full_like(real, in_size - 1))
+    t = (real - base).clamp(0.0, 1.0)
+    a = _CUBIC_A
+
+    def near(x: torch.Tensor) -> torch.Tensor:  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x: torch.Tensor) -> torch.Tensor:  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    weights = torch.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], dim=-1)  # (..., 4)
+    offsets = torch.arange(-1, 3, device=position.device)
+    index = (base.long().unsqueeze(-1) + offsets).clamp(0, in_size - 1)  # (..., 4)
+    return index, weights
+
+
+def sample_pos_embed(
+    grid_embed: torch.Tensor, old_grid: tuple[int, int], coords: torch.Tensor, grid: torch.Tensor
+) -> torch.Tensor:
+    """Each token's position embedding on its own image's grid: ``grid_embed`` ``(gh*gw, D)`` (the patch
+    rows of a ``pos_embed``, on ``old_grid``) resampled to image b's grid ``grid[b]`` = (GH, GW) and read
+    at ``coords[b, t]`` = (row, col) -> ``(B, T, D)``, in ``grid_embed``'s dtype.
+
+    The same function as `resample_pos_embed` (bicubic, [CLS] aside) evaluated at the tokens' places,
+    up to float32 rounding; on ``old_grid`` itself each token gets its row exactly. No host sync and no
+    loop over the batch's grids: per token, 4 x 4 gathers of the old grid, weighted row by row as the
+    interpolation's kernels do (along the columns first, then the rows). ``grid`` below 1 reads as 1.
+    """
+    gh, gw = old_grid
+    sizes = grid.long().clamp(min=1)  # (B, 2)
+    rows, cols = coords[..., 0].long(), coords[..., 1].long()  # (B, T) each
+    row_index, row_weights = _cubic_taps(rows, sizes[:, :1].expand_as(rows), gh)  # (B, T, 4) each
+    col_index, col_weights = _cubic_taps(cols, sizes[:, 1:].expand_as(cols), gw)
+    table = grid_embed.float()  # (gh*gw, D)
+    out = None
+    for i in range(4):
+        along = None  # row i's 4 taps, interpolated along the columns: (B, T, D)
+        for j in range(4):
+            term = col_weights[..., j, None] * table[row_index[..., i] * gw + col_index[..., j]]
+            along = term if along is None else along + term
+        term = row_weights[..., i, None] * along
+        out = term if out is None else out + term
+    return out.to(grid_embed.dtype)
