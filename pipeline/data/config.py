@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline import settings
+from pipeline.data.native import PATCH_MODES
 from pipeline.data.rows import Retry, RowSpec
 from pipeline.settings import setting
 from pipeline.storage import Storage
@@ -63,6 +64,19 @@ class DataConfig(EvalTransform, Storage):
     image_size: int = setting(224, "input resolution in pixels (a multiple of the patch size)", ge=1)
     # None until the model is known (`TrainConfig.data_for`); every dataset is built with one.
     patch_size: int | None = setting(16, "pixels per patch side: the model's", flag=None, gt=0)
+    # Native-aspect batches: `pipeline.data.native` (the grid, the rows, the micro-batches).
+    patches: str = setting(
+        "square",
+        "square: each image cropped to --image-size squared; native: each at its own aspect ratio on the "
+        "largest patch grid within --max-patches, in micro-batches of one token budget",
+        choices=PATCH_MODES,
+    )
+    max_patches: int | None = setting(
+        None,
+        "native: the most patches an image becomes; a micro-batch holds --micro-batch-size times this "
+        "many, padding included (none: (image size / patch size)^2, the square crop's)",
+        ge=4,
+    )
     scale: tuple[float, float] = setting(
         (0.08, 1.0),
         "random-resized-crop area share MIN,MAX, e.g. 0.08,1",
@@ -188,6 +202,16 @@ class DataConfig(EvalTransform, Storage):
         return (self.image_size // self.patch_size) ** 2
 
     @property
+    def native(self) -> bool:
+        """Images at their own aspect ratio (``--patches native``, `pipeline.data.native`)."""
+        return self.patches == "native"
+
+    @property
+    def patch_budget(self) -> int:
+        """The most patches an image becomes: ``max_patches``, else the square crop's."""
+        return self.max_patches or self.num_patches
+
+    @property
     def row_spec(self) -> RowSpec:
         return RowSpec(self.image_keys, self.label_key, self.require_labels, self.num_classes)
 
@@ -235,7 +259,9 @@ class DataConfig(EvalTransform, Storage):
         given = {
             name: getattr(transform, name) for name in knobs if getattr(transform, name, None) is not None
         }
-        return dataclasses.replace(base, image_size=image_size, patch_size=patch_size, **given, **fields)
+        config = dataclasses.replace(base, image_size=image_size, patch_size=patch_size, **given, **fields)
+        # The budget as a number where it applies (what an embedding output's identity records), none where not.
+        return dataclasses.replace(config, max_patches=config.patch_budget if config.native else None)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], **overrides: Any) -> DataConfig:

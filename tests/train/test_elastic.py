@@ -28,6 +28,7 @@ from pipeline.data.dataset import rebatch
 from pipeline.train.state import TrainState
 from tests.configs import tiny_config
 from tests.distributed import spawn
+from tests.native_rows import as_native
 from tests.train.test_loop import LocalSession
 
 SIZES = {f"mem://data/shard-{i}": n for i, n in enumerate((8, 9, 14, 7, 11, 10))}
@@ -84,18 +85,23 @@ def _indexed(sizes, corrupt, tag, shards, data_config, epoch, rank, size, bad_sa
         keys = [f"{url}/{i}" for url, i, _ in rows]
         g = np.random.default_rng([epoch % 2**32, *(i + 100 * int(url[-1]) for url, i, _ in rows)])
         return bad_samples.filter(
-            {
-                "key": np.array([k + tag for k in keys]),
-                "url": np.array([url for url, _, _ in rows]),
-                "patches": g.integers(0, 256, (len(rows), patches, patch_dim), dtype=np.uint8),
-                "label": g.integers(0, 4, len(rows)),
-                "error": np.array(
-                    ["truncated image: test" if k in corrupt else "" for k in keys], dtype=object
-                ),
-                "index": np.array([i for _, i, _ in rows]),
-                "shard_size": np.array([s for _, _, s in rows]),
-            }
+            native(
+                {
+                    "key": np.array([k + tag for k in keys]),
+                    "url": np.array([url for url, _, _ in rows]),
+                    "patches": g.integers(0, 256, (len(rows), patches, patch_dim), dtype=np.uint8),
+                    "label": g.integers(0, 4, len(rows)),
+                    "error": np.array(
+                        ["truncated image: test" if k in corrupt else "" for k in keys], dtype=object
+                    ),
+                    "index": np.array([i for _, i, _ in rows]),
+                    "shard_size": np.array([s for _, _, s in rows]),
+                }
+            )
         )
+
+    def native(rows):  # native-aspect images (``--patches native``): each key its own grid
+        return as_native(rows, data_config, epoch) if data_config.native else rows
 
     yield from rebatch(batches(), size)
 
@@ -187,20 +193,28 @@ def bad_at_epoch_ends(*records: dict, per_source: bool = False) -> dict[int, Any
 
 @pytest.mark.slow  # 4 ranks then 2, then 2 ranks then 3: about a minute of CPU (each feeder: more)
 @pytest.mark.parametrize(
-    ("before", "after", "data_process"), [(4, 2, "inline"), (2, 3, "inline"), (2, 3, "feeder")]
+    ("before", "after", "data_process", "patches"),
+    [
+        (4, 2, "inline", "square"),
+        (2, 3, "inline", "square"),
+        (2, 3, "feeder", "square"),
+        (3, 2, "inline", "native"),
+    ],
 )
 def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(
-    request, tmp_path, before, after, data_process
+    request, tmp_path, before, after, data_process, patches
 ):
+    """Also with native-aspect images, in micro-batches of one token budget."""
     address = None
     if data_process == "feeder":  # every rank's feeder an actor of the shared local Ray
         address = request.getfixturevalue("ray_session").get_runtime_context().gcs_address
-    stop = {"dir": "stopped", "stop_at_step": 2, "data_process": data_process}
-    straight = ("straight", {"data_process": data_process})
+    mode = {"patches": patches, "max_patches": 20 if patches == "native" else None}
+    stop = {"dir": "stopped", "stop_at_step": 2, "data_process": data_process, **mode}
+    straight = ("straight", {"data_process": data_process, **mode})
     joins = address is not None
     spawn(_run, before, str(tmp_path), [straight, ("stopped", dict(stop))], None, address, world_size=before,
           joins_ray=joins)  # fmt: skip
-    resumed = ("resumed", {"dir": "stopped", "num_workers": after, "data_process": data_process})
+    resumed = ("resumed", {"dir": "stopped", "num_workers": after, "data_process": data_process, **mode})
     spawn(_run, after, str(tmp_path), [resumed], None, address, world_size=after, joins_ray=joins)
     read = {
         name: json.loads((tmp_path / f"{name}.json").read_text())
