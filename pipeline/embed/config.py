@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from pipeline import cli, settings
 from pipeline.data.config import DataConfig, EvalOverrides
+from pipeline.data.native import PATCH_MODES
 from pipeline.model_source import Weights
 from pipeline.settings import setting
 from pipeline.storage import Output
@@ -47,6 +48,18 @@ class EmbedConfig(EvalOverrides, Weights, Output):
     )
     image_size: int | None = setting(
         None, "input resolution (none: the model's; others resample pos_embed)", ge=1
+    )
+    patches: str | None = setting(
+        None,
+        "square (resize, center crop) or native (each image whole, at its own aspect ratio, up to "
+        "--max-patches patches) (none: as the model was trained)",
+        choices=PATCH_MODES,
+    )
+    max_patches: int | None = setting(
+        None,
+        "with native patches: the most patches an image becomes (none: the model's own, else (image "
+        "size / patch size)^2)",
+        ge=4,
     )
     batch_size: int | None = setting(None, "images per forward pass (none: 64 on CPU, 256 per GPU)", ge=1)
     concurrency: int = setting(1, "model actors, one GPU each on GPU", ge=1)

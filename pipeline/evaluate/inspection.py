@@ -99,6 +99,9 @@ def analyze(
         image_size=model_config.image_size,
         patch_size=model_config.patch_size,
         transform=config,
+        # The panels are of the model's square grid (attention distances over it, its position
+        # embeddings), whatever patches the model was trained with.
+        patches="square",
         label_key=None,  # no labels needed
         require_labels=False,
         storage_options=config.storage_options,
