@@ -94,21 +94,17 @@ def sample_pos_embed(
 
     The same function as `resample_pos_embed` (bicubic, [CLS] aside) evaluated at the tokens' places,
     up to float32 rounding; on ``old_grid`` itself each token gets its row exactly. No host sync and no
-    loop over the batch's grids: per token, 4 x 4 gathers of the old grid, weighted row by row as the
-    interpolation's kernels do (along the columns first, then the rows). ``grid`` below 1 reads as 1.
+    loop over the batch's grids: each token's 4 x 4 taps and weights become one row of a matrix
+    ``(B, T, gh*gw)``, and one float32 matmul with the grid gives every embedding (its backward is the
+    transposed matmul: no scattered accumulation). ``grid`` below 1 reads as 1.
     """
     gh, gw = old_grid
     sizes = grid.long().clamp(min=1)  # (B, 2)
     rows, cols = coords[..., 0].long(), coords[..., 1].long()  # (B, T) each
     row_index, row_weights = _cubic_taps(rows, sizes[:, :1].expand_as(rows), gh)  # (B, T, 4) each
     col_index, col_weights = _cubic_taps(cols, sizes[:, 1:].expand_as(cols), gw)
-    table = grid_embed.float()  # (gh*gw, D)
-    out = None
-    for i in range(4):
-        along = None  # row i's 4 taps, interpolated along the columns: (B, T, D)
-        for j in range(4):
-            term = col_weights[..., j, None] * table[row_index[..., i] * gw + col_index[..., j]]
-            along = term if along is None else along + term
-        term = row_weights[..., i, None] * along
-        out = term if out is None else out + term
-    return out.to(grid_embed.dtype)
+    index = (row_index.unsqueeze(-1) * gw + col_index.unsqueeze(-2)).flatten(-2)  # (B, T, 16)
+    weights = (row_weights.unsqueeze(-1) * col_weights.unsqueeze(-2)).flatten(-2)  # (B, T, 16)
+    # Taps clamped at the border land on one cell: their weights add up, as the kernel's reads do.
+    taps = torch.zeros(*index.shape[:-1], gh * gw, device=weights.device).scatter_add_(-1, index, weights)
+    return (taps @ grid_embed.float()).to(grid_embed.dtype)  # (B, T, gh*gw) @ (gh*gw, D)
