@@ -243,11 +243,24 @@ def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(
     assert all(ends[e] == len(CORRUPT) * (e + 1) for e in complete), ends
 
 
+def run_in_turn(*configs) -> None:
+    """Each config's run in this process (one worker) over the shards of `SIZES`, in turn, each without
+    an error: a run and its resumes."""
+    from pipeline.train import loop
+
+    for cfg in configs:
+        session = LocalSession(torch.device("cpu"), Path(cfg.run.out))
+        loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}
+        assert loop.Trainer(loop_config, session).train()["error"] == ""
+
+
+@pytest.mark.parametrize("patches", ["square", "native"])
 def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(
-    world, monkeypatch, tmp_path, capsys, data_process
+    world, monkeypatch, tmp_path, capsys, data_process, patches
 ):
     """One worker, batch 8: 7 steps an epoch. Stopped at step 3 with micro-batches of 4, resumed with
-    micro-batches of 2: epoch 0 still trains every good sample once, and counts each bad one once."""
+    micro-batches of 2: epoch 0 still trains every good sample once, and counts each bad one once.
+    Also with native-aspect images (micro-batches of 4 x 20 tokens, then 2 x 20)."""
     from pipeline.train import dataplan, loop
 
     monkeypatch.setattr(dataplan, "micro_batches", indexed_micro_batches)
@@ -260,14 +273,15 @@ def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(
 
     monkeypatch.setattr(loop.Trainer, "train_step", train_step)
     stopped = config(
-        tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=9, stop_at_step=3, data_process=data_process
-    )
-    for cfg in (stopped, stopped.replace(stop_at_step=None, micro_batch_size=2)):
-        session = LocalSession(torch.device("cpu"), Path(cfg.run.out))
-        loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}
-        assert loop.Trainer(loop_config, session).train()["error"] == ""
+        tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=9, stop_at_step=3, data_process=data_process,
+        patches=patches, max_patches=20 if patches == "native" else None,
+    )  # fmt: skip
+    run_in_turn(stopped, stopped.replace(stop_at_step=None, micro_batch_size=2))
     record = {"steps": steps}
-    assert [e for e, *_ in steps] == [0] * 7 + [1] * 2
+    if patches == "square":  # native steps hold as many images as their lengths let in
+        assert [e for e, *_ in steps] == [0] * 7 + [1] * 2
+    saved = json.loads((tmp_path / dcp.checkpoint_name(3) / "train_state.json").read_text())
+    assert saved["epoch_consumed"]["partial"]  # stopped inside the epoch
     assert collections.Counter(epochs(record)[0]) == collections.Counter(GOOD)
     assert bad_at_epoch_ends(record)[0] == len(CORRUPT)
     assert "the workers share the samples this epoch had not consumed, each once" in capsys.readouterr().out

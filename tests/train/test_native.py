@@ -6,7 +6,6 @@ stand-in data stage (`tests.train.test_loop`) with rows made native (`tests.nati
 from __future__ import annotations
 
 import collections
-import json
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import dcp
 from pipeline.data import native
-from pipeline.data.dataset import rebatch
 from pipeline.train import dataplan, loop
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import build_model, model_config
@@ -24,7 +21,7 @@ from pipeline.train.objective import objective_for
 from tests.configs import tiny_config
 from tests.native_rows import as_native, grid_of
 from tests.train import test_elastic
-from tests.train.test_loop import SAMPLES_PER_SHARD, config, run
+from tests.train.test_loop import SAMPLES_PER_SHARD, config, fake_micro_batches, run
 
 # 32 px, 8 px patches: the model's grid is 4 x 4; images of up to 20 patches (grids of their own: 2 x 7,
 # 6 x 3, 4 x 4, 4 x 5, 6 x 2, 2 x 10), so micro-batches of 4 x 20 tokens hold 4 images padded to 20 or
@@ -33,30 +30,11 @@ NATIVE = {"patches": "native", "max_patches": 20}
 MAE = {"objective": "mae", "label_key": None, "decoder_dim": 32, "decoder_depth": 1, "decoder_num_heads": 4}
 
 
-def native_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, data_cpus, root=None):
-    """`tests.train.test_loop.fake_micro_batches` with native rows (square ones for a square run): 4
-    shards of 9 samples, the first of each corrupt; each key its own grid."""
-    patch_dim = data_config.patch_size**2 * 3
-
-    def rows():
-        for url in shards:
-            g = np.random.default_rng([int(url.rsplit("-", 1)[1]), epoch])
-            n = SAMPLES_PER_SHARD
-            batch = {
-                "key": np.array([f"{url}/{i}" for i in range(n)]),
-                "url": np.array([url] * n),
-                "patches": g.integers(0, 256, (n, data_config.num_patches, patch_dim), dtype=np.uint8),
-                "label": g.integers(0, 4, n),
-                "error": np.array(["truncated image: test"] + [""] * (n - 1), dtype=object),
-            }
-            yield bad_samples.filter(as_native(batch, data_config, epoch) if data_config.native else batch)
-
-    yield from rebatch(rows(), size)
-
-
 @pytest.fixture
 def native_data(monkeypatch):
-    monkeypatch.setattr(dataplan, "micro_batches", native_micro_batches)
+    """`tests.train.test_loop`'s stand-in data stage (4 shards of 9 samples, the first of each corrupt),
+    whose rows are native ones for a native config."""
+    monkeypatch.setattr(dataplan, "micro_batches", fake_micro_batches)
 
 
 def micro_batch(cfg: TrainConfig, keys: list[str], length: int) -> tuple[torch.Tensor, ...]:
@@ -163,52 +141,12 @@ def test_a_square_checkpoint_resumed_with_native_batches_goes_on_by_sample_and_s
     monkeypatch.setattr(dataplan, "micro_batches", test_elastic.indexed_micro_batches)
     steps = record_steps(monkeypatch)
     stopped = test_elastic.config(tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=9, stop_at_step=3)
-    for cfg in (stopped, stopped.replace(stop_at_step=None, **NATIVE)):
-        session = test_elastic.LocalSession(torch.device("cpu"), Path(cfg.run.out))
-        loop_config = {
-            "train": cfg.to_dict(),
-            "shards": list(test_elastic.SIZES),
-            "data_cpus_per_worker": 1.0,
-        }
-        assert loop.Trainer(loop_config, session).train()["error"] == ""
+    test_elastic.run_in_turn(stopped, stopped.replace(stop_at_step=None, **NATIVE))
     out = capsys.readouterr().out
     assert "it was taken with other --patches or --max-patches" in out
     assert "the workers share the samples this epoch had not consumed, each once" in out
     epoch0 = [k for epoch, keys in steps if epoch == 0 for k in keys]
     assert collections.Counter(epoch0) == collections.Counter(test_elastic.GOOD)  # each once across it
-
-
-def test_a_native_resume_at_another_micro_batch_size_goes_on_by_sample(world, monkeypatch, tmp_path, capsys):
-    """`tests.train.test_elastic`'s stand-in (shards of 8 to 14 samples, 3 corrupt, a seeded shuffle
-    buffer, the read stage's position columns) with native rows: stopped at step 3 with micro-batches
-    of 4 x 20 tokens, resumed with 2 x 20: epoch 0 still trains every good sample once, and counts each
-    bad one once."""
-    monkeypatch.setattr(dataplan, "micro_batches", test_elastic.indexed_micro_batches)
-    steps: list = []
-    real = loop.Trainer.train_step
-
-    def train_step(self, data, step_input, agreement):
-        steps.append((self.state.epoch, [list(step_input.keys)], step_input.bad_samples.bad, {}))
-        return real(self, data, step_input, agreement)
-
-    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
-    stopped = test_elastic.config(
-        tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=9, stop_at_step=3, **NATIVE
-    )
-    for cfg in (stopped, stopped.replace(stop_at_step=None, micro_batch_size=2)):
-        session = test_elastic.LocalSession(torch.device("cpu"), Path(cfg.run.out))
-        loop_config = {
-            "train": cfg.to_dict(),
-            "shards": list(test_elastic.SIZES),
-            "data_cpus_per_worker": 1.0,
-        }
-        assert loop.Trainer(loop_config, session).train()["error"] == ""
-    saved = json.loads((tmp_path / dcp.checkpoint_name(3) / "train_state.json").read_text())
-    assert saved["epoch_consumed"]["partial"]
-    epoch0 = test_elastic.epochs({"steps": steps})[0]
-    assert collections.Counter(epoch0) == collections.Counter(test_elastic.GOOD)
-    assert test_elastic.bad_at_epoch_ends({"steps": steps})[0] == len(test_elastic.CORRUPT)
-    assert "the workers share the samples this epoch had not consumed, each once" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
