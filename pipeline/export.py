@@ -219,7 +219,7 @@ def run_record(source: ModelSource, where: storage.Location) -> dict[str, Any]:
         training, train = {}, meta.get("train") or {}
         match = re.search(r"(\d+)$", source.path.rstrip("/"))
         step = int(match[1]) if match else None
-    task, run, optim = (train.get(k) or {} for k in ("task", "run", "optim"))
+    task, run, optim, scoring = (train.get(k) or {} for k in ("task", "run", "optim", "scoring"))
     data = source.preprocessing or {}
     record = {
         "objective": meta.get("objective") or task.get("objective"),
@@ -233,6 +233,12 @@ def run_record(source: ModelSource, where: storage.Location) -> dict[str, Any]:
         "loss": training.get("loss"),
         "accuracy": training.get("accuracy"),
         "eval_accuracy": training.get("eval_accuracy"),
+        # The checkpoint probe of these weights (--probe-data): what their embeddings are worth.
+        "probe_data": scoring.get("probe_shards") or None,
+        "probe_eval_data": scoring.get("probe_eval_shards") or None,
+        "probe_accuracy": training.get("probe_accuracy"),
+        "knn_accuracy": training.get("knn_accuracy"),
+        "best": training.get("best"),
         "crop_fraction": data.get("crop_fraction"),
         "interpolation": data.get("eval_interpolation"),
     }
@@ -297,6 +303,10 @@ def model_card(
         ("final training loss", _figure(record.get("loss"))),
         ("training accuracy", _figure(record.get("accuracy"))),
         ("evaluation accuracy", _figure(record.get("eval_accuracy"))),
+        ("probe data", _probe_data(record)),
+        ("linear probe accuracy", _figure(record.get("probe_accuracy"))),
+        ("k-NN accuracy", _figure(record.get("knn_accuracy"))),
+        ("kept as the best", _best(record.get("best"))),
     ]
     training_rows = [(k, v) for k, v in training_rows if v not in (None, "")]
     pipeline_tag = "image-classification" if "classes" in head else "image-feature-extraction"
@@ -386,6 +396,19 @@ def _optimizer(record: dict[str, Any]) -> str | None:
     if "optimizer" not in record:
         return None
     return f"{record['optimizer']}, lr {record['lr']}" if "lr" in record else str(record["optimizer"])
+
+
+def _probe_data(record: dict[str, Any]) -> str | None:
+    if "probe_data" not in record:
+        return None
+    return f"fit on {record['probe_data']}, scored on {record.get('probe_eval_data')}"
+
+
+def _best(best: Any) -> str | None:
+    """best/'s record (`pipeline.train.scoring.best`): the score it was kept by, and its value."""
+    if not isinstance(best, dict) or not isinstance(best.get("score"), int | float):
+        return None
+    return f"--keep-best {best.get('by')}: {best['score']:.4f} at step {best.get('step')}"
 
 
 def _figure(value: Any) -> str | None:

@@ -39,9 +39,13 @@ def write_run(root, patches: str = "square", **overrides) -> vit.VisionTransform
         "loss": 1.2345,
         "accuracy": 0.5,
         "eval_accuracy": 0.4375,
+        "probe_accuracy": 0.8125,
+        "knn_accuracy": 0.6875,
+        "best": {"by": "probe", "step": 40, "score": 0.8125},
         "config": {
             "task": {"objective": "supervised"},
             "run": {"shards": "s3://bucket/train-{000000..000003}.tar", "eval_shards": ""},
+            "scoring": {"probe_shards": "s3://bucket/probe.tar", "probe_eval_shards": "s3://bucket/held.tar"},
             "optim": {"optimizer": "adamw", "lr": 0.001, "batch_size": 8, "max_steps": 40},
         },
     }
@@ -84,6 +88,10 @@ def test_timm_export_of_a_run_loads_in_timm_with_its_preprocessing_and_card(tmp_
         "40 of 40",
         "1.2345",
         "0.4375",
+        "| probe data | fit on s3://bucket/probe.tar, scored on s3://bucket/held.tar |",
+        "| linear probe accuracy | 0.8125 |",
+        "| k-NN accuracy | 0.6875 |",
+        "| kept as the best | --keep-best probe: 0.8125 at step 40 |",
     ):
         assert fact in card, fact
     vitray = load_model_source(str(tmp_path / "run"))

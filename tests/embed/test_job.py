@@ -30,7 +30,7 @@ from pipeline.data.writing import tar_bytes
 from pipeline.embed.actor import embed_rows
 from pipeline.embed.config import EmbedConfig
 from pipeline.embed.identity import CLAIM
-from pipeline.embed.job import prepare, run
+from pipeline.embed.job import prepare, run, run_in_process
 from pipeline.embed.output import MANIFEST, METADATA_KEY, RECORDS, output_name
 from tests.job_scripts import load_job
 from tests.signed_http import SignedStore
@@ -281,6 +281,10 @@ def test_native_rows_embed_each_image_whole_at_its_own_aspect_ratio(ray_session,
     order = [list(images).index(k) for k in rows["key"]]
     np.testing.assert_allclose(rows["embedding"], direct[order], rtol=1e-5, atol=1e-5)
     assert manifest(out)["preprocessing"]["patches"] == "native"
+    # The checkpoint probe's executor (`run_in_process`): the same native rows, bit for bit, in one process.
+    alone = read_rows(run_in_process(prepare(config.replace(out=str(tmp_path / "alone")))).out)
+    assert list(alone["key"]) == list(rows["key"])
+    np.testing.assert_array_equal(alone["embedding"], rows["embedding"])
 
 
 def test_shards_read_through_signed_urls_are_embedded_once_under_their_names(

@@ -46,3 +46,29 @@ def test_a_corrupt_sample_is_skipped_and_counted_and_a_shard_without_one_fails_t
         ValueError, match=r"--probe-data and --probe-eval-data were embedded from 1 of the same"
     ):
         score(weights, train=",".join(urls[:3]), test=urls[2])
+
+
+def test_a_native_aspect_models_probe_embeds_its_sets_as_the_embedding_job_does(
+    probe_sets, tiny_export_32px, tmp_path, monkeypatch
+):
+    """A run with --patches native: its checkpoints carry that preprocessing, and the probe embeds both
+    sets with it, as ``jobs/embed.py --weights CHECKPOINT`` does (that `run_in_process` gives the embedding
+    job's native rows: tests/embed/test_job.py)."""
+    import vit
+    from pipeline.data.config import DataConfig
+    from pipeline.embed import job
+
+    state, config = vit.load_pretrained(tiny_export_32px, as_state_dict=True)
+    native = DataConfig(image_size=32, patch_size=8, patches="native", max_patches=20)
+    vit.save_pretrained(tmp_path, state, config, extra={"preprocessing": native.to_dict()})
+    seen, embed = [], job.run_in_process
+
+    def run_in_process(plan):
+        seen.append((plan.data_config.patches, plan.data_config.max_patches))
+        return embed(plan)
+
+    monkeypatch.setattr(job, "run_in_process", run_in_process)
+    urls, _, _ = probe_sets
+    scores = score(storage.as_location(str(tmp_path)), train=",".join(urls[:3]), test=urls[3])
+    assert seen == [("native", 20), ("native", 20)]
+    assert (scores["probe_images"], scores["probe_eval_images"]) == (120, 40)
