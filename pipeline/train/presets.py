@@ -61,6 +61,9 @@ def small() -> TrainConfig:
 
     Expected (BENCHMARKS.md, "Learning"): about 6 minutes on 2 CPU workers; a linear probe on the
     embeddings scores about 75% on Fashion-MNIST's test images, and with `--max-steps 1600` over 82%.
+    With ``--checkpoint-every 100 --probe-data PROBE --probe-eval-data TEST`` each checkpoint is probed
+    beside training: on 2,000 and 1,000 of those images the linear probe reads 60%, 69%, 70% and 71% at
+    steps 100 to 400 (k-NN 54%, 62%, 67%, 70%; a random encoder's: 64% and 53%).
     """
     return tiny().replace(
         model="vit_mini4",
