@@ -90,24 +90,11 @@ def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] |
 
     config.validate()
     check_out(config)
-    patch_size = model_config(config).patch_size
-    mixed = parse_sources(config.run.shards)
-    sources = [(s.name, s.weight, s.urls) for s in mixed] if mixed else [("", 1.0, config.run.shards)]
-    expanded = []
-    for name, weight, urls in sources:
-        try:
-            shards = expand_shards(config.location(urls))
-            check_shards(shards, config.data_for(patch_size))
-        except ShardError as e:
-            if not mixed:
-                raise
-            raise ShardError(f"source {name}: {e}") from e  # which of the sources
-        expanded.append({"name": name, "weight": weight, "shards": shards})
-    if mixed:
-        check_disjoint({source["name"]: source["shards"] for source in expanded})
+    data_config = config.data_for(model_config(config).patch_size)
+    shards, mixed = expand_data(config, check=lambda urls: check_shards(urls, data_config))
     check_resumable(config)
     workers = config.cluster.max_workers  # an elastic run's every size: its largest
-    for source in expanded:
+    for source in mixed or [{"shards": shards}]:
         if len(source["shards"]) < workers:
             of = f" of source {source['name']}" if mixed else ""
             raise ValueError(
@@ -115,6 +102,30 @@ def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] |
                 "worker needs at least one; write more, smaller shards (jobs/make_shards.py "
                 "--samples-per-shard) or use fewer --num-workers"
             )
+    return shards, mixed
+
+
+def expand_data(
+    config: TrainConfig, check: Callable[[list[str]], None] | None = None
+) -> tuple[list[str], list[dict[str, Any]] | None]:
+    """``--data`` expanded as the workers get it: every source's shards in order, each once, and for sources
+    mixed by weight each source's ``{"name", "weight", "shards"}`` (None for one plain source). ``check``
+    sees each source's shards as they are expanded; a ShardError names the source of a mixture."""
+    mixed = parse_sources(config.run.shards)
+    sources = [(s.name, s.weight, s.urls) for s in mixed] if mixed else [("", 1.0, config.run.shards)]
+    expanded = []
+    for name, weight, urls in sources:
+        try:
+            shards = expand_shards(config.location(urls))
+            if check is not None:
+                check(shards)
+        except ShardError as e:
+            if not mixed:
+                raise
+            raise ShardError(f"source {name}: {e}") from e  # which of the sources
+        expanded.append({"name": name, "weight": weight, "shards": shards})
+    if mixed:
+        check_disjoint({source["name"]: source["shards"] for source in expanded})
     shards = list(dict.fromkeys(url for source in expanded for url in source["shards"]))
     return shards, expanded if mixed else None
 

@@ -49,6 +49,7 @@ from pipeline.train.config import TrainConfig, worker_config
 from pipeline.train.input.cursor import EpochCursor
 from pipeline.train.input.dataplan import StepInputs
 from pipeline.train.input.feeder import feeder_plan_for
+from pipeline.train.input.ledger import Ledger
 from pipeline.train.input.prefetch import StepInput
 from pipeline.train.observe import mfu, sinks, stacks
 from pipeline.train.observe.metrics import (
@@ -239,10 +240,14 @@ class Trainer:
         """This rank's place in the epoch: the start, or what the checkpoint resumed from holds."""
         me, stream, position = self.me, self.plan.fingerprint, self.plan.position()
         layout = (me.rank, me.world, self.config.optim.micro_batch_size, stream, self.data_config)
+        state = self.state
+        ledger = Ledger.resume(self.shards, state.ledger, state.step, state.epoch)  # what each epoch consumed
         if self.resumed_from is None:
-            return EpochCursor.start(*layout, position=position)
-        done = self.state.step >= self.config.last_step
-        cursor, note = EpochCursor.resume(self.state, *layout, schedule_done=done, position=position)
+            return EpochCursor.start(*layout, position=position, ledger=ledger)
+        done = state.step >= self.config.last_step
+        cursor, note = EpochCursor.resume(
+            state, *layout, schedule_done=done, position=position, ledger=ledger
+        )
         if me.rank == 0 and self.state.world not in (None, me.world):
             log_line(resize_line(self.config, self.state.world, me.world, self.state.step))
         if me.rank == 0:
@@ -312,7 +317,7 @@ class Trainer:
         if state.step >= self.config.last_step:
             return
         state.epoch += 1
-        self.cursor.next_epoch()
+        self.cursor.next_epoch(self.me.group)
 
     def next_step_input(self, data: StepInputs) -> tuple[StepInput | None, StepAgreement]:
         """Collective: this rank's input for the next step, and what every rank agrees on; after the
@@ -335,7 +340,7 @@ class Trainer:
         agreement = agree_on_step(i.samples, i.ran_dry, i.error, self.me.group, preempted=notice is not None)
         self.window.sync_wait += time.perf_counter() - agreed  # a rank ahead waits here for the others
         if agreement.error or not agreement.preempted:  # a preemption's checkpoint precedes this input
-            self.cursor.saw(step_input.bad_samples, step_input.counted)
+            self.cursor.saw(step_input.bad_samples, step_input.counted, step_input.tallied_bad)
         return step_input, agreement
 
     def no_full_step(self, agreement: StepAgreement) -> str:
@@ -353,7 +358,8 @@ class Trainer:
     ) -> Gradients:
         """The step's input on the device and its forward and backward passes queued (`TrainStep`)."""
         state, me = self.state, self.me
-        self.cursor.took(me.accum, step_input.bad_samples, step_input.consumed)  # places: same on all
+        # Its places (the same on all ranks), its samples by position and for the ledger.
+        self.cursor.took(me.accum, step_input.bad_samples, step_input.consumed, step_input.tallied)
         micro_batches = step_input.to_device(me.device)
         data.release(step_input)
         self.watch.taken(TakenStep(state.step + 1, state.epoch, step_input.keys, step_input.bad_samples))

@@ -29,6 +29,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.train.audit import AuditConfig, audit_run
 from tests.system.test_cluster_e2e import head_ports, ray_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -286,6 +287,8 @@ def test_training_goes_on_through_a_node_loss_and_grows_back_when_a_node_joins(c
     ]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # one history, no step twice
     assert (cluster_run["root"] / "run" / "final" / "weights.safetensors").exists()
+    report = audit_run(AuditConfig(run=str(cluster_run["root"] / "run")))  # what its ledger holds, too
+    assert report.ok and report.finished == len(complete), report.format()
 
 
 def test_the_embedding_job_writes_every_key_once_through_a_node_loss(cluster_run):
