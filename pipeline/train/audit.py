@@ -167,7 +167,8 @@ def audit(
     for epoch in range(state.epoch + 1):
         if since and epoch <= since["epoch"]:
             report.lines.append(
-                f"epoch {epoch}: not audited: the ledger begins at step {since['step']} (epoch {since['epoch']}): "
+                f"epoch {epoch}: not audited: the ledger begins at step {since['step']} "
+                f"(epoch {since['epoch']}): "
                 "the checkpoints before it predate the ledger, or trained other shards"
             )
             continue
@@ -211,7 +212,8 @@ def check(state: TrainState, shards: list[str], head: str = "") -> None:
         )
     if ledger.get("shards") != shards_fingerprint(shards):
         raise ValueError(
-            f"the {len(shards)} shards found are not the run's ({ledger.get('count')} shards, named otherwise): "
+            f"the {len(shards)} shards found are not the run's ({ledger.get('count')} shards, named "
+            "otherwise): "
             "pass --data with where the run's shards are now"
         )
 
@@ -278,7 +280,8 @@ def _expected(
 
 
 def audit_command(args: argparse.Namespace) -> int:
-    """`jobs/audit.py`: the checkpoint's ledger against the run's shards; exit code 0 or 1 (module docstring)."""
+    """`jobs/audit.py`: the checkpoint's ledger against the run's shards; exit code 0 or 1 (module
+    docstring)."""
     if (config := cli.configured(args, AuditConfig)) is None:
         return 0
     report = audit_run(config, begin=cli.start_work)
@@ -325,7 +328,8 @@ def checkpoint_state(run: Location, name: str | None = None) -> tuple[Location, 
 
 
 def _checkpoint(run: Location, name: str | None) -> Location:
-    """The checkpoint to audit: ``name`` under the run, else its latest complete one; a one-line ValueError."""
+    """The checkpoint to audit: ``name`` under the run, else its latest complete one; a one-line
+    ValueError."""
     if name:
         where = run.join(name)
         if not dcp.is_complete(where):
