@@ -22,6 +22,7 @@ import json
 import math
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -255,19 +256,25 @@ def fit(
     sources: list[dict[str, Any]] | None = None,
     worker_loop: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     lease: str | None = None,
+    started: float | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) training on the connected Ray cluster; `eval_shards` (fine-tuning) are
     evaluated every ``eval_every`` steps and at the end; ``sources`` (`prepare_data`) are mixed by weight.
     ``worker_loop`` replaces `train_loop_per_worker` (`jobs/benchmark.py host`: its step a wait);
     ``lease``: the run id of the lease this run holds on ``--out`` (`pipeline.train.checkpointing.lease`), which the
-    workers check before each write there.
+    workers check before each write there; ``started``: when the job began (default: now), the start of
+    this session of the run (`pipeline.train.observe.goodput`).
 
-    Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts).
+    Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts),
+    `goodput` (where the run's time went, as the session closed; None when no attempt stepped).
     """
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from pipeline.train.loop import train_loop_per_worker
+    from pipeline.train.observe import goodput
+
+    session = goodput.new_session(started)
 
     storage_path, name, filesystem = ray_storage(config.run_dir)
     trainer = TorchTrainer(
@@ -285,6 +292,7 @@ def fit(
             # driver sees now may not have its GPU and decode nodes yet.
             "data_cpus_per_worker": config.cluster.data_cpus_per_worker,
             **({"lease": lease} if lease else {}),
+            "session": session,  # this command's part of the run, for the account of its time
         },
         scaling_config=ScalingConfig(
             # MIN-MAX: Ray Train's elastic group, resized from the latest checkpoint (docs/scaling.md).
@@ -310,10 +318,20 @@ def fit(
             f"{config.cluster.data_cpus_per_worker:g} decode CPUs per worker (--data-cpus-per-worker)",
             flush=True,
         )
-    summary = trainer.fit().return_value or {}
+    summary = None
+    try:
+        summary = trainer.fit().return_value or {}
+    finally:  # the session's end and account into the run's record, and the attempts' figure
+        try:
+            account = goodput.close_session(
+                config.run_dir, session, summary, price=config.run.price_per_device_hour
+            )
+        except Exception as e:  # the run's own outcome stands; only its account of time is missing
+            account = None
+            print(f"note: where the run's time went was not recorded ({cli.reason(e)})", flush=True)
     if summary.get("error"):
         raise TrainingError(summary["error"])
-    return summary
+    return {**summary, "goodput": account}
 
 
 def read_metrics(out: storage.Location | str) -> list[dict[str, Any]]:
@@ -327,6 +345,7 @@ def read_metrics(out: storage.Location | str) -> list[dict[str, Any]]:
 def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     """What a finished run prints: its last step's loss and accuracy (and evaluation accuracy), the
     samples read and skipped. A run resumed at the end of its schedule trained no step: it says so."""
+    from pipeline.train.observe.goodput import format_account
     from pipeline.train.observe.metrics import ACCURACIES
 
     metrics, bad = summary["metrics"], summary["bad_samples"]
@@ -350,7 +369,8 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
             for name, c in bad.get("sources", {}).items()
         )
         + f"lost shards (no readable sample): {len(lost)}{' (' + ', '.join(lost) + ')' if lost else ''}\n"
-        f"run directory: {config.run.out} (checkpoints, metrics.jsonl, final/)"
+        + (f"{format_account(summary['goodput'])}\n" if summary.get("goodput") else "")
+        + f"run directory: {config.run.out} (checkpoints, metrics.jsonl, final/)"
     )
 
 
@@ -358,6 +378,7 @@ def train(config: TrainConfig, args: argparse.Namespace) -> int:
     """A training job once its config is resolved (`jobs/pretrain.py`, `jobs/finetune.py`): every check
     that needs no cluster, then Ray (`pipeline.cli.connect_ray` with ``args``), the run, its summary.
     A config with ``weights`` is a fine-tuning run: the weights' model with a new head."""
+    started = time.time()  # this session of the run begins: its start-up counts from here
     if config.arch.weights:
         from pipeline.train.finetune import resolve_pretrained
 
@@ -374,7 +395,7 @@ def train(config: TrainConfig, args: argparse.Namespace) -> int:
     try:
         cli.start_work()
         held.keep_renewed()
-        summary = fit(config, shards, eval_shards, sources, lease=held.run)
+        summary = fit(config, shards, eval_shards, sources, lease=held.run, started=started)
     finally:
         held.release()
     print(format_summary(summary, config))

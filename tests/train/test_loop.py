@@ -39,10 +39,11 @@ SAMPLES_PER_SHARD = 9
 FAKE_KEYS = sized(
     dict.fromkeys(SHARDS, SAMPLES_PER_SHARD)
 )  # the keys of the shards `fake_micro_batches` reads
-# What a run measures rather than computes (mfu: images/s over the GPU's peak; None on CPU).
+# What a run measures rather than computes (mfu: images/s over the GPU's peak; None on CPU; time and
+# goodput: the row's wall-clock time and the account of the run's time then).
 TIMINGS = (
     "images_per_s", "images_per_s_per_worker", "data_wait_share", "memory_gib", "checkpoint_stall_s", "gc_s",
-    "run_images_per_s", "rank_step_s", "mfu",
+    "run_images_per_s", "rank_step_s", "mfu", "time", "goodput",
 )  # fmt: skip
 
 
