@@ -8,6 +8,7 @@
     python jobs/benchmark.py checkpoint [--json PATH] ...   training stall per checkpoint: sync vs async saves
     python jobs/benchmark.py position [--json PATH] ...   host time a step of the data position: one source vs mixed
     python jobs/benchmark.py host [--json PATH] ...   the real job's host work beside a device-shaped step (CPU)
+    python jobs/benchmark.py native [--json PATH] ...   native-aspect batches vs square at one token budget (CPU)
 
 `python jobs/benchmark.py NAME --help` lists a benchmark's options. Each prints a table and, with
 `--json PATH`, writes the same figures as JSON. Results and the machines they came from: BENCHMARKS.md.
@@ -33,6 +34,7 @@ COMMANDS = {
     "checkpoint": "the training stall per checkpoint: synchronous vs asynchronous saves (pretraining runs)",
     "position": "the host time a step of the data position: one source vs sources mixed by weight",
     "host": "the real training job with its step a device-shaped wait: steps/s against the ideal, host ms",
+    "native": "native-aspect batches vs square ones at one token budget: padding, tokens/s (data, step)",
 }
 
 

@@ -47,6 +47,11 @@ class ExportConfig(storage.Output):
     encoder_only: bool = setting(
         False, "drop the head, for a head the target has no counterpart of (the embeddings stay the same)"
     )
+    square: bool = setting(
+        False,
+        "export a model trained on native-aspect patches (--patches native) for square images, as the "
+        "target's ViT takes them (the same weights; it computes what vitray computes on square input)",
+    )
 
 
 def export_parser(description: str | None = None) -> argparse.ArgumentParser:
@@ -126,6 +131,7 @@ def export(config: ExportConfig, begin: Callable[[], None] | None = None) -> Exp
     if _same_dir(config.out, source.path) or _same_dir(config.out, config.weights):
         raise ValueError(f"--out {config.out} is where the weights are; pick another directory")
     check_exportable(source.config, config.to, config.encoder_only)
+    check_patches(source, config)
     record = run_record(source, config.location(source.path))
     eval_crop = record.get("crop_fraction") or 0.875
     interpolation = record.get("interpolation") or "bicubic"
@@ -154,6 +160,26 @@ def export(config: ExportConfig, begin: Callable[[], None] | None = None) -> Exp
         # config.json last: it is what both libraries open first, so a half-done upload is no model.
         storage.upload_dir(local, out, commit_last="config.json")
     return ExportResult(config.out, config.to, [*files, CARD], source.describe(), load)
+
+
+# What each target has of a ViT for native-aspect patch batches (images at their own grids, padded).
+NATIVE_TARGET = {
+    "timm": "timm's NaFlexViT takes such batches but resamples its position embeddings with antialiasing, "
+    "another function than vitray's",
+    "hf": "transformers has no ViT that takes them",
+}
+
+
+def check_patches(source: ModelSource, config: ExportConfig) -> None:
+    """A one-line ValueError for weights trained on native-aspect patches, which the target's ViT cannot
+    take as vitray does, unless ``--square`` asks for the export to square images."""
+    native = (source.preprocessing or {}).get("patches") == "native"
+    if native and not config.square:
+        size = source.config.image_size
+        raise ValueError(
+            f"--weights {config.weights} were trained on native-aspect patches (--patches native), and "
+            f"{NATIVE_TARGET[config.to]}: pass --square to export them for square {size} px images"
+        )
 
 
 def load_vitray(location: storage.Location) -> ModelSource:
@@ -256,6 +282,7 @@ def model_card(
         ),
         ("input", f"{c.image_size} x {c.image_size} px, {c.num_channels} channels, patch {c.patch_size}"),
         ("normalization", f"[0, 1] pixels, mean {list(c.mean)}, std {list(c.std)}"),
+        *_native_row(source),
         ("embedding", f"{pooling} after the final LayerNorm, {c.embed_dim} values: `{embedding}`"),
         ("head", head),
         ("vitray weights", f"{source.kind} {source.path}, sha256 {source.sha256}"),
@@ -306,6 +333,20 @@ def model_card(
         "",
     ]
     return "\n".join(lines)
+
+
+def _native_row(source: ModelSource) -> list[tuple[str, str]]:
+    data = source.preprocessing or {}
+    if data.get("patches") != "native":
+        return []
+    budget = data.get("max_patches") or source.config.num_patches
+    return [
+        (
+            "trained on",
+            f"images at their own aspect ratio, up to {budget} patches each (vitray --patches native); "
+            "exported for square input (--square)",
+        )
+    ]
 
 
 def _load_notes(target: str, written: dict[str, Any], no_pooler: bool) -> list[str]:

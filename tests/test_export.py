@@ -21,7 +21,7 @@ export_job = load_job("export")  # the job script itself, run in this process
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
-def write_run(root, **overrides) -> vit.VisionTransformer:
+def write_run(root, patches: str = "square", **overrides) -> vit.VisionTransformer:
     """A run directory whose final/ is written by the project's own export writer, with the training
     summary the training loop records; returns the model (random values everywhere, no zero head)."""
     model = vit.create_model(TINY, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), **overrides)
@@ -29,7 +29,9 @@ def write_run(root, **overrides) -> vit.VisionTransformer:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    data = DataConfig(image_size=32, patch_size=8, crop_fraction=0.9, eval_interpolation="bilinear")
+    data = DataConfig(
+        image_size=32, patch_size=8, crop_fraction=0.9, eval_interpolation="bilinear", patches=patches
+    )
     training = {
         "step": 40,
         "max_steps": 40,
@@ -189,6 +191,32 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert code == 2 and "holds a vitray export for transformers (--to hf), not one for timm" in err
     with pytest.raises(SystemExit):  # argparse: --to must be a target
         export_job.main(["--weights", str(run), "--to", "onnx", "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.parametrize("target", ["timm", "hf"])
+def test_a_model_trained_on_native_aspect_patches_exports_only_for_square_images_when_asked(
+    tmp_path, capsys, target
+):
+    """Neither library's ViT takes native-aspect batches as vitray computes them: refused in one line that
+    says why and what to pass; with --square the same weights, for square images, and the card says so."""
+    model = write_run(tmp_path / "run", patches="native", head="finetune")
+    out = tmp_path / target
+    code, _, err = run_job(capsys, "--weights", tmp_path / "run", "--to", target, "--out", out)
+    why = (
+        "timm's NaFlexViT takes such batches but resamples" if target == "timm" else "transformers has no ViT"
+    )
+    assert code == 2 and why in err and "pass --square to export them for square 32 px images" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    code, _, err = run_job(capsys, "--weights", tmp_path / "run", "--to", target, "--out", out, "--square")
+    assert code == 0, err
+    card = (out / "README.md").read_text()
+    assert "images at their own aspect ratio, up to 16 patches each" in card and "(--square)" in card
+    if target == "timm":
+        import timm
+
+        loaded = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(images()), model(images()), **TOL)
 
 
 def test_an_export_for_one_library_never_replaces_another_s_and_replaces_its_own(tmp_path, capsys):

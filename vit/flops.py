@@ -56,9 +56,10 @@ def backbone_macs(config: ViTConfig) -> int:
     return macs
 
 
-def flops_breakdown(config: ViTConfig) -> dict[str, int]:
-    """Forward FLOPs per image, by part (all blocks summed)."""
-    n, d, m = config.num_patches, config.embed_dim, config.mlp_dim
+def flops_breakdown(config: ViTConfig, num_patches: int | None = None) -> dict[str, int]:
+    """Forward FLOPs per image, by part (all blocks summed); ``num_patches``: an image of that many
+    patches (native-aspect input) instead of the config's square grid."""
+    n, d, m = num_patches or config.num_patches, config.embed_dim, config.mlp_dim
     t = 1 + n
     blocks = config.depth
     head = 0
@@ -79,9 +80,9 @@ def flops_breakdown(config: ViTConfig) -> dict[str, int]:
     return {part: 2 * v for part, v in macs.items()}
 
 
-def count_flops(config: ViTConfig) -> int:
-    """Forward FLOPs for one image (2 x multiply-adds)."""
-    return sum(flops_breakdown(config).values())
+def count_flops(config: ViTConfig, num_patches: int | None = None) -> int:
+    """Forward FLOPs for one image (2 x multiply-adds); of ``num_patches`` patches where given."""
+    return sum(flops_breakdown(config, num_patches).values())
 
 
 def _block_macs(tokens: int, dim: int, mlp_dim: int) -> int:
@@ -91,10 +92,12 @@ def _block_macs(tokens: int, dim: int, mlp_dim: int) -> int:
     )
 
 
-def mae_flops_breakdown(config: ViTConfig, mae: MAEConfig, num_visible: int) -> dict[str, int]:
+def mae_flops_breakdown(
+    config: ViTConfig, mae: MAEConfig, num_visible: int, num_patches: int | None = None
+) -> dict[str, int]:
     """Forward FLOPs per image of masked autoencoding, by part: the encoder over [CLS] + ``num_visible``
     tokens, the decoder over [CLS] + all N (``num_visible`` from `pipeline.data.masking.num_visible`)."""
-    n, d = config.num_patches, config.embed_dim
+    n, d = num_patches or config.num_patches, config.embed_dim
     dd = mae.decoder_dim
     dm = mae.decoder_mlp_dim or 4 * dd
     macs = {
@@ -107,6 +110,9 @@ def mae_flops_breakdown(config: ViTConfig, mae: MAEConfig, num_visible: int) -> 
     return {part: 2 * v for part, v in macs.items()}
 
 
-def count_mae_flops(config: ViTConfig, mae: MAEConfig, num_visible: int) -> int:
-    """Forward FLOPs of one image under masked autoencoding (2 x multiply-adds); a training step is 3x."""
-    return sum(mae_flops_breakdown(config, mae, num_visible).values())
+def count_mae_flops(
+    config: ViTConfig, mae: MAEConfig, num_visible: int, num_patches: int | None = None
+) -> int:
+    """Forward FLOPs of one image under masked autoencoding (2 x multiply-adds); a training step is 3x.
+    ``num_patches``: an image of that many patches (native-aspect input)."""
+    return sum(mae_flops_breakdown(config, mae, num_visible, num_patches).values())

@@ -14,6 +14,13 @@ The decoder runs in that shuffled order and never restores the grid order: atten
 mask is permutation-equivariant, so giving each token its own position embedding is all the order
 there is. Predictions come out in the same order, so the masked ones are simply the last ``N - n``.
 
+Native-aspect batches (images at their own patch grids, `vit.model`): the data stage masks each image's
+own patches and sends, instead of ``ids_shuffle``, ``coords`` ``(B, n+m, 2)`` (the grid place of each
+visible slot, then of each masked slot), ``mask`` ``(B, n+m)`` (which slots hold an image's patch) and
+``grid`` ``(B, 2)``. The encoder sees the visible patches with their coordinates; the decoder's sin-cos
+positions are computed from the coordinates (on a square grid: the same codes as the fixed table); the
+loss is the mean over each image's own masked patches, padding left out of attention and loss alike.
+
 The encoder is `vit.VisionTransformer` itself, under ``encoder.``: `encoder_state_dict` strips that
 prefix and what is left loads into `vit.create_model` / `vit.load_pretrained` and the embedding job.
 The decoder is pretraining-only and is dropped at export.
@@ -29,7 +36,7 @@ import torch
 from torch import nn
 
 from vit.config import ViTConfig, get_config
-from vit.model import Block, VisionTransformer
+from vit.model import Block, VisionTransformer, key_mask
 
 
 @dataclass(frozen=True)
@@ -97,17 +104,23 @@ def sincos_pos_embed(embed_dim: int, grid_size: int) -> torch.Tensor:
     Half of D codes the row, half the column; each half is sin then cos of the position times
     frequencies 1 / 10000^(i / (D/4)), i = 0 .. D/4 - 1 (the Transformer's code, once per axis).
     """
-    quarter = embed_dim // 4
-    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)  # (D/4,)
     coords = torch.arange(grid_size, dtype=torch.float64)
     rows, cols = torch.meshgrid(coords, coords, indexing="ij")  # (G, G) each, row-major like the patches
+    grid = sincos_codes(embed_dim, torch.stack([rows, cols], dim=-1).reshape(-1, 2))  # (N, D)
+    return torch.cat([torch.zeros(1, embed_dim), grid])  # (1+N, D)
+
+
+def sincos_codes(embed_dim: int, coords: torch.Tensor) -> torch.Tensor:
+    """The 2D sin-cos code of each (row, col) in ``coords`` ``(..., 2)`` -> float32 ``(..., D)``, computed
+    in float64 (so a square grid's codes are `sincos_pos_embed`'s rows, to the bit)."""
+    quarter = embed_dim // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64, device=coords.device) / quarter)
 
     def code(pos: torch.Tensor) -> torch.Tensor:
-        angles = pos.reshape(-1, 1) * omega  # (N, D/4)
-        return torch.cat([angles.sin(), angles.cos()], dim=1)  # (N, D/2)
+        angles = pos.double().unsqueeze(-1) * omega  # (..., D/4)
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)  # (..., D/2)
 
-    grid = torch.cat([code(rows), code(cols)], dim=1)  # (N, D)
-    return torch.cat([torch.zeros(1, embed_dim, dtype=torch.float64), grid]).float()  # (1+N, D)
+    return torch.cat([code(coords[..., 0]), code(coords[..., 1])], dim=-1).float()  # (..., D)
 
 
 def take_patches(patches: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -204,17 +217,27 @@ class MAEDecoder(nn.Module):
             block.reset_parameters()
         self.norm.reset_parameters()
 
-    def forward(self, latent: torch.Tensor, ids_shuffle: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, latent: torch.Tensor, where: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Encoder tokens ``(B, 1+n, D)`` -> predictions ``(B, n+m, P*P*C)`` of the n visible and m masked
+        slots. ``where``: ``ids_shuffle`` ``(B, N)`` (m = N - n); with ``mask`` ``(B, n+m)`` (native-aspect
+        input), the slots' coordinates ``(B, n+m, 2)``, padded slots left out of attention."""
         b, t, _ = latent.shape  # t = 1 + n: [CLS] and the n visible tokens
-        n_mask = ids_shuffle.shape[1] - (t - 1)
+        n_mask = where.shape[1] - (t - 1)
         x = self.embed(latent)  # (B, 1+n, Dd)
-        masks = self.mask_token.to(x.dtype).view(1, 1, -1).expand(b, n_mask, -1)  # (B, N-n, Dd)
-        x = torch.cat([x, masks], dim=1)  # (B, 1+N, Dd): [CLS], visible, masked (shuffled order)
-        pos = self.pos_embed.to(x.dtype)  # a buffer: FSDP's mixed precision casts parameters only
-        x = x + torch.cat([pos[:1].expand(b, 1, -1), pos[1:][ids_shuffle.long()]], dim=1)
+        masks = self.mask_token.to(x.dtype).view(1, 1, -1).expand(b, n_mask, -1)  # (B, m, Dd)
+        x = torch.cat([x, masks], dim=1)  # (B, 1+n+m, Dd): [CLS], visible, masked (shuffled order)
+        if mask is None:
+            pos = self.pos_embed.to(x.dtype)  # a buffer: FSDP's mixed precision casts parameters only
+            x = x + torch.cat([pos[:1].expand(b, 1, -1), pos[1:][where.long()]], dim=1)
+        else:  # [CLS]'s code is zeros, as row 0 of the table
+            codes = sincos_codes(x.shape[-1], where).to(x.dtype)  # (B, n+m, Dd)
+            x = x + torch.cat([torch.zeros_like(codes[:, :1]), codes], dim=1)
+        keys = None if mask is None else key_mask(mask)  # (B, 1, 1, 1+n+m)
         for block in self.blocks:
-            x = block(x)
-        return self.pred(self.norm(x[:, 1:]))  # (B, N, P*P*C): [CLS] dropped, nothing to predict there
+            x = block(x) if keys is None else block(x, None, keys)
+        return self.pred(self.norm(x[:, 1:]))  # (B, n+m, P*P*C): [CLS] dropped, nothing to predict there
 
 
 class MaskedAutoencoder(nn.Module):
@@ -247,44 +270,79 @@ class MaskedAutoencoder(nn.Module):
         self.encoder.init_weights()
         self.decoder.init_weights()
 
-    def forward_encoder(self, visible: torch.Tensor, ids_shuffle: torch.Tensor) -> torch.Tensor:
-        """uint8 visible patches ``(B, n, K)`` + ``ids_shuffle`` ``(B, N)`` -> tokens ``(B, 1+n, D)``."""
+    def forward_encoder(
+        self,
+        visible: torch.Tensor,
+        where: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        grid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """uint8 visible patches ``(B, n, K)`` + ``ids_shuffle`` ``(B, N)`` -> tokens ``(B, 1+n, D)``; native-
+        aspect input: ``where`` the slots' coordinates ``(B, n+m, 2)``, with ``mask`` and ``grid``."""
         n = visible.shape[1]
-        if not 0 < n < ids_shuffle.shape[1]:
+        if not 0 < n < where.shape[1]:
             raise ValueError(
-                f"got {n} visible patches of {ids_shuffle.shape[1]}; a masked autoencoder needs at "
+                f"got {n} visible patches of {where.shape[1]}; a masked autoencoder needs at "
                 "least one visible and one masked patch (mask_ratio strictly between 0 and 1)"
             )
-        return self.encoder.forward_features(visible, ids_keep=ids_shuffle[:, :n].long())
+        if mask is not None:
+            return self.encoder.forward_features(visible, coords=where[:, :n], mask=mask[:, :n], grid=grid)
+        return self.encoder.forward_features(visible, ids_keep=where[:, :n].long())
 
-    def predict(self, visible: torch.Tensor, ids_shuffle: torch.Tensor) -> torch.Tensor:
+    def predict(
+        self,
+        visible: torch.Tensor,
+        where: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        grid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Visible patches ``(B, n, K)`` + ``ids_shuffle`` ``(B, N)`` -> predicted pixels ``(B, N, K)``.
 
         In the shuffled order: row j predicts grid position ``ids_shuffle[:, j]``; the last ``N - n``
         rows are the masked patches' (`unshuffle` puts rows back in grid order). In the space of
         `pixel_targets`: with ``norm_pix_loss``, each patch standardized. (On an FSDP-sharded model
-        call the model itself: only ``forward`` gathers the parameters.)
+        call the model itself: only ``forward`` gathers the parameters.) Native-aspect input (module
+        docstring): ``where`` holds the slots' coordinates, with ``mask`` and ``grid`` -> ``(B, n+m, K)``.
         """
-        return self.decoder(self.forward_encoder(visible, ids_shuffle), ids_shuffle)
+        latent = self.forward_encoder(visible, where, mask, grid)
+        return self.decoder(latent, where, mask)
 
-    def forward_loss(self, pred: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    def forward_loss(
+        self, pred: torch.Tensor, masked: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Predictions ``(B, N, K)`` + the masked patches, uint8 ``(B, M, K)`` -> per-sample loss ``(B,)``.
 
         Mean squared error over the masked patches only (the last M rows of ``pred``), in float32;
-        the mean over the batch is the paper's loss, since every sample has the same M.
+        the mean over the batch is the paper's loss, since every sample has the same M. With ``mask``
+        (native-aspect input, ``(B, n+M)``): the mean over each image's own masked patches.
         """
         m = masked.shape[1]
         c = self.encoder.config
         target = pixel_targets(masked, c.mean, c.std, norm_pix_loss=self.config.norm_pix_loss)
-        return (pred[:, -m:].float() - target).pow(2).mean(dim=(1, 2))
+        squares = (pred[:, -m:].float() - target).pow(2)  # (B, M, K)
+        if mask is None:
+            return squares.mean(dim=(1, 2))
+        real = mask[:, -m:].float()  # (B, M)
+        return (squares.mean(dim=2) * real).sum(dim=1) / real.sum(dim=1).clamp(min=1)
 
-    def forward(self, visible: torch.Tensor, masked: torch.Tensor, ids_shuffle: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        visible: torch.Tensor,
+        masked: torch.Tensor,
+        where: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        grid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One batch of the data stage -> per-sample reconstruction loss ``(B,)``, float32.
 
-        ``visible`` uint8 ``(B, n, K)``, ``masked`` uint8 ``(B, N - n, K)``, ``ids_shuffle`` ``(B, N)``.
+        ``visible`` uint8 ``(B, n, K)``, ``masked`` uint8 ``(B, N - n, K)``, ``where``: ``ids_shuffle``
+        ``(B, N)``; native-aspect input: ``where`` the slots' coordinates ``(B, n+m, 2)``, ``mask``
+        ``(B, n+m)`` and ``grid`` ``(B, 2)`` (the data pipeline's columns in that order).
         The loss, not the predictions, is what leaves the (FSDP root's) forward: one small tensor.
         """
-        return self.forward_loss(self.predict(visible, ids_shuffle), masked)
+        if (mask is None) != (grid is None):
+            raise ValueError("native-aspect input takes coords, mask and grid together (or none of them)")
+        return self.forward_loss(self.predict(visible, where, mask, grid), masked, mask)
 
 
 def create_mae(

@@ -6,6 +6,14 @@ Input is either uint8 patches ``(B, N, P*P*C)`` in the layout of `vit.patchify` 
 pipeline sends; the model normalizes them) or a float image batch ``(B, C, H, W)`` that is already
 normalized (the torchvision / timm / transformers convention), which the model patchifies itself.
 
+Native-aspect batches (NaViT, Dehghani et al. 2023; SigLIP 2's NaFlex): images of their own patch grids
+in one batch, ``(B, T, P*P*C)`` uint8 with ``coords`` ``(B, T, 2)`` (each patch's row and column in its
+image's grid), ``mask`` ``(B, T)`` (True for an image's patches, False for padding) and ``grid``
+``(B, 2)`` (each image's (gh, gw)). The learned position grid is resampled to each image's grid, bicubic
+as for a new resolution (`vit.pos_embed.sample_pos_embed`); padding is kept out of attention (a key
+mask) and out of pooling; [CLS] is as for square input. A square image on the model's own grid computes
+what the square path computes.
+
 Staged forward: `forward_features` -> tokens ``(B, 1+N, D)``, `embed` -> ``(B, D)``, `forward` ->
 logits. Every layer takes ``device=``, so the model builds on the meta device; `init_weights` is
 separate from construction so a sharded meta model can be materialized and initialized in place.
@@ -22,7 +30,7 @@ from torch import nn
 from vit.config import ViTConfig, get_config
 from vit.hybrid import ResNet
 from vit.patchify import patchify, unpatchify
-from vit.pos_embed import resample_pos_embed
+from vit.pos_embed import resample_pos_embed, sample_pos_embed
 
 
 class PatchEmbed(nn.Module):
@@ -104,11 +112,13 @@ class Attention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, hd)
         return q, k, v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``(B, T, D)``; ``mask`` bool ``(B, 1, 1, T)``: the keys each token may attend to (None: all)."""
         b, t, d = x.shape
         q, k, v = self._qkv(x)
-        # Flash / memory-efficient kernels on GPU; scale is the default 1/sqrt(hd).
-        x = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, hd)
+        # Flash / memory-efficient kernels on GPU; scale is the default 1/sqrt(hd). A key mask takes the
+        # memory-efficient kernel (flash has no mask).
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
         x = x.transpose(1, 2).reshape(b, t, d)  # (B, T, D)
         return self.proj_drop(self.proj(x))
 
@@ -158,15 +168,22 @@ class Block(nn.Module):
         self.norm1.reset_parameters()
         self.norm2.reset_parameters()
 
-    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x`` ``(B, T, D)``; ``keep`` ``(2, B)``: stochastic depth's scale of each sample's attention and
-        MLP branch, 0 (dropped) or 1 / (1 - rate) (`drop_path_keep`); None: both branches kept."""
+        MLP branch, 0 (dropped) or 1 / (1 - rate) (`drop_path_keep`); None: both branches kept. ``mask``
+        bool ``(B, 1, 1, T)``: the keys attention may read (`key_mask`); None: every token."""
         if keep is None:
-            x = x + self.attn(self.norm1(x))
+            x = x + self._attend(self.norm1(x), mask)
             return x + self.mlp(self.norm2(x))
         keep = keep.to(x.dtype)
-        x = x + self.attn(self.norm1(x)) * keep[0].view(-1, 1, 1)
+        x = x + self._attend(self.norm1(x), mask) * keep[0].view(-1, 1, 1)
         return x + self.mlp(self.norm2(x)) * keep[1].view(-1, 1, 1)
+
+    def _attend(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        # Square input calls attention as it always has (one argument).
+        return self.attn(x) if mask is None else self.attn(x, mask)
 
 
 class Head(nn.Module):
@@ -246,13 +263,26 @@ class VisionTransformer(nn.Module):
         self.head.reset_parameters()
 
     # --- staged forward --------------------------------------------------------------------------
-    def prepare_tokens(self, x: torch.Tensor, ids_keep: torch.Tensor | None = None) -> torch.Tensor:
+    def prepare_tokens(
+        self,
+        x: torch.Tensor,
+        ids_keep: torch.Tensor | None = None,
+        *,
+        coords: torch.Tensor | None = None,
+        grid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Input -> the encoder's input sequence ``(B, 1+N, D)``: [CLS] and patch tokens plus pos_embed.
 
         With ``ids_keep`` ``(B, n)`` (int64), ``x`` holds only the ``n`` patches at those grid positions
         (uint8 ``(B, n, P*P*C)``, as masked autoencoding sends them) and the sequence is ``(B, 1+n, D)``:
         each token gets the position embedding of where it sits in the full grid.
+
+        With ``coords`` ``(B, T, 2)`` and ``grid`` ``(B, 2)`` (native-aspect input, module docstring):
+        ``x`` holds ``T`` patches (padding included), each at (row, col) of its image's own grid, and
+        gets the position embedding resampled to that grid there -> ``(B, 1+T, D)``.
         """
+        if coords is not None:
+            return self._native_tokens(x, coords, grid)
         x = self.patch_embed(x)  # (B, N, D), or (B, n, D) with ids_keep
         b, n, d = x.shape
         if ids_keep is not None:
@@ -273,44 +303,112 @@ class VisionTransformer(nn.Module):
         cls = self.cls_token.view(1, 1, d).expand(b, -1, -1)  # (B, 1, D)
         return self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed)  # (B, 1+N, D)
 
-    def forward_features(self, x: torch.Tensor, ids_keep: torch.Tensor | None = None) -> torch.Tensor:
+    def _native_tokens(
+        self, x: torch.Tensor, coords: torch.Tensor, grid: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.patch_embed.backbone is not None:
+            raise ValueError(
+                "native-aspect input needs a plain ViT: a hybrid's ResNet reads a whole square image; "
+                "use square patches (--patches square) or a model without backbone_layers"
+            )
+        if x.dtype != torch.uint8 or x.dim() != 3:
+            raise ValueError(
+                f"native-aspect input is uint8 patches (B, T, P*P*C) beside coords and grid; got a {x.dtype} "
+                f"tensor of shape {tuple(x.shape)}"
+            )
+        b, t = x.shape[:2]
+        if grid is None or coords.shape != (b, t, 2) or grid.shape != (b, 2):
+            raise ValueError(
+                f"native-aspect input of {b} x {t} patches needs coords of shape {(b, t, 2)} and grid of "
+                f"shape {(b, 2)}; got {tuple(coords.shape)} and {None if grid is None else tuple(grid.shape)}"
+            )
+        tokens = self.patch_embed(x)  # (B, T, D)
+        d, side = tokens.shape[-1], self.config.grid_size
+        pos = sample_pos_embed(self.pos_embed[1:], (side, side), coords, grid)  # (B, T, D)
+        # [CLS] + its position as the square path adds them: the same sums, so on the model's own grid
+        # every token is what that path makes, to the bit.
+        cls = (self.cls_token + self.pos_embed[0]).view(1, 1, d).expand(b, -1, -1)  # (B, 1, D)
+        return self.pos_drop(torch.cat([cls, tokens + pos.to(tokens.dtype)], dim=1))  # (B, 1+T, D)
+
+    def forward_features(
+        self,
+        x: torch.Tensor,
+        ids_keep: torch.Tensor | None = None,
+        *,
+        coords: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        grid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """uint8 patches ``(B, N, P*P*C)`` or float images ``(B, C, H, W)`` -> tokens ``(B, 1+N, D)``.
 
         With ``ids_keep`` ``(B, n)``: a subset of the patches, at those grid positions -> ``(B, 1+n, D)``.
+        Native-aspect input (module docstring): ``coords``, ``mask`` and ``grid`` beside ``(B, T,
+        P*P*C)`` patches -> ``(B, 1+T, D)``; a padded token's output is no image's (`pool` leaves it out).
         """
-        x = self.prepare_tokens(x, ids_keep)
+        if (coords is None) != (mask is None) or (coords is None) != (grid is None):
+            raise ValueError("native-aspect input takes coords, mask and grid together (or none of them)")
+        x = self.prepare_tokens(x, ids_keep, coords=coords, grid=grid)
+        # Square input calls the blocks as it always has; native input adds the key mask (B, 1, 1, 1+T).
+        masked = () if mask is None else (key_mask(mask),)
         rate = self.config.drop_path_rate
         if not (self.training and rate > 0):
             for block in self.blocks:
-                x = block(x)
+                x = block(x, None, *masked) if masked else block(x)
             return self.norm(x)
         # Drawn here, outside the blocks: activation checkpointing recomputes a block with the same
         # masks, and every block's forward has the same inputs, so compiled blocks share one graph.
         keep = drop_path_keep(rate, len(self.blocks), x.shape[0], x.device)  # (depth, 2, B)
         for block, block_keep in zip(self.blocks, keep, strict=True):
-            x = block(x, block_keep)
+            x = block(x, block_keep, *masked)
         return self.norm(x)
 
-    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Tokens ``(B, 1+N, D)`` -> ``(B, D)``: the [CLS] token, or the mean of the patch tokens."""
-        return tokens[:, 0] if self.config.pool == "cls" else tokens[:, 1:].mean(dim=1)
+    def pool(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens ``(B, 1+N, D)`` -> ``(B, D)``: the [CLS] token, or the mean of the patch tokens (with
+        ``mask`` ``(B, N)``: of the image's own, padding left out)."""
+        if self.config.pool == "cls":
+            return tokens[:, 0]
+        if mask is None:
+            return tokens[:, 1:].mean(dim=1)
+        weights = mask.to(tokens.dtype).unsqueeze(-1)  # (B, N, 1)
+        return (tokens[:, 1:] * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
 
-    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+    def forward_head(
+        self, tokens: torch.Tensor, pre_logits: bool = False, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Tokens ``(B, 1+N, D)`` -> logits ``(B, num_classes)``, or the head's input to its last Linear."""
-        return self.head(self.pool(tokens), pre_logits=pre_logits)
+        return self.head(self.pool(tokens, mask), pre_logits=pre_logits)
 
-    def embed(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+    def embed(
+        self,
+        x: torch.Tensor,
+        pre_logits: bool = False,
+        *,
+        coords: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        grid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Input -> embedding ``(B, D)``: the pooled token after the final LN (the [CLS] token by default).
 
         With ``pre_logits=True``: the pretraining head's hidden layer, tanh(Linear(pooled)) ``(B, R)``
-        (the same as the default for a fine-tuning head, which has no hidden layer).
+        (the same as the default for a fine-tuning head, which has no hidden layer). Native-aspect
+        input: as `forward_features`.
         """
-        tokens = self.forward_features(x)
-        return self.forward_head(tokens, pre_logits=True) if pre_logits else self.pool(tokens)
+        tokens = self.forward_features(x, coords=coords, mask=mask, grid=grid)
+        if pre_logits:
+            return self.forward_head(tokens, pre_logits=True, mask=mask)
+        return self.pool(tokens, mask)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Input -> logits ``(B, num_classes)`` (the embedding when num_classes is 0)."""
-        return self.forward_head(self.forward_features(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        coords: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        grid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Input -> logits ``(B, num_classes)`` (the embedding when num_classes is 0); native-aspect
+        input: ``model(patches, coords, mask, grid)``, the data pipeline's columns in that order."""
+        tokens = self.forward_features(x, coords=coords, mask=mask, grid=grid)
+        return self.forward_head(tokens, mask=mask)
 
     def attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each block's attention weights, ``depth x (B, H, 1+N, 1+N)``; a separate, slow path."""
@@ -320,6 +418,13 @@ class VisionTransformer(nn.Module):
             maps.append(block.attn.attention_map(block.norm1(x)))
             x = block(x)
         return maps
+
+
+def key_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Patch mask ``(B, T)`` (True: an image's patch) -> attention's key mask ``(B, 1, 1, 1+T)`` for the
+    sequence with [CLS] in front: every token reads [CLS] and its image's patches, never padding."""
+    cls = torch.ones_like(mask[:, :1], dtype=torch.bool)
+    return torch.cat([cls, mask.bool()], dim=1)[:, None, None, :]
 
 
 def drop_path_keep(

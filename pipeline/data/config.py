@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline import settings
+from pipeline.data.native import MAX_PATCHES, PATCH_MODES
 from pipeline.data.rows import Retry, RowSpec
 from pipeline.settings import MAX_COUNT, setting
 from pipeline.storage import Storage
@@ -68,6 +69,20 @@ class DataConfig(EvalTransform, Storage):
     # None until the model is known (`TrainConfig.data_for`); every dataset is built with one.
     patch_size: int | None = setting(
         16, "pixels per patch side: the model's", flag=None, ge=1, le=MAX_IMAGE_SIZE
+    )
+    # Native-aspect batches: `pipeline.data.native` (the grid, the rows, the micro-batches).
+    patches: str = setting(
+        "square",
+        "square: each image cropped to --image-size squared; native: each at its own aspect ratio on the "
+        "largest patch grid within --max-patches, in micro-batches of one token budget",
+        choices=PATCH_MODES,
+    )
+    max_patches: int | None = setting(
+        None,
+        "native: the most patches an image becomes; a micro-batch holds --micro-batch-size times this "
+        "many, padding included (none: (image size / patch size)^2, the square crop's)",
+        ge=4,
+        le=MAX_PATCHES,
     )
     scale: tuple[float, float] = setting(
         (0.08, 1.0),
@@ -209,6 +224,16 @@ class DataConfig(EvalTransform, Storage):
         return (self.image_size // self.patch_size) ** 2
 
     @property
+    def native(self) -> bool:
+        """Images at their own aspect ratio (``--patches native``, `pipeline.data.native`)."""
+        return self.patches == "native"
+
+    @property
+    def patch_budget(self) -> int:
+        """The most patches an image becomes: ``max_patches``, else the square crop's."""
+        return self.max_patches or self.num_patches
+
+    @property
     def row_spec(self) -> RowSpec:
         return RowSpec(self.image_keys, self.label_key, self.require_labels, self.num_classes)
 
@@ -252,7 +277,9 @@ class DataConfig(EvalTransform, Storage):
         given = {
             name: getattr(transform, name) for name in knobs if getattr(transform, name, None) is not None
         }
-        return dataclasses.replace(base, image_size=image_size, patch_size=patch_size, **given, **fields)
+        config = dataclasses.replace(base, image_size=image_size, patch_size=patch_size, **given, **fields)
+        # The budget as a number where it applies (what an embedding output's identity records), none where not.
+        return dataclasses.replace(config, max_patches=config.patch_budget if config.native else None)
 
 
 def sample_seed(seed: int, epoch: int, url: str, key: str) -> int:

@@ -11,6 +11,8 @@
                                 -> iter_batches: seeded local shuffle, bad rows counted and removed
                                 -> rebatch / micro_batches: exactly ``size`` good samples each (the
                                    stream's last one: what is left, so every good sample is taken)
+                                -> (native-aspect rows) by_token_budget: micro-batches of ``size`` x
+                                   max_patches tokens, images of like lengths together (`native.pack`)
 
 Determinism: the dataset keeps ``preserve_order`` in its own context, so rows come shard by shard in
 the given order and in tar order within a shard; the seeds are pure functions (`pipeline.data.config`).
@@ -33,6 +35,7 @@ from pipeline.data.config import DataConfig, shuffle_seed
 from pipeline.data.consumed import Consumed
 from pipeline.data.decode import preprocess_batch, vet_batch
 from pipeline.data.masking import mask_batch
+from pipeline.data.native import pack
 from pipeline.data.rows import raise_lost_shard
 from pipeline.data.shards import ShardError, dataset_root, open_shard
 from pipeline.data.tar import iter_samples, open_tar_stream
@@ -243,6 +246,14 @@ def rebatch(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
             count -= size
     if count:
         yield {k: np.concatenate([b[k] for b in pending]) for k in pending[0]}
+
+
+def by_token_budget(batches: Iterator[Batch], config: DataConfig, size: int) -> Iterator[Batch]:
+    """A rank's micro-batches as training takes them: native-aspect rows cut into micro-batches of
+    ``size`` x ``max_patches`` tokens (`pipeline.data.native.pack`); square ones as they come."""
+    if not config.native:
+        return batches
+    return pack(batches, size, config.patch_budget, config.mask_ratio)
 
 
 def micro_batches(

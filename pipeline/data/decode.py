@@ -12,6 +12,12 @@ the same crop in the same epoch however tasks are scheduled; with ``randaug_ops`
 (`pipeline.data.augment`) then draws its ops from that same RNG, after the crop and the flip. Eval: resize the short side to
 ``image_size / crop_fraction`` and take the center ``image_size`` square, both in continuous coordinates.
 
+Native-aspect patches (``patches="native"``, `pipeline.data.native`): train crops keep the image's own
+aspect ratio (area share in ``scale``, `native_crop_box`) and flip; evaluation takes the whole image. The
+crop is resized to the largest patch grid within ``max_patches`` that keeps its aspect ratio
+(`pipeline.data.native.native_grid`), so an image becomes its own number of patches, then rows of fixed
+width with coordinates and a mask (`pipeline.data.native.native_rows`); RandAugment works as for squares.
+
 Resampling: PIL's filters widen with the downscale factor (antialiased, like torchvision's
 ``antialias=True``). Bilinear for training (cheaper, and augmentation dominates its effect), bicubic
 for evaluation (the usual ViT evaluation transform).
@@ -30,6 +36,7 @@ from PIL import Image, ImageFile, JpegImagePlugin, UnidentifiedImageError
 
 from pipeline.data.augment import rand_augment
 from pipeline.data.config import INTERPOLATIONS, DataConfig, sample_seed
+from pipeline.data.native import native_grid, native_rows
 from pipeline.data.shards import shard_name
 from vit.patchify import patchify
 
@@ -73,6 +80,17 @@ def train_crop_box(
     return left, top, left + w, top + h
 
 
+def native_crop_box(
+    width: int, height: int, rng: random.Random, scale: tuple[float, float]
+) -> tuple[int, int, int, int]:
+    """Random-resized crop at the image's own aspect ratio: a share of the area drawn from ``scale``,
+    each side shrunk by its square root, placed uniformly (it always fits: no retries)."""
+    side = math.sqrt(rng.uniform(scale[0], scale[1]))
+    w, h = max(1, round(width * side)), max(1, round(height * side))
+    left, top = rng.randint(0, width - w), rng.randint(0, height - h)
+    return left, top, left + w, top + h
+
+
 def eval_crop_box(width: int, height: int, image_size: int, crop_fraction: float) -> Box:
     """The source box that "resize short side to image_size / crop_fraction, center crop" keeps."""
     side = min(width, height) * crop_fraction  # the crop, measured in source pixels
@@ -80,11 +98,13 @@ def eval_crop_box(width: int, height: int, image_size: int, crop_fraction: float
     return left, top, left + side, top + side
 
 
-def draft_factor(box: Box, size: int) -> int:
-    """Largest JPEG DCT reduction (8, 4, 2, 1) that keeps the crop at least ``size`` pixels each way."""
+def draft_factor(box: Box, size: int | tuple[int, int]) -> int:
+    """Largest JPEG DCT reduction (8, 4, 2, 1) that keeps the crop at least ``size`` pixels each way
+    (a square's side, or (width, height))."""
     w, h = box[2] - box[0], box[3] - box[1]
+    out_w, out_h = (size, size) if isinstance(size, int) else size
     for factor in (8, 4, 2):
-        if w / factor >= size and h / factor >= size:
+        if w / factor >= out_w and h / factor >= out_h:
             return factor
     return 1
 
@@ -112,13 +132,14 @@ def open_image(data: bytes, max_image_pixels: int) -> Image.Image:
 def crop_resize(
     im: Image.Image,
     box: Box,
-    size: int,
+    size: int | tuple[int, int],
     resample: Image.Resampling,
     *,
     draft: bool = True,
     reducing_gap: float | None = None,
 ) -> Image.Image:
-    """Decode ``im`` fully, crop ``box`` and resample it to ``size`` x ``size`` RGB in one pass."""
+    """Decode ``im`` fully, crop ``box`` and resample it to ``size`` x ``size`` (or (width, height)) RGB
+    in one pass."""
     if draft and im.format == "JPEG":
         factor = draft_factor(box, size)
         if factor > 1:
@@ -144,22 +165,33 @@ def crop_resize(
         im = im.convert("RGBA" if "transparency" in im.info else "RGB")
     if im.mode not in ("RGB", "L"):
         im = im.convert("RGB")  # CMYK, alpha (dropped, as the usual RGB loaders do), 16-bit
-    out = im.resize((size, size), resample, box=box, reducing_gap=reducing_gap)
+    out = im.resize(
+        (size, size) if isinstance(size, int) else size, resample, box=box, reducing_gap=reducing_gap
+    )
     return out.convert("RGB") if out.mode != "RGB" else out  # gray is resized once, then widened
 
 
 def transform_image(data: bytes, config: DataConfig, *, train: bool, rng: random.Random | None) -> np.ndarray:
-    """Encoded image -> uint8 ``(S, S, 3)``, S = ``config.image_size``; raises `ImageError`."""
+    """Encoded image -> uint8 ``(S, S, 3)``, S = ``config.image_size``; native: ``(gh P, gw P, 3)`` on the
+    crop's own grid (`pipeline.data.native.native_grid`). Raises `ImageError`."""
     im = open_image(data, config.max_image_pixels)
-    size = config.image_size
+    size: int | tuple[int, int] = config.image_size
     if train:
         assert rng is not None, "train crops need the sample's RNG"
-        box: Box = train_crop_box(im.width, im.height, rng, config.scale, config.ratio)
+        if config.native:
+            box: Box = native_crop_box(im.width, im.height, rng, config.scale)
+        else:
+            box = train_crop_box(im.width, im.height, rng, config.scale, config.ratio)
         flip = config.hflip and rng.random() < 0.5
         resample = RESAMPLE[config.train_interpolation]
     else:
-        box, flip = eval_crop_box(im.width, im.height, size, config.crop_fraction), False
+        box, flip = (0, 0, im.width, im.height), False  # native: the whole image
+        if not config.native:
+            box = eval_crop_box(im.width, im.height, size, config.crop_fraction)
         resample = RESAMPLE[config.eval_interpolation]
+    if config.native:
+        gh, gw = native_grid(round(box[2] - box[0]), round(box[3] - box[1]), config.patch_budget)
+        size = (gw * config.patch_size, gh * config.patch_size)
     out = crop_resize(im, box, size, resample, draft=config.jpeg_draft, reducing_gap=config.reducing_gap)
     if train and config.randaug_ops:
         # Before the flip, whose draw came first: every op is mirror-symmetric in distribution (the
@@ -236,12 +268,14 @@ def preprocess_batch(
 
     In: ``key``, ``url`` (str), ``image`` (bytes), ``label`` (int64), ``error`` (str) arrays of length B.
     Out: ``key``, ``url``, ``patches`` uint8 ``(B, N, P*P*3)``, ``label`` int64 ``(B,)``, ``error``,
-    and ``index`` and ``shard_size`` as they came in.
+    and ``index`` and ``shard_size`` as they came in; native (`pipeline.data.native`): ``patches``
+    ``(B, M, P*P*3)`` with ``coords``, ``mask`` and ``grid``, M = ``max_patches``.
     """
     pin_pil(config)
     keys, urls, images, errors = batch["key"], batch["url"], batch["image"], batch["error"]
     size = config.image_size
-    pixels = np.zeros((len(keys), size, size, 3), np.uint8)  # (B, H, W, C); error rows stay zero
+    # (B, H, W, C), error rows zero; native: each image its own array, None for an error row.
+    pixels: Any = [None] * len(keys) if config.native else np.zeros((len(keys), size, size, 3), np.uint8)
     out_errors = np.empty(len(keys), dtype=object)
     with warnings.catch_warnings():
         # PIL warns before our header check rejects an oversized image; the error row is the record.
@@ -255,10 +289,14 @@ def preprocess_batch(
                 if decoded is not None:
                     pixels[i] = decoded
             out_errors[i] = error.replace("\n", " ")
+    if config.native:
+        columns = native_rows(pixels, config.patch_size, config.patch_budget)  # (B, M, ...) each
+    else:
+        columns = {"patches": patchify(pixels, config.patch_size)}  # (B, N, P*P*3)
     return {
         "key": keys,
         "url": urls,
-        "patches": patchify(pixels, config.patch_size),  # (B, N, P*P*3)
+        **columns,
         "label": np.asarray(batch["label"], dtype=np.int64),
         "error": out_errors,
         # A sample's place in its shard, and the shard's size on its last row (`pipeline.data.rows`).

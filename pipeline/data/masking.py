@@ -24,6 +24,10 @@ which run over n tokens instead of N (a quarter at the paper's ratio of 0.75). T
 columns, rather than all patches plus indices, keeps that contract in the batch itself: the encoder's
 input column holds nothing but visible patches.
 
+Native-aspect rows (`pipeline.data.native`): each image's own gh * gw patches are permuted by the same
+seed and split by `pipeline.data.native.native_visible`; ``coords`` and ``mask`` take ``ids_shuffle``'s
+place (`pipeline.data.native.mask_native`).
+
 Imports no torch, like the rest of `pipeline.data`.
 """
 
@@ -36,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.config import DataConfig, sample_seed
+from pipeline.data.native import lengths, mask_native
 from pipeline.data.shards import shard_name
 from vit.patchify import patchify
 
@@ -85,6 +90,16 @@ def mask_batch(
     """
     if config.mask_ratio is None:
         raise ValueError("mask_batch needs DataConfig.mask_ratio (e.g. 0.75); it is None")
+    if "grid" in batch:  # native rows: each image's own patches
+        seeds = [
+            mask_seed(config.seed, epoch, shard_name(u, root), k)
+            for u, k in zip(batch["url"], batch["key"], strict=True)
+        ]
+        ids = [
+            shuffle_ids(int(n), seed) if n >= 2 else None
+            for n, seed in zip(lengths(batch).tolist(), seeds, strict=True)
+        ]  # an error row's grid is (0, 0): no patch, no mask
+        return mask_native(batch, ids, config.mask_ratio)
     patches = batch["patches"]  # (B, N, K)
     b, n_patches, _ = patches.shape
     n = num_visible(n_patches, config.mask_ratio)

@@ -7,8 +7,8 @@ read-only and shared by every actor of a node; on GPU they are copied to the dev
 and ``model.embed`` is compiled (one graph: every forward has the same shape).
 
 Determinism: eval mode, and every forward sees a fixed shape (each chunk padded to ``batch_size``
-rows), so an image's embedding does not depend on how the stream was cut into batches or on how many
-bad samples were taken out beside it. On CUDA the weights themselves are bf16 (not autocast over
+rows; native-aspect rows are all ``max_patches`` wide), so an image's embedding does not depend on how
+the stream was cut into batches or on how many bad samples were taken out beside it. On CUDA the weights themselves are bf16 (not autocast over
 float32 weights: no per-forward casts, half the weight memory) and LayerNorm, softmax and the matmuls
 accumulate in float32 inside their kernels; on CPU everything is float32, as before.
 """
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import vit
+from pipeline.data import native
 from pipeline.data.config import DataConfig
 from pipeline.embed.device_decode import decode_rows
 from pipeline.model_source import inference_model, unpack_state_dict
@@ -31,11 +32,14 @@ def embedding_dim(config: vit.ViTConfig, embedding: str) -> int:
     return config.pre_logits_dim if embedding == "pre_logits" else config.embed_dim
 
 
-def actor_memory(config: vit.ViTConfig, batch_size: int, use_gpu: bool) -> int:
+def actor_memory(
+    config: vit.ViTConfig, batch_size: int, use_gpu: bool, num_patches: int | None = None
+) -> int:
     """Host memory of one actor, in bytes: the float32 weights (shared on a node, counted per actor to
-    be safe) plus, on CPU, a forward's largest activations (MLP hidden and attention scores)."""
+    be safe) plus, on CPU, a forward's largest activations (MLP hidden and attention scores) over
+    ``num_patches`` patches an image (None: the model's square grid)."""
     weights = 4 * sum(p.numel() for p in vit.VisionTransformer(config, device="meta").state_dict().values())
-    tokens = config.num_patches + 1
+    tokens = (num_patches or config.num_patches) + 1
     activations = 0 if use_gpu else 4 * batch_size * tokens * (4 * config.mlp_dim + config.num_heads * tokens)
     return int(weights + activations + (512 << 20))  # + a Ray worker with torch loaded, batches in flight
 
@@ -51,7 +55,8 @@ def embed_rows(
     """Patch rows -> embedding rows; error rows pass through with zero embeddings and no compute.
 
     In: ``key``, ``url``, ``patches`` uint8 ``(B, N, P*P*C)`` (numpy, or a tensor already on the
-    device: `pipeline.embed.device_decode`), ``label`` int64, ``error`` str.
+    device: `pipeline.embed.device_decode`), ``label`` int64, ``error`` str; native-aspect rows
+    (`pipeline.data.native`) also ``coords``, ``mask`` and ``grid``.
     Out: ``key``, ``url``, ``embedding`` float32 ``(B, D)``, ``label``, ``error``. Good rows go through
     the model in chunks of ``batch_size``, each padded to exactly ``batch_size`` rows (fixed shapes),
     in the model's own weight dtype; embeddings come out as float32.
@@ -62,18 +67,23 @@ def embed_rows(
     dim = embedding_dim(model.config, "pre_logits" if pre_logits else "cls")
     out = np.zeros((len(errors), dim), np.float32)
     if good.size:
-        patches = batch["patches"]
-        if isinstance(patches, torch.Tensor):
-            patches = patches[torch.from_numpy(good).to(patches.device)]  # (G, N, P*P*C)
-        else:
-            patches = torch.from_numpy(np.asarray(patches)[good])
+        # The model's inputs: patches (B, N, P*P*C), and for native-aspect rows coords, mask, grid.
+        inputs = []
+        for name in native.INPUTS if "grid" in batch else ("patches",):
+            column = batch[name]
+            if isinstance(column, torch.Tensor):
+                inputs.append(column[torch.from_numpy(good).to(column.device)])  # (G, ...)
+            else:
+                inputs.append(torch.from_numpy(np.asarray(column)[good]))
         with torch.inference_mode():
             for lo in range(0, len(good), batch_size):
-                chunk = patches[lo : lo + batch_size]
-                n = len(chunk)
-                if n < batch_size:
-                    chunk = torch.cat([chunk, chunk.new_zeros((batch_size - n, *chunk.shape[1:]))])
-                emb = model.embed(chunk.to(device, non_blocking=True), pre_logits=pre_logits)[:n]  # (n, D)
+                chunk = [t[lo : lo + batch_size] for t in inputs]
+                n = len(chunk[0])
+                if n < batch_size:  # zero rows: a native one is all padding (mask False), read by no one
+                    chunk = [torch.cat([t, t.new_zeros((batch_size - n, *t.shape[1:]))]) for t in chunk]
+                x, *layout = (t.to(device, non_blocking=True) for t in chunk)
+                native_input = dict(zip(("coords", "mask", "grid"), layout, strict=True)) if layout else {}
+                emb = model.embed(x, pre_logits=pre_logits, **native_input)[:n]  # (n, D)
                 out[good[lo : lo + n]] = emb.float().cpu().numpy()
     return {
         "key": batch["key"],

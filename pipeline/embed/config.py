@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from pipeline import cli, settings
 from pipeline.data.config import MAX_IMAGE_SIZE, DataConfig, EvalOverrides
+from pipeline.data.native import MAX_PATCHES, PATCH_MODES
 from pipeline.model_source import Weights
 from pipeline.settings import MAX_COUNT, setting
 from pipeline.storage import Output
@@ -50,6 +51,19 @@ class EmbedConfig(EvalOverrides, Weights, Output):
     )
     image_size: int | None = setting(
         None, "input resolution (none: the model's; others resample pos_embed)", ge=1, le=MAX_IMAGE_SIZE
+    )
+    patches: str | None = setting(
+        None,
+        "square (resize, center crop) or native (each image whole, at its own aspect ratio, up to "
+        "--max-patches patches) (none: as the model was trained)",
+        choices=PATCH_MODES,
+    )
+    max_patches: int | None = setting(
+        None,
+        "with native patches: the most patches an image becomes (none: the model's own, else (image "
+        "size / patch size)^2)",
+        ge=4,
+        le=MAX_PATCHES,
     )
     batch_size: int | None = setting(
         None, "images per forward pass (none: 64 on CPU, 256 per GPU)", ge=1, le=MAX_COUNT

@@ -1,7 +1,8 @@
 """What an embedding output is of, and the claim that keeps it to one identity.
 
 An output holds the embeddings of one configuration, its identity: model config, weights sha256, kind
-(``cls`` / ``pre_logits``), the preprocessing fields that change pixels or rows, device and precision,
+(``cls`` / ``pre_logits``), the preprocessing fields that change pixels or rows (among them square or
+native-aspect patches and the patch budget: no output mixes the two), device and precision,
 and how rows are stored: L2-normalized or not, float32 or float16 (`identity`). A run claims ``--out``
 for its identity in ``_identity.json`` before it writes or removes anything there (`claim`), and reads the claim again before each commit publishes a file (`check`); a
 run that finds another identity's claim raises `OutputClaimedError`, one line, and publishes nothing more
@@ -43,6 +44,8 @@ VERSION = 1  # of an output's header (claim, manifest, footers): a newer one is 
 PREPROCESSING_IDENTITY = (
     "image_size",
     "patch_size",
+    "patches",
+    "max_patches",
     *(f.name for f in dataclasses.fields(EvalTransform)),
     "jpeg_draft",
     "reducing_gap",
@@ -52,6 +55,9 @@ PREPROCESSING_IDENTITY = (
     "max_image_pixels",
 )
 
+
+# What outputs written before a preprocessing field was recorded did: square crops (no patch budget).
+PREPROCESSING_DEFAULTS = {"patches": "square", "max_patches": None}
 
 # How the embeddings are stored (`EmbedConfig.output_options`); outputs written before it was recorded
 # hold plain float32 rows.
@@ -74,7 +80,9 @@ def identity(header: dict[str, Any]) -> dict[str, Any]:
         "model": model,
         "weights sha256": (header.get("weights") or {}).get("sha256"),
         "embedding": header.get("embedding"),
-        "preprocessing": {k: preprocessing.get(k) for k in PREPROCESSING_IDENTITY},
+        "preprocessing": {
+            k: preprocessing.get(k, PREPROCESSING_DEFAULTS.get(k)) for k in PREPROCESSING_IDENTITY
+        },
         "compute": header.get("compute"),  # device and precision: GPU bf16 rows differ from CPU fp32
         "output": header.get("output") or DEFAULT_OUTPUT_OPTIONS,  # L2-normalized, stored dtype
     }
@@ -90,7 +98,8 @@ def difference(
         if a[key] == b[key]:
             continue
         if isinstance(a[key], dict) and isinstance(b[key], dict):
-            changed = [k for k in sorted(set(a[key]) | set(b[key])) if a[key].get(k) != b[key].get(k)]
+            names = [*a[key], *(k for k in b[key] if k not in a[key])]  # in the identity's order
+            changed = [k for k in names if a[key].get(k) != b[key].get(k)]
             k = changed[0]
             return f"{key} {k} {a[key].get(k)!r} {there}, {b[key].get(k)!r} {now}"
         return f"{key} {_short(a[key])} {there}, {_short(b[key])} {now}"

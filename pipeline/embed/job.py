@@ -132,8 +132,11 @@ def eval_data_config(source: ModelSource, config: EmbedConfig) -> DataConfig:
     if label_key == "auto":  # the training run's where the weights carry it
         stored = source.preprocessing
         label_key = stored.get("label_key", DataConfig.label_key) if stored else DEFAULT_LABEL_KEY
+    # How images become patches: the model's own unless the command line says (square or native).
+    patching = {name: getattr(config, name) for name in ("patches", "max_patches") if getattr(config, name)}
     return source.eval_data(
         config,
+        **patching,
         label_key=label_key,
         require_labels=False,
         num_classes=None,  # any label is kept as it is: the training run's class count is no rule here
@@ -151,6 +154,11 @@ def check_device_decode(config: EmbedConfig, data_config: DataConfig) -> None:
         raise ValueError(
             "--decode gpu decodes on the model actors' GPUs, and this run's model runs on CPU: pass --gpu "
             "(on a GPU cluster or machine), or --decode cpu"
+        )
+    if data_config.native:
+        raise ValueError(
+            "--decode gpu crops and resizes square images; native-aspect patches (--patches native, or a "
+            "model trained with them) decode on CPUs: pass --decode cpu, or --patches square"
         )
     if data_config.eval_interpolation not in device_decode.FILTERS:
         raise ValueError(
@@ -245,7 +253,9 @@ def run(plan: EmbedPlan, *, on_commit: Callable[[str, dict], None] | None = None
             # Declaring the actor's memory is right for scheduling, and it also keeps decoding in its
             # own CPU tasks: Ray fuses a task map into a following actor pool when their resource
             # requests are equal, which would put the decode on the model's actor.
-            memory=actor_memory(plan.source.config, config.forward_batch_size(), config.use_gpu),
+            memory=actor_memory(
+                plan.source.config, config.forward_batch_size(), config.use_gpu, plan.data_config.patch_budget
+            ),
         )
         # No prefetch: Ray's prefetcher holds back blocks until its buffer is full, which delays every
         # commit (and so what a crash keeps); the executor computes ahead in its own thread anyway.

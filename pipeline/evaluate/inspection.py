@@ -92,6 +92,9 @@ def analyze(
 
     data_config = source.eval_data(
         config,
+        # The panels are of the model's square grid (attention distances over it, its position
+        # embeddings), whatever patches the model was trained with.
+        patches="square",
         label_key=None,  # no labels needed
         require_labels=False,
         storage_options=config.storage_options,

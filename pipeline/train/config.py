@@ -110,6 +110,12 @@ class TrainConfig(settings.Settings):
             )
         if self.task.objective != "supervised" and (self.arch.weights or self.run.eval_shards):
             raise ValueError("fine-tuning and --eval-data are supervised; drop --objective mae")
+        mixing = [n for n in ("mixup_alpha", "cutmix_alpha") if getattr(self.task, n)]
+        if self.data.native and mixing:
+            raise ValueError(
+                f"{' and '.join(settings.flag(TrainConfig, n) for n in mixing)} blend images pixel by pixel, "
+                "and native-aspect images have grids of their own: drop them, or use --patches square"
+            )
 
     def check_batch(self) -> None:
         """A one-line ValueError for a global batch that some world size of ``--num-workers`` cannot

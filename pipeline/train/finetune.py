@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import vit
+from pipeline.data import native
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.linear_probe import LinearProbe, fit_linear_probe
@@ -97,7 +98,7 @@ class HeadInitError(ValueError):
 def fit_probe_head(
     model: nn.Module,
     batches: Iterator[dict[str, np.ndarray]],
-    idle: torch.Tensor,
+    idle: tuple[torch.Tensor, ...],
     device: torch.device,
     group: dist.ProcessGroup | None,
     num_classes: int,
@@ -167,7 +168,7 @@ def probe_head_in_run(
     config: TrainConfig,
     patch_size: int,
     me: Rank,
-    idle: torch.Tensor,
+    idle: tuple[torch.Tensor, ...],
     *,
     data_cpus: float,
 ) -> None:
@@ -229,12 +230,13 @@ def eval_batches(
 def evaluate(
     model: nn.Module,
     batches: Iterator[dict[str, np.ndarray]],
-    idle: torch.Tensor,
+    idle: tuple[torch.Tensor, ...],
     device: torch.device,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[float, int]:
-    """Collective: (top-1 accuracy, samples) over every rank's ``batches``; ``idle`` is patches
-    ``(b, N, K)`` a rank without batches runs so that every forward has all ranks.
+    """Collective: (top-1 accuracy, samples) over every rank's ``batches``; ``idle`` is the model's inputs
+    (patches ``(b, N, K)``; native: and coords, mask, grid) a rank without batches runs so that every
+    forward has all ranks.
 
     Per batch, the ranks agree (on ``group``, a CPU group) whether any still has one and whether any
     failed; a data error on any rank ends the evaluation on all with that rank's message. The model
@@ -254,7 +256,7 @@ def evaluate_in_run(
     config: TrainConfig,
     patch_size: int,
     me: Rank,
-    idle: torch.Tensor,
+    idle: tuple[torch.Tensor, ...],
     *,
     step: int,
     data_cpus: float,
@@ -278,7 +280,7 @@ def evaluate_in_run(
 def _evaluate(
     model: nn.Module,
     batches: Iterator[dict[str, np.ndarray]],
-    idle: torch.Tensor,
+    idle: tuple[torch.Tensor, ...],
     device: torch.device,
     group: dist.ProcessGroup | None,
 ) -> tuple[float, int]:
@@ -296,7 +298,7 @@ def _evaluate(
 def _forward_batches(
     model: nn.Module,
     batches: Iterator[dict[str, np.ndarray]],
-    idle: torch.Tensor,
+    idle: tuple[torch.Tensor, ...],
     device: torch.device,
     group: dist.ProcessGroup | None,
     what: str,
@@ -318,9 +320,10 @@ def _forward_batches(
         if have == 0:
             return
         if batch is None:
-            model(idle)
+            model(*idle)
             continue
         # Ray hands out read-only arrays, which torch must not wrap: copied where they are.
-        patches = torch.from_numpy(np.require(batch["patches"], requirements=("C", "W"))).to(device)
+        columns = native.INPUTS if "grid" in batch else ("patches",)  # native: patches, coords, mask, grid
+        inputs = [torch.from_numpy(np.require(batch[c], requirements=("C", "W"))).to(device) for c in columns]
         labels = torch.from_numpy(np.require(batch["label"], requirements=("C", "W"))).to(device)
-        yield model(patches), labels
+        yield model(*inputs), labels

@@ -237,7 +237,7 @@ class Trainer:
                     if self.config.arch.head_init == "probe":
                         finetune.probe_head_in_run(
                             self.model, self.shards, self.config, self.model_config.patch_size, self.me,
-                            self.objective.idle_batch(self.me.device)[0], data_cpus=self.plan.cpus(0),
+                            self.objective.idle_inputs(self.me.device), data_cpus=self.plan.cpus(0),
                         )  # fmt: skip
                     if self.ema is not None:
                         self.ema.reset()  # the EMA starts from the pretrained weights
@@ -424,7 +424,7 @@ class Trainer:
         pass (`WeightEMA.applied`). Their time is not training time: the metrics window starts later
         by as much."""
         cpus = self.plan.cpus(self.state.epoch)
-        idle = self.objective.idle_batch(self.me.device)[0]
+        idle = self.objective.idle_inputs(self.me.device)
 
         def score(weights: str = "") -> float:
             try:

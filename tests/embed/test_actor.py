@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import vit
+from pipeline.data import native
 from pipeline.embed.actor import embed_rows
 from pipeline.model_source import inference_model
 
@@ -68,3 +69,31 @@ def test_bf16_weights_agree_with_float32_within_bf16_precision(weights, compile)
         cosine = F.cosine_similarity(torch.from_numpy(got[good]), torch.from_numpy(expected[good]), dim=1)
         assert cosine.min() > 0.999, cosine
         np.testing.assert_allclose(got[good], expected[good], rtol=0.1, atol=0.05)
+
+
+def test_native_rows_embed_each_image_as_it_would_be_alone():
+    """Native-aspect rows of other grids in one padded batch: each embedding is the image's own, as
+    if it were embedded alone without padding, and a bad row still reaches no model."""
+    torch.manual_seed(0)
+    model = vit.create_model("vit_tiny_test", num_classes=4).eval()
+    images = [
+        np.full((8 * gh, 8 * gw, 3), 40 * i, np.uint8) for i, (gh, gw) in enumerate([(2, 7), (4, 4), (1, 9)])
+    ]
+    images[1] = images[1] + np.arange(32, dtype=np.uint8)[:, None, None]
+    batch = {
+        **native.native_rows([*images, None], 8, 20),
+        "key": np.array(["a", "b", "c", "bad"], dtype=object),
+        "url": np.array(["u"] * 4, dtype=object),
+        "label": np.arange(4),
+        "error": np.array(["", "", "", "corrupt"], dtype=object),
+    }
+    out = embed_rows(model, batch, batch_size=8)["embedding"]
+    for i in range(3):
+        n = int(batch["mask"][i].sum())
+        with torch.inference_mode():
+            alone = model.embed(
+                torch.from_numpy(batch["patches"][i : i + 1, :n]), coords=torch.from_numpy(batch["coords"][i : i + 1, :n]),
+                mask=torch.from_numpy(batch["mask"][i : i + 1, :n]), grid=torch.from_numpy(batch["grid"][i : i + 1]),
+            )  # fmt: skip
+        np.testing.assert_allclose(out[i], alone[0].numpy(), rtol=1e-5, atol=1e-5)
+    assert not out[3].any()

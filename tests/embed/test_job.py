@@ -232,6 +232,55 @@ def test_other_weights_into_the_same_output_fail_unless_overwrite(first_run, tmp
     with pytest.raises(ValueError, match="preprocessing eval_interpolation 'bilinear' there, 'bicubic' now"):
         prepare(config.replace(interpolation="bicubic"))
     assert prepare(config.replace(weights=str(tmp_path), overwrite=True)).work.pending  # allowed, not run
+    # Native-aspect rows are another kind of row: no output holds both.
+    with pytest.raises(ValueError, match="preprocessing patches 'square' there, 'native' now"):
+        prepare(config.replace(patches="native"))
+
+
+def test_native_rows_embed_each_image_whole_at_its_own_aspect_ratio(ray_session, export, tmp_path):
+    """--patches native: every image whole on its own grid of up to --max-patches patches; the rows are
+    the model's embeddings of those patches in process, and the output's identity says native."""
+    from pipeline.data.decode import preprocess_batch
+    from pipeline.data.writing import write_shards
+
+    sizes = [(96, 32), (32, 80), (64, 64), (40, 50), (120, 30)]
+
+    def samples():
+        for i, (w, h) in enumerate(sizes * 2):
+            pixels = np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8)
+            yield f"{i:04d}", {"jpg": encode(pixels, "png"), "cls": b"1"}  # PNG bytes: exact pixels
+
+    urls = write_shards(samples(), tmp_path / "wide", prefix="wide", samples_per_shard=5)
+    out = tmp_path / "out"
+    config = EmbedConfig(
+        data=str(tmp_path / "wide"), weights=export[0], out=str(out), batch_size=4, patches="native",
+        max_patches=20,
+    )  # fmt: skip
+    plan = prepare(config)
+    assert (plan.data_config.patches, plan.data_config.max_patches) == ("native", 20)
+    summary = run(plan)
+    assert (summary.committed, summary.rows) == (2, 10)
+    rows = read_rows(out)
+    images = images_by_key(sorted(urls))
+    batch = {
+        "key": np.array(list(images), dtype=object),
+        "url": np.array(["u"] * len(images), dtype=object),
+        "image": np.array(list(images.values()), dtype=object),
+        "label": np.ones(len(images), np.int64),
+        "error": np.array([""] * len(images), dtype=object),
+    }
+    native = preprocess_batch(batch, config=plan.data_config, train=False, epoch=0)
+    grids = {tuple(g) for g in native["grid"].tolist()}  # one per aspect ratio, within the budget
+    assert len(grids) == 5 and all(gh * gw <= 20 for gh, gw in grids) and (2, 7) in grids  # 96 x 32
+    _, model = export
+    with torch.no_grad():
+        direct = model.embed(
+            torch.from_numpy(native["patches"]), coords=torch.from_numpy(native["coords"]),
+            mask=torch.from_numpy(native["mask"]), grid=torch.from_numpy(native["grid"]),
+        ).numpy()  # fmt: skip
+    order = [list(images).index(k) for k in rows["key"]]
+    np.testing.assert_allclose(rows["embedding"], direct[order], rtol=1e-5, atol=1e-5)
+    assert manifest(out)["preprocessing"]["patches"] == "native"
 
 
 def test_shards_read_through_signed_urls_are_embedded_once_under_their_names(

@@ -19,6 +19,7 @@ import pytest
 
 import vit
 from pipeline import storage
+from pipeline.data.config import DataConfig
 from pipeline.embed.config import EmbedConfig
 from pipeline.embed.identity import CLAIM, OutputClaimedError
 from pipeline.embed.job import prepare, run
@@ -371,6 +372,16 @@ def test_an_output_written_before_the_regularization_fields_stays_this_models():
     headers = [{**HEADER, "model": {"config": config}} for config in (before, now, {**now, "embed_dim": 32})]
     assert difference(headers[0], headers[1]) is None  # eval mode: the same function
     assert difference(headers[0], headers[2]) == "model embed_dim 64 there, 32 now"
+
+
+def test_an_output_written_before_native_patches_is_a_square_ones():
+    from pipeline.embed.output import difference
+
+    before = {k: v for k, v in DataConfig().to_dict().items() if k not in ("patches", "max_patches")}
+    square, native = (DataConfig(patches=p).to_dict() for p in ("square", "native"))
+    headers = [{**HEADER, "preprocessing": data} for data in (before, square, native)]
+    assert difference(headers[0], headers[1]) is None  # what every output before then held
+    assert difference(headers[0], headers[2]) == "preprocessing patches 'square' there, 'native' now"
 
 
 def test_two_runs_of_other_weights_into_one_fresh_out_leave_one_model(

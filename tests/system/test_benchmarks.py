@@ -261,6 +261,25 @@ def test_data_baselines_at_a_tiny_size(tmp_path):
     assert "2 shards of 4 photo-like JPEGs" in result.stdout and "bytes per sample" in result.stdout
 
 
+def test_native_measures_padding_and_the_step_against_square_at_one_budget(tmp_path):
+    """`native` without its Ray half: mixed-aspect photo shards, the padding of packed and full-width
+    rows of their grids, and the training step on square and native micro-batches of one budget."""
+    result = benchmark(
+        "native", "--images", "24", "--per-shard", "12", "--image-size", "32", "--patch-size", "8",
+        "--model", "vit_tiny_test", "--micro-batch-size", "4", "--steps", "1", "--warmup", "1",
+        "--skip", "data", "--json", str(tmp_path / "n.json"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads((tmp_path / "n.json").read_text())
+    assert figures["budget_patches_per_image"] == 16 and figures["micro_batch_tokens"] == 64
+    packing = figures["packing"]
+    assert 0 <= packing["packed_padding"] <= packing["full_width_padding"] < 1
+    assert all(rows * length <= 64 for rows, length in packing["shapes"])  # never past the budget
+    assert figures["step"]["native"]["tokens_per_s"] > 0 and figures["step"]["square"]["steps"] == 1
+    assert 0 < figures["square_eval_share_seen"] < 0.77  # 0.875^2 of a square image at most
+    assert "native / square" in result.stdout
+
+
 def test_index_measures_recall_against_a_brute_force_scan(tmp_path):
     out = tmp_path / "index.json"
     args = ["--rows", "3000", "--dim", "16", "--clusters", "10", "--rows-per-file", "1000", "--queries", "30"]

@@ -25,6 +25,7 @@ FLAGS = {
     "--data", "--weights", "--out", "--weights-format", "--model", "--embedding", "--normalize", "--no-normalize", "--dtype", "--image-size",
     "--batch-size", "--concurrency", "--cpus-per-actor", "--cpu", "--gpu", "--overwrite", "--no-overwrite",
     "--label-key", "--crop-fraction", "--interpolation", "--max-bad-fraction", "--max-lost-shards",
+    "--patches", "--max-patches",
     "--storage-options", "--decode-nodes", "--decode", "--address",
     "--num-cpus", "--print-config", "--verbose", "--help",
 }  # fmt: skip

@@ -24,7 +24,7 @@ FLAGS = {
     "--mixup-alpha", "--cutmix-alpha", "--mix-prob", "--switch-prob", "--mask-ratio", "--norm-pix-loss", "--no-norm-pix-loss",
     "--decoder-dim", "--decoder-depth", "--decoder-num-heads",
     # data
-    "--image-size", "--crop-scale", "--crop-ratio", "--hflip", "--no-hflip", "--crop-fraction",
+    "--image-size", "--patches", "--max-patches", "--crop-scale", "--crop-ratio", "--hflip", "--no-hflip", "--crop-fraction",
     "--randaug-ops", "--randaug-magnitude",
     "--train-interpolation", "--eval-interpolation", "--jpeg-draft", "--no-jpeg-draft", "--reducing-gap",
     "--image-keys", "--label-key", "--shuffle-buffer", "--max-bad-fraction", "--max-lost-shards", "--bad-grace-samples",

@@ -41,7 +41,7 @@ def _evaluation(rank: int) -> None:
     torch.manual_seed(0)
     model = vit.create_model("vit_tiny_test", num_classes=4).eval()
     c = model.config
-    idle = torch.zeros(1, c.num_patches, c.patch_dim, dtype=torch.uint8)
+    idle = (torch.zeros(1, c.num_patches, c.patch_dim, dtype=torch.uint8),)  # the model's inputs
 
     def batches() -> Iterator[dict[str, np.ndarray]]:
         yield {"patches": np.zeros((2, c.num_patches, c.patch_dim), np.uint8), "label": np.zeros(2, np.int64)}

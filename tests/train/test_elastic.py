@@ -29,6 +29,7 @@ from pipeline.data.rows import sample_keys
 from pipeline.train.state import TrainState
 from tests.configs import tiny_config
 from tests.distributed import spawn
+from tests.native_rows import as_native
 from tests.train.test_audit import audited, sized
 from tests.train.test_loop import LocalSession
 
@@ -86,18 +87,23 @@ def _indexed(sizes, corrupt, tag, shards, data_config, epoch, rank, size, bad_sa
         keys = [f"{url}/{i}" for url, i, _ in rows]
         g = np.random.default_rng([epoch % 2**32, *(i + 100 * int(url[-1]) for url, i, _ in rows)])
         return bad_samples.filter(
-            {
-                "key": np.array([k + tag for k in keys]),
-                "url": np.array([url for url, _, _ in rows]),
-                "patches": g.integers(0, 256, (len(rows), patches, patch_dim), dtype=np.uint8),
-                "label": g.integers(0, 4, len(rows)),
-                "error": np.array(
-                    ["truncated image: test" if k in corrupt else "" for k in keys], dtype=object
-                ),
-                "index": np.array([i for _, i, _ in rows]),
-                "shard_size": np.array([s for _, _, s in rows]),
-            }
+            native(
+                {
+                    "key": np.array([k + tag for k in keys]),
+                    "url": np.array([url for url, _, _ in rows]),
+                    "patches": g.integers(0, 256, (len(rows), patches, patch_dim), dtype=np.uint8),
+                    "label": g.integers(0, 4, len(rows)),
+                    "error": np.array(
+                        ["truncated image: test" if k in corrupt else "" for k in keys], dtype=object
+                    ),
+                    "index": np.array([i for _, i, _ in rows]),
+                    "shard_size": np.array([s for _, _, s in rows]),
+                }
+            )
         )
+
+    def native(rows):  # native-aspect images (``--patches native``): each key its own grid
+        return as_native(rows, data_config, epoch) if data_config.native else rows
 
     yield from rebatch(batches(), size)
 
@@ -188,20 +194,28 @@ def bad_at_epoch_ends(*records: dict, per_source: bool = False) -> dict[int, Any
 
 @pytest.mark.slow  # 4 ranks then 2, then 2 ranks then 3: about a minute of CPU (each feeder: more)
 @pytest.mark.parametrize(
-    ("before", "after", "data_process"), [(4, 2, "inline"), (2, 3, "inline"), (2, 3, "feeder")]
+    ("before", "after", "data_process", "patches"),
+    [
+        (4, 2, "inline", "square"),
+        (2, 3, "inline", "square"),
+        (2, 3, "feeder", "square"),
+        (3, 2, "inline", "native"),
+    ],
 )
 def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(
-    request, tmp_path, before, after, data_process
+    request, tmp_path, before, after, data_process, patches
 ):
+    """Also with native-aspect images, in micro-batches of one token budget."""
     address = None
     if data_process == "feeder":  # every rank's feeder an actor of the shared local Ray
         address = request.getfixturevalue("ray_session").get_runtime_context().gcs_address
-    stop = {"dir": "stopped", "stop_at_step": 2, "data_process": data_process}
-    straight = ("straight", {"data_process": data_process})
+    mode = {"patches": patches, "max_patches": 20 if patches == "native" else None}
+    stop = {"dir": "stopped", "stop_at_step": 2, "data_process": data_process, **mode}
+    straight = ("straight", {"data_process": data_process, **mode})
     joins = address is not None
     spawn(_run, before, str(tmp_path), [straight, ("stopped", dict(stop))], None, address, world_size=before,
           joins_ray=joins)  # fmt: skip
-    resumed = ("resumed", {"dir": "stopped", "num_workers": after, "data_process": data_process})
+    resumed = ("resumed", {"dir": "stopped", "num_workers": after, "data_process": data_process, **mode})
     spawn(_run, after, str(tmp_path), [resumed], None, address, world_size=after, joins_ray=joins)
     read = {
         name: json.loads((tmp_path / f"{name}.json").read_text())
@@ -232,11 +246,24 @@ def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(
     assert report.ok and report.finished == len(complete), report.format()
 
 
+def run_in_turn(*configs, watch=None) -> None:
+    """Each config's run in this process (one worker) over the shards of `SIZES`, in turn, each without
+    an error: a run and its resumes, each step seen by ``watch`` (a `loop.StepWatch`)."""
+    from pipeline.train import loop
+
+    for cfg in configs:
+        session = LocalSession(torch.device("cpu"), Path(cfg.run.out))
+        loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}
+        assert loop.Trainer(loop_config, session, watch).train()["error"] == ""
+
+
+@pytest.mark.parametrize("patches", ["square", "native"])
 def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(
-    world, monkeypatch, tmp_path, capsys, data_process
+    world, monkeypatch, tmp_path, capsys, data_process, patches
 ):
     """One worker, batch 8: 7 steps an epoch. Stopped at step 3 with micro-batches of 4, resumed with
-    micro-batches of 2: epoch 0 still trains every good sample once, and counts each bad one once."""
+    micro-batches of 2: epoch 0 still trains every good sample once, and counts each bad one once.
+    Also with native-aspect images (micro-batches of 4 x 20 tokens, then 2 x 20)."""
     from pipeline.train import loop
     from pipeline.train.input import dataplan
 
@@ -248,14 +275,15 @@ def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(
             steps.append((step.epoch, [list(step.keys)], step.bad_samples.bad, {}))
 
     stopped = config(
-        tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=9, stop_at_step=3, data_process=data_process
-    )
-    for cfg in (stopped, stopped.replace(stop_at_step=None, micro_batch_size=2)):
-        session = LocalSession(torch.device("cpu"), Path(cfg.run.out))
-        loop_config = {"train": cfg.to_dict(), "shards": list(SIZES), "data_cpus_per_worker": 1.0}
-        assert loop.Trainer(loop_config, session, Steps()).train()["error"] == ""
+        tmp_path, 1, batch_size=8, micro_batch_size=4, max_steps=9, stop_at_step=3, data_process=data_process,
+        patches=patches, max_patches=20 if patches == "native" else None,
+    )  # fmt: skip
+    run_in_turn(stopped, stopped.replace(stop_at_step=None, micro_batch_size=2), watch=Steps())
     record = {"steps": steps}
-    assert [e for e, *_ in steps] == [0] * 7 + [1] * 2
+    if patches == "square":  # native steps hold as many images as their lengths let in
+        assert [e for e, *_ in steps] == [0] * 7 + [1] * 2
+    saved = json.loads((tmp_path / dcp.checkpoint_name(3) / "train_state.json").read_text())
+    assert saved["epoch_consumed"]["partial"]  # stopped inside the epoch
     assert collections.Counter(epochs(record)[0]) == collections.Counter(GOOD)
     assert bad_at_epoch_ends(record)[0] == len(CORRUPT)
     assert "the workers share the samples this epoch had not consumed, each once" in capsys.readouterr().out
@@ -263,7 +291,8 @@ def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(
     assert report.ok and report.lines[0] == "epoch 0: finished, 59 samples (3 bad): every one once", (
         report.format()
     )
-    assert report.lines[1] == "epoch 1: current, 17 samples (1 bad): every one once"  # 2 steps, 1 bad read
+    if patches == "square":  # 2 steps, 1 bad read (native steps: as many images as fit)
+        assert report.lines[1] == "epoch 1: current, 17 samples (1 bad): every one once"
 
 
 def test_the_real_pipeline_goes_on_by_sample_at_another_micro_batch_size(

@@ -52,7 +52,7 @@ def _probe_head(rank: int) -> None:
     config = tiny_config(model_overrides={"head": "finetune"})
     model = build_model(config, torch.device("cpu"))
     c = vit.create_model("vit_tiny_test", num_classes=CLASSES).config
-    idle = torch.zeros(1, c.num_patches, c.patch_dim, dtype=torch.uint8)
+    idle = (torch.zeros(1, c.num_patches, c.patch_dim, dtype=torch.uint8),)  # the model's inputs
     # Labels 0-2 of 4 classes: class 3 is in no batch.
     probe, images, _ = finetune.fit_probe_head(
         model, iter(rank_batches(rank, 3)), idle, torch.device("cpu"), None, CLASSES

@@ -32,6 +32,7 @@ from pipeline.train.state import TrainState
 from pipeline.train.step.model import model_config
 from pipeline.train.step.train_step import StepStats, TrainStep
 from tests.configs import tiny_config
+from tests.native_rows import as_native
 from tests.train.test_audit import audited, sized
 
 SHARDS = [f"mem://shard-{i}" for i in range(4)]
@@ -56,7 +57,7 @@ def config(out: Path, **changes) -> TrainConfig:
 
 def fake_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, data_cpus, root=None):
     """`pipeline.data.dataset.micro_batches` without Ray: each shard's rows are a pure function of
-    (shard, epoch), and the shard's first sample is corrupt."""
+    (shard, epoch), and the shard's first sample is corrupt; native-aspect rows where the config asks."""
     mcfg_patches = (data_config.image_size // data_config.patch_size) ** 2
     patch_dim = data_config.patch_size**2 * 3
 
@@ -71,7 +72,9 @@ def fake_micro_batches(shards, data_config, *, epoch, rank, size, bad_samples, d
                 "label": g.integers(0, 4, n),
                 "error": np.array(["truncated image: test"] + [""] * (n - 1), dtype=object),
             }
-            if data_config.mask_ratio is not None:  # MAE: the data stage's mask, as the real pipeline
+            if data_config.native:  # native-aspect images (`tests.native_rows`), masked for MAE there
+                batch = as_native(batch, data_config, epoch)
+            elif data_config.mask_ratio is not None:  # MAE: the data stage's mask, as the real pipeline
                 batch = mask_batch(batch, config=data_config, epoch=epoch)
             yield bad_samples.filter(batch)
 

@@ -135,6 +135,37 @@ def test_pinned_buffers_are_reused_once_their_copies_are_done():
     assert len(pointers) <= 4 * 2 * 2
 
 
+@pytest.mark.gpu
+def test_pinned_buffers_hold_micro_batches_of_changing_shapes_without_pinning_again():
+    """Native-aspect micro-batches change shape every step (rows x length, one token budget): each
+    column is a view of a pinned block that is pinned once, at the largest size it holds."""
+    shapes = [(4, 8, 6), (8, 4, 6), (2, 16, 6), (4, 8, 6)] * 3
+
+    def changing():
+        for i, shape in enumerate(shapes):
+            n = shape[0]
+            yield {
+                "key": np.array([f"k{i}-{j}" for j in range(n)]),
+                "patches": np.full(shape, i, np.uint8),
+                "label": np.full(n, i, np.int64),
+            }
+
+    prefetcher = Prefetcher(
+        changing(), accum=1, columns=("patches", "label"), bad_samples=BadSamples(), pin=True, depth=2
+    )
+    blocks, device = set(), torch.device("cuda")
+    for i, shape in enumerate(shapes):
+        step = prefetcher.next()
+        on_device = step.to_device(device)
+        prefetcher.release(step)
+        assert torch.equal(on_device[0][0].cpu(), torch.full(shape, i, dtype=torch.uint8))
+        blocks.update(b.data_ptr() for buf in step.buffers for k, b in buf.items() if k.endswith("/block"))
+    prefetcher.close()
+    # At most (depth + 2) buffers: the patches pinned once each (every shape holds 192 values), the
+    # labels at most twice (4 rows, then 8): not once a step.
+    assert len(blocks) <= 4 * 3 < len(shapes) * 2
+
+
 @pytest.mark.parametrize("depth", [0, 2])
 def test_a_stream_that_ran_dry_gives_its_short_tail_then_empty_inputs(depth):
     """The stream's last micro-batch is short (the data pipeline's remainder): it is trained like the

@@ -68,7 +68,7 @@ def test_evaluation_runs_the_model_in_eval_mode_and_hands_it_back_training(world
     model.register_forward_pre_hook(lambda m, args: modes.append(m.training))
     rng = np.random.default_rng(0)
     batch = {"patches": rng.integers(0, 256, (6, 16, 192), dtype=np.uint8), "label": np.arange(6) % 4}
-    idle = torch.zeros(1, 16, 192, dtype=torch.uint8)
+    idle = (torch.zeros(1, 16, 192, dtype=torch.uint8),)  # the model's inputs
     first = finetune.evaluate(model, iter([batch]), idle, world)
     assert first == finetune.evaluate(model, iter([batch]), idle, world)
     assert modes == [False, False] and model.training

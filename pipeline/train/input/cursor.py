@@ -69,6 +69,7 @@ STREAM_PARTS = {
     "seed": "with another --seed",
     "shuffle": "with another --shuffle-buffer",
     "exhausted": "with another --source-exhausted",
+    "patches": "with other --patches or --max-patches",
 }
 
 
@@ -92,8 +93,10 @@ def changed_parts(saved: str, now: str) -> str:
     a checkpoint whose fingerprint has other parts (from before they had names, or of one source against
     several) gets every part that may have changed."""
     old, new = (dict(part.split("=", 1) for part in f.split() if "=" in part) for f in (saved, now))
-    changed = [name for name in new if old.get(name) != new[name]]
-    if old.keys() != new.keys() or not changed:
+    names = [*new, *(name for name in old if name not in new)]
+    changed = [name for name in names if old.get(name) != new.get(name)]
+    # Only a `patches` part may be there on one side alone: native micro-batches against square ones.
+    if (old.keys() ^ new.keys()) - {"patches"} or not changed:
         return "from other shards or sources, or with another seed or shuffle buffer"
     return " and ".join(STREAM_PARTS.get(name, f"with another {name}") for name in changed)
 
@@ -105,6 +108,18 @@ def stream_fingerprint(shards: list[str], seed: int, shuffle_buffer: int) -> str
     bucket, or signed again, is the same stream."""
     names = shard_names(shards)
     return fingerprint([names, seed, shuffle_buffer], shards=names, seed=seed, shuffle=shuffle_buffer)
+
+
+def with_patches(stream: str, data_config: DataConfig) -> str:
+    """A stream's fingerprint (`stream_fingerprint`, a mixture's) for micro-batches of native-aspect images
+    (`pipeline.data.native.pack`, which cuts the rows by a token budget): another whole, so no checkpoint
+    of square micro-batches re-reads its count of these, and a ``patches`` part; square: unchanged."""
+    if not data_config.native:
+        return stream
+    whole, *parts = stream.split()
+    mode = ["native", data_config.patch_budget]
+    new_whole, patches = fingerprint([whole, *mode], patches=mode).split()
+    return " ".join([new_whole, *parts, patches])
 
 
 def _copy(counts: BadSamples) -> BadSamples:

@@ -47,11 +47,11 @@ import torch.distributed as dist
 
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig, shard_order
-from pipeline.data.dataset import Batch, micro_batches
+from pipeline.data.dataset import Batch, by_token_budget, micro_batches
 from pipeline.data.mixture import SourceReader, mixed_micro_batches, pass_epoch, shares
 from pipeline.data.shards import dataset_root, shard_names
 from pipeline.train.config import TrainConfig
-from pipeline.train.input.cursor import EpochCursor, Position, fingerprint, stream_fingerprint
+from pipeline.train.input.cursor import EpochCursor, Position, fingerprint, stream_fingerprint, with_patches
 from pipeline.train.input.position import EpochPosition
 from pipeline.train.input.prefetch import Prefetcher, StepInput
 from pipeline.train.input.source_position import SourcesPosition
@@ -254,6 +254,8 @@ class StreamPlan:
     ) -> StepInputs:
         counts = cursor.replay_counts() if ahead is None else ahead
         stream = self.stream(epoch, cursor, counts, ahead=ahead is not None)
+        # Native-aspect rows: micro-batches of one token budget (square ones: as they come).
+        stream = by_token_budget(stream, self.data_config, self.config.optim.micro_batch_size)
         return Prefetcher(
             stream if ahead is not None else cursor.skip(stream),
             accum=self.me.accum,
@@ -276,7 +278,8 @@ class OneSource(StreamPlan):
     def __init__(self, shards: list[str], settings: PlanSettings):
         super().__init__(settings)
         self.shards = shards
-        self.fingerprint = stream_fingerprint(shards, self.config.run.seed, self.data_config.shuffle_buffer)
+        fingerprint = stream_fingerprint(shards, self.config.run.seed, self.data_config.shuffle_buffer)
+        self.fingerprint = with_patches(fingerprint, self.data_config)
 
     def position(self) -> EpochPosition:
         return EpochPosition(self.shards)
@@ -300,7 +303,8 @@ class MixedSources(StreamPlan):
     def __init__(self, mixture: Mixture, settings: PlanSettings):
         super().__init__(settings)
         self.mixture = mixture
-        self.fingerprint = mixture.fingerprint(self.config.run.seed, self.data_config.shuffle_buffer)
+        fingerprint = mixture.fingerprint(self.config.run.seed, self.data_config.shuffle_buffer)
+        self.fingerprint = with_patches(fingerprint, self.data_config)
 
     def position(self) -> SourcesPosition:
         return SourcesPosition(self.mixture.names, self.mixture.shards)

@@ -79,7 +79,11 @@ class PinnedPool:
         )
 
     def take(self, batch: Batch, columns: Sequence[str]) -> dict[str, torch.Tensor]:
-        """A buffer holding `batch`'s columns; waits until the device has read its last contents."""
+        """A buffer holding `batch`'s columns; waits until the device has read its last contents.
+
+        Each column is a view of a flat pinned block that grows to the largest it has held: native-aspect
+        micro-batches change shape from one to the next (rows x length, one token budget), and pinning
+        anew for each would take the driver-wide lock every step."""
         try:
             buffer, copied = self._free.get_nowait()
         except queue.Empty:
@@ -87,10 +91,11 @@ class PinnedPool:
         if copied is not None:
             copied.synchronize()
         for name in columns:
-            array = batch[name]
-            held = buffer.get(name)
-            if held is None or held.shape != array.shape or held.dtype != _torch_dtype(array):
-                held = buffer[name] = torch.empty(array.shape, dtype=_torch_dtype(array), pin_memory=True)
+            array, dtype = batch[name], _torch_dtype(batch[name])
+            block = buffer.get(f"{name}/block")  # flat, pinned
+            if block is None or block.numel() < array.size or block.dtype != dtype:
+                block = buffer[f"{name}/block"] = torch.empty(array.size, dtype=dtype, pin_memory=True)
+            held = buffer[name] = block[: array.size].view(array.shape)
             np.copyto(held.numpy(), array)  # Ray's arrays are read-only: torch would not wrap them
         return buffer
 

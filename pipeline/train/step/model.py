@@ -55,7 +55,13 @@ def model_config(config: TrainConfig) -> vit.ViTConfig:
     else:
         base = {"image_size": config.data.image_size, "num_classes": config.arch.num_classes}
     base.update({name: getattr(config.arch, name) for name in vit.REGULARIZATION_FIELDS})
-    return vit.get_config(config.arch.model, **{**base, **config.arch.model_overrides})
+    resolved = vit.get_config(config.arch.model, **{**base, **config.arch.model_overrides})
+    if config.data.native and resolved.backbone_layers is not None:
+        raise ValueError(
+            f"--patches native needs a plain ViT, and {resolved.name} is a hybrid whose ResNet reads a "
+            "whole square image: use --patches square, or a model without a ResNet stem"
+        )
+    return resolved
 
 
 def mae_config(config: TrainConfig) -> vit.MAEConfig:
