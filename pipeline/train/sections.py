@@ -374,7 +374,7 @@ class RunConfig(settings.Settings):
         None,
         "seconds in which no worker finishing a step is a hang: every worker's stacks go to <out>/hangs/ and "
         "the attempt fails, to restart from its latest checkpoint (default: 20 x the median step, at least "
-        "600; 0: never)",
+        "600; an attempt's first step: at least 600 whatever is set; 0: never)",
         ge=0,
         le=1e7,
     )

@@ -142,6 +142,14 @@ def test_the_bound_is_the_setting_or_a_multiple_of_the_median_step_never_under_t
         f"{FACTOR} x the median step of 40.00 s, at least 600 s",
     )
     assert default_bound(slow, 5.0) == (5.0, "--hang-timeout 5")
+    # An attempt's first step (compilation) is given the floor whatever the setting.
+    assert default_bound([], 5.0, stepped=False) == (
+        FLOOR_S,
+        f"--hang-timeout 5, at least {FLOOR_S:g} s for an attempt's first step",
+    )
+    assert (
+        default_bound([], 900.0, stepped=False)[0] == 900.0 and default_bound([], 0.0, stepped=False)[0] > 1e9
+    )
     assert default_bound(slow, 0.0)[0] == float("inf")
 
 
@@ -157,9 +165,11 @@ def test_a_watchdog_fires_only_once_no_step_finished_within_the_bound(tmp_path, 
             dog.at("forward/backward", step)
             threading.Event().wait(0.05)
             dog.finished(step)
+        bound = dog.bound()[0]
+        assert bound == pytest.approx(FACTOR * 0.05, rel=0.5), bound
         with dog.paused():
-            threading.Event().wait(0.5)  # over the floor, but paused
-        assert not failed.is_set() and dog.bound()[0] == pytest.approx(FACTOR * 0.05, rel=0.5)
+            threading.Event().wait(bound + 0.5)  # over the bound, but paused
+        assert not failed.is_set()
         dog.at("input", 12)
         assert failed.wait(10) and dog.fired
     finally:

@@ -7,7 +7,8 @@ Each rank runs a `Watchdog`: a daemon thread that wakes every second or so and c
 the rank last finished a step (`finished`) with the bound: ``--hang-timeout`` seconds, or by default
 `FACTOR` times the median of the attempt's steps (the first, which compiles, left out), never less than
 `FLOOR_S`, which covers a first step's compilation and a first checkpoint's save at the scale of the
-presets (docs/scaling.md). Data-parallel ranks cannot drift apart by more than a step (every step's
+presets (docs/scaling.md); an attempt's first step is given `FLOOR_S` at least whatever the setting, so
+that a restart's compilation is no hang. Data-parallel ranks cannot drift apart by more than a step (every step's
 collectives hold them together), so when one is stuck all are, and their watchdogs fire within a poll of
 each other. The loop says where the rank stands at each seam of a step (`at`: its input, the steps'
 agreement, forward and backward, the report, the update); evaluation passes are not watched (`paused`).
@@ -67,11 +68,16 @@ class Stand:
         return self.step, SEAMS.index(self.seam) if self.seam in SEAMS else len(SEAMS)
 
 
-def default_bound(intervals: list[float], setting: float | None) -> tuple[float, str]:
+def default_bound(intervals: list[float], setting: float | None, stepped: bool = True) -> tuple[float, str]:
     """(seconds, why): ``setting`` where given, else `FACTOR` times the median of the step ``intervals``,
-    at least `FLOOR_S`; 0 turns the watchdog off (inf)."""
+    at least `FLOOR_S`; 0 turns the watchdog off (inf). Until the attempt's first step is done (not
+    ``stepped``: compilation, the data pipeline's start) never under `FLOOR_S`, whatever the setting."""
+    if setting == 0:
+        return float("inf"), "off"
     if setting is not None:
-        return (float("inf"), "off") if setting == 0 else (setting, f"--hang-timeout {setting:g}")
+        if not stepped and setting < FLOOR_S:
+            return FLOOR_S, f"--hang-timeout {setting:g}, at least {FLOOR_S:g} s for an attempt's first step"
+        return setting, f"--hang-timeout {setting:g}"
     if not intervals:
         return FLOOR_S, f"at least {FLOOR_S:g} s until steps are timed"
     median = statistics.median(intervals)
@@ -143,7 +149,7 @@ class Watchdog:
 
     # --- the watch -----------------------------------------------------------------------------------
     def bound(self) -> tuple[float, str]:
-        return default_bound(list(self.intervals), self.setting)
+        return default_bound(list(self.intervals), self.setting, stepped=self.steps > 0)
 
     def _watch(self) -> None:
         while not self._stop.is_set():
