@@ -262,12 +262,13 @@ def fit(
     evaluated every ``eval_every`` steps and at the end; ``sources`` (`prepare_data`) are mixed by weight.
     ``worker_loop`` replaces `train_loop_per_worker` (`jobs/benchmark.py host`: its step a wait);
     ``lease``: the run id of the lease this run holds on ``--out`` (`pipeline.train.checkpointing.lease`), which the
-    workers check before each write there; ``started``: when the job began (default: now), the start of
+    workers check before each write there; ``started``: when the job began (default: this call), the start of
     this session of the run (`pipeline.train.observe.goodput`).
 
     Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts),
     `goodput` (where the run's time went, as the session closed; None when no attempt stepped).
     """
+    started = time.time() if started is None else started  # before the imports: they are start-up too
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
