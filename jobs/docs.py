@@ -30,6 +30,7 @@ from pipeline.embed.config import parser as embed_parser
 from pipeline.evaluate.config import analyze_parser, evaluate_parser
 from pipeline.export import export_parser
 from pipeline.index.config import index_parser, search_parser
+from pipeline.train.audit import audit_parser
 from pipeline.train.presets import finetune_parser, pretrain_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +47,7 @@ JOBS: tuple[tuple[str, str, Callable[[], argparse.ArgumentParser]], ...] = (
     ("search", "Nearest rows to keys or an image, and near-duplicate pairs, from an index (one process, no Ray).", search_parser),
     ("analyze", "The paper's Fig. 7 panels of any weights (one process, no Ray).", analyze_parser),
     ("export", "A trained model as files timm or transformers load, with a model card (one process, no Ray).", export_parser),
+    ("audit", "A training run's ledger against its shards: each sample of each epoch trained once (one process, no Ray).", audit_parser),
 )  # fmt: skip
 
 HEADER = """\

@@ -172,3 +172,34 @@ def thread_frame(ident: int) -> Any | None:
     import sys
 
     return sys._current_frames().get(ident)
+
+
+def thread_frames() -> dict[int, Any]:
+    """Every thread's innermost frame now, by thread ident (CPython's ``sys._current_frames``; the hang
+    watchdog, `pipeline.train.observe.watchdog`, writes each thread's stack from them)."""
+    import sys
+
+    return dict(sys._current_frames())
+
+
+def default_store() -> Any | None:
+    """The key-value store of the default process group (a TCPStore under Ray Train and ``tcp://``
+    init), or None where there is none: the hang watchdog's ranks meet there while every collective may
+    be stuck (torch's ``distributed_c10d._get_default_store``)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # no default group, or one made without a store
+        return None
+
+
+def exit_now(code: int) -> None:
+    """End this process at once with ``code``, running no cleanup (``os._exit``): a hung rank's training
+    thread may be stuck where no exception reaches, and Ray Train restarts its group from a checkpoint."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,4 +1,5 @@
-"""The per-step host cost of the data position: one source against sources mixed by weight.
+"""The per-step host cost of the data position, one source against sources mixed by weight, and of the
+ledger of what each epoch consumed.
 
     python jobs/benchmark.py position --steps 300 --shards 20000
 
@@ -13,6 +14,12 @@ as the loop does (`EpochCursor.took`). Each figure is the median over ``--repeat
     tagging    what the mixed stream's (source, pass) columns cost: the tagged stream against the same
                stream without them (rows without ``index`` are not tagged)
     grouping   `SourcesPosition.took` (samples grouped per source and pass) against `EpochPosition.took`
+    tally      the ledger's work on the data thread (`pipeline.train.input.ledger.tally_batches`: every
+               key of the step hashed, summed per shard), one source
+    ledger     the ledger's work on the training thread (`Ledger.trained`: the step's tally added)
+
+and the size of the ledger's record (what a checkpoint's ``train_state.json`` holds) for one epoch that
+read every shard of ``--shards``: it grows by that much an epoch.
 
 ``--shards`` sets each source's shard list (the position's size; rows fill the first shards only).
 """
@@ -20,6 +27,7 @@ as the loop does (`EpochCursor.took`). Each figure is the median over ``--repeat
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -29,12 +37,14 @@ import numpy as np
 from jobs.benchmarks.report import machine, print_table, write_json
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.mixture import SourceReader, mixed_micro_batches
+from pipeline.train.input.ledger import PLAIN, Ledger, key_hash, tally_batches
 from pipeline.train.input.position import EpochPosition
 from pipeline.train.input.source_position import SourcesPosition
 
 POSITION = ("url", "index", "shard_size", "source", "pass")
 PER_SHARD = 1000
-SHAPES = ((16, 4), (64, 4), (256, 1), (256, 4))  # (micro-batch size, micro-batches a step)
+# (micro-batch size, micro-batches a step); (32, 1): a GPU's step in the ViT-H/14 plan (docs/scaling.md)
+SHAPES = ((16, 4), (32, 1), (64, 4), (256, 1), (256, 4))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -81,6 +91,29 @@ def single(steps: int, accum: int, size: int, shards: int) -> tuple[float, float
     return timed(steps, iter(batches), accum, EpochPosition(urls))
 
 
+def ledger(steps: int, accum: int, size: int, shards: int) -> tuple[float, float]:
+    """(seconds a step in `tally_batches`, in `Ledger.trained`), one source."""
+    urls, batches = source("one", steps * accum * size, size, shards)
+    kept, stream, tallying, adding = Ledger(urls), iter(batches), 0.0, 0.0
+    for _ in range(steps):
+        micro = [next(stream) for _ in range(accum)]
+        t = time.perf_counter()
+        tallied = tally_batches(micro)
+        t2 = time.perf_counter()
+        kept.trained(tallied)
+        tallying, adding = tallying + t2 - t, adding + time.perf_counter() - t2
+    return tallying / steps, adding / steps
+
+
+def epoch_record(shards: int) -> int:
+    """Bytes of the ledger's record (JSON) after one epoch that read every one of ``shards`` shards."""
+    urls = [f"s3://one/shard-{i:06d}.tar" for i in range(shards)]
+    kept = Ledger(urls)
+    kept.trained([(url, PLAIN, PER_SHARD, key_hash(url)) for url in urls])
+    kept.base, kept.added = kept.added, {}  # as a checkpoint's gather leaves it
+    return len(json.dumps(kept.to_dict()))
+
+
 def mixed(steps: int, accum: int, size: int, shards: int, tagged: bool = True) -> tuple[float, float]:
     names, weights = ["big", "small"], [0.7, 0.3]
     total = steps * accum * size
@@ -116,6 +149,7 @@ def main(argv: list[str]) -> None:
         )
         untagged, _ = median(mixed, args.repeats, *shape, False)
         tagging, grouping = (mix - mix_position) - untagged, mix_position - one_position
+        tallying, adding = median(ledger, args.repeats, *shape)
         rows.append(
             {
                 "micro_batch": size,
@@ -125,12 +159,23 @@ def main(argv: list[str]) -> None:
                 "tagging_us": round(tagging * 1e6),
                 "grouping_us": round(grouping * 1e6),
                 "ns_per_sample": round((tagging + grouping) / (size * accum) * 1e9),
+                "tally_us": round(tallying * 1e6),
+                "ledger_us": round(adding * 1e6),
             }
         )
     print_table(
         f"data position, host time a step ({args.steps} steps, {args.shards or 'few'} shards a source)", rows
     )
+    record = epoch_record(args.shards or PER_SHARD)
+    print(f"the ledger's record: {record:,} bytes an epoch over {args.shards or PER_SHARD:,} shards")
     if args.json:
         write_json(
-            args.json, {"machine": machine(), "steps": args.steps, "shards": args.shards, "rows": rows}
+            args.json,
+            {
+                "machine": machine(),
+                "steps": args.steps,
+                "shards": args.shards,
+                "rows": rows,
+                "ledger_epoch_bytes": record,
+            },
         )

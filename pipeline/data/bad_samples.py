@@ -67,6 +67,9 @@ class BadSamples:
     # (url, index, shard_size, *tag) of the bad samples counted since `take_counted`, for a data position
     # (rows with an ``index`` column only); never saved, never merged.
     counted: list[tuple[Any, ...]] = field(default_factory=list, repr=False, compare=False)
+    # (url, key, *tag) of every bad sample counted since `take_keyed`, indexed or not: for the ledger of
+    # what an epoch consumed (`pipeline.train.input.ledger`); never saved, never merged.
+    keyed: list[tuple[Any, ...]] = field(default_factory=list, repr=False, compare=False)
     # What the samples counted now are tagged with in ``counted``: a mixed run's (source, pass), set by
     # its `SourceReader` while it reads (`tagged`); () otherwise.
     tag: tuple[int, ...] = field(default=(), repr=False, compare=False)
@@ -96,6 +99,7 @@ class BadSamples:
             else:
                 self.total += 1
                 self.record(str(batch["url"][i]), str(batch["key"][i]), reason, counted=True)
+                self.keyed.append((str(batch["url"][i]), str(batch["key"][i]), *self.tag))
                 if indexed and batch["index"][i] >= 0:
                     self.counted.append(
                         (str(batch["url"][i]), int(batch["index"][i]), int(batch["shard_size"][i]), *self.tag)
@@ -107,6 +111,11 @@ class BadSamples:
     def take_counted(self) -> list[tuple[Any, ...]]:
         """The (url, index, shard_size, *tag) of the bad samples counted since the last call."""
         taken, self.counted = self.counted, []
+        return taken
+
+    def take_keyed(self) -> list[tuple[Any, ...]]:
+        """The (url, key, *tag) of the bad samples counted since the last call."""
+        taken, self.keyed = self.keyed, []
         return taken
 
     @contextlib.contextmanager

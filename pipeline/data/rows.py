@@ -269,6 +269,25 @@ def read_shard(
         yield _table(rows, url)
 
 
+def sample_keys(shard: Location | str, retry: Retry | None = None) -> list[str]:
+    """The keys of a shard's samples in tar order, each sample counted as `read_shard` counts it (a key's
+    place in the list is its sample's ``index``), no member read into memory. Storage failures are retried
+    as `read_shard` retries them; a shard still unreadable raises `ShardLostError`."""
+    retry, failures = retry or Retry(), 0
+    while True:
+        try:
+            with _opened(shard) as stream:
+                return [sample.key for sample in iter_samples(stream, lambda ext: False)]
+        except (ShardReadError, *_FINAL) as e:
+            failures += 1
+            if failures >= retry.attempts or isinstance(e, _FINAL):
+                what = (
+                    _one_line(e) if isinstance(e, ShardReadError) else f"{type(e).__name__}: {_one_line(e)}"
+                )
+                raise ShardLostError(f"shard {shard_id(str(shard))} could not be read: {what}") from e
+            time.sleep(retry.wait(failures))
+
+
 def _rows_after(
     shard: Location | str, spec: RowSpec, skip: int, last_key: str, consumed: Consumed | None
 ) -> Iterator[tuple[int, str, Row | None]]:

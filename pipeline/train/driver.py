@@ -22,6 +22,7 @@ import json
 import math
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,24 +95,11 @@ def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] |
 
     config.validate()
     check_out(config)
-    patch_size = model_config(config).patch_size
-    mixed = parse_sources(config.run.shards)
-    sources = [(s.name, s.weight, s.urls) for s in mixed] if mixed else [("", 1.0, config.run.shards)]
-    expanded = []
-    for name, weight, urls in sources:
-        try:
-            shards = expand_shards(config.location(urls))
-            check_shards(shards, config.data_for(patch_size))
-        except ShardError as e:
-            if not mixed:
-                raise
-            raise ShardError(f"source {name}: {e}") from e  # which of the sources
-        expanded.append({"name": name, "weight": weight, "shards": shards})
-    if mixed:
-        check_disjoint({source["name"]: source["shards"] for source in expanded})
+    data_config = config.data_for(model_config(config).patch_size)
+    shards, mixed = expand_data(config, check=lambda urls: check_shards(urls, data_config))
     check_resumable(config)
     workers = config.cluster.max_workers  # an elastic run's every size: its largest
-    for source in expanded:
+    for source in mixed or [{"shards": shards}]:
         if len(source["shards"]) < workers:
             of = f" of source {source['name']}" if mixed else ""
             raise ValueError(
@@ -119,6 +107,30 @@ def prepare_data(config: TrainConfig) -> tuple[list[str], list[dict[str, Any]] |
                 "worker needs at least one; write more, smaller shards (jobs/make_shards.py "
                 "--samples-per-shard) or use fewer --num-workers"
             )
+    return shards, mixed
+
+
+def expand_data(
+    config: TrainConfig, check: Callable[[list[str]], None] | None = None
+) -> tuple[list[str], list[dict[str, Any]] | None]:
+    """``--data`` expanded as the workers get it: every source's shards in order, each once, and for sources
+    mixed by weight each source's ``{"name", "weight", "shards"}`` (None for one plain source). ``check``
+    sees each source's shards as they are expanded; a ShardError names the source of a mixture."""
+    mixed = parse_sources(config.run.shards)
+    sources = [(s.name, s.weight, s.urls) for s in mixed] if mixed else [("", 1.0, config.run.shards)]
+    expanded = []
+    for name, weight, urls in sources:
+        try:
+            shards = expand_shards(config.location(urls))
+            if check is not None:
+                check(shards)
+        except ShardError as e:
+            if not mixed:
+                raise
+            raise ShardError(f"source {name}: {e}") from e  # which of the sources
+        expanded.append({"name": name, "weight": weight, "shards": shards})
+    if mixed:
+        check_disjoint({source["name"]: source["shards"] for source in expanded})
     shards = list(dict.fromkeys(url for source in expanded for url in source["shards"]))
     return shards, expanded if mixed else None
 
@@ -258,6 +270,7 @@ def fit(
     lease: str | None = None,
     val_shards: list[str] | None = None,
     scorer: CheckpointScorer | None = None,
+    started: float | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) training on the connected Ray cluster; `eval_shards` (fine-tuning) are
     evaluated every ``eval_every`` steps and at the end; ``sources`` (`prepare_data`) are mixed by weight.
@@ -265,16 +278,23 @@ def fit(
     ``lease``: the run id of the lease this run holds on ``--out`` (`pipeline.train.checkpointing.lease`), which the
     workers check before each write there. ``val_shards``: the validation split, scored at every checkpoint
     (`pipeline.train.scoring.best.validation_split`); ``scorer``: what the checkpoint probe runs
-    (`pipeline.evaluate.checkpoint_probe.score`, which the jobs hand in), needed with --probe-data.
+    (`pipeline.evaluate.checkpoint_probe.score`, which the jobs hand in), needed with --probe-data;
+    ``started``: when the job began (default: this call), the start of this session of the run
+    (`pipeline.train.observe.goodput`).
 
-    Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts).
+    Returns the run summary: `metrics` (the last logged step), `bad_samples` (all workers' counts),
+    `goodput` (where the run's time went, as the session closed; None when no attempt stepped).
     """
+    started = time.time() if started is None else started  # before the imports: they are start-up too
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from pipeline.train.loop import train_loop_per_worker
+    from pipeline.train.observe import goodput
     from pipeline.train.scoring import best
     from pipeline.train.scoring.probe import ProbePlan
+
+    session = goodput.new_session(started)
 
     if config.scoring.probing and scorer is None:
         raise ValueError("--probe-data: this entry point runs no checkpoint probe; use jobs/pretrain.py")
@@ -297,6 +317,7 @@ def fit(
             # driver sees now may not have its GPU and decode nodes yet.
             "data_cpus_per_worker": config.cluster.data_cpus_per_worker,
             **({"lease": lease} if lease else {}),
+            "session": session,  # this command's part of the run, for the account of its time
         },
         scaling_config=ScalingConfig(
             # MIN-MAX: Ray Train's elastic group, resized from the latest checkpoint (docs/scaling.md).
@@ -327,10 +348,20 @@ def fit(
             f"{config.cluster.data_cpus_per_worker:g} decode CPUs per worker (--data-cpus-per-worker)",
             flush=True,
         )
-    summary = trainer.fit().return_value or {}
+    summary = None
+    try:
+        summary = trainer.fit().return_value or {}
+    finally:  # the session's end and account into the run's record, and the attempts' figure
+        try:
+            account = goodput.close_session(
+                config.run_dir, session, summary, price=config.run.price_per_device_hour
+            )
+        except Exception as e:  # the run's own outcome stands; only its account of time is missing
+            account = None
+            print(f"note: where the run's time went was not recorded ({cli.reason(e)})", flush=True)
     if summary.get("error"):
         raise TrainingError(summary["error"])
-    return summary
+    return {**summary, "goodput": account}
 
 
 def read_metrics(out: storage.Location | str) -> list[dict[str, Any]]:
@@ -344,6 +375,7 @@ def read_metrics(out: storage.Location | str) -> list[dict[str, Any]]:
 def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
     """What a finished run prints: its last step's loss and accuracy (and evaluation accuracy), the
     samples read and skipped. A run resumed at the end of its schedule trained no step: it says so."""
+    from pipeline.train.observe.goodput import format_account
     from pipeline.train.observe.metrics import ACCURACIES
 
     metrics, bad = summary["metrics"], summary["bad_samples"]
@@ -368,6 +400,7 @@ def format_summary(summary: dict[str, Any], config: TrainConfig) -> str:
         )
         + f"lost shards (no readable sample): {len(lost)}{' (' + ', '.join(lost) + ')' if lost else ''}\n"
         + scores_summary(summary)
+        + (f"{format_account(summary['goodput'])}\n" if summary.get("goodput") else "")
         + f"run directory: {config.run.out} (checkpoints, metrics.jsonl, final/"
         + (", best/)" if summary.get("best") else ")")
     )
@@ -398,6 +431,7 @@ def train(config: TrainConfig, args: argparse.Namespace, scorer: CheckpointScore
     that needs no cluster, then Ray (`pipeline.cli.connect_ray` with ``args``), the run, its summary.
     A config with ``weights`` is a fine-tuning run: the weights' model with a new head. ``scorer``: what
     the checkpoint probe runs (`fit`)."""
+    started = time.time()  # this session of the run begins: its start-up counts from here
     if config.arch.weights:
         from pipeline.train.finetune import resolve_pretrained
 
@@ -425,8 +459,9 @@ def train(config: TrainConfig, args: argparse.Namespace, scorer: CheckpointScore
         cli.start_work()
         held.keep_renewed()
         summary = fit(
-            config, shards, eval_shards, sources, lease=held.run, val_shards=val_shards, scorer=scorer
-        )
+            config, shards, eval_shards, sources, lease=held.run, val_shards=val_shards, scorer=scorer,
+            started=started,
+        )  # fmt: skip
     finally:
         held.release()
     print(format_summary(summary, config))

@@ -52,8 +52,9 @@ from pipeline.train.config import TrainConfig, worker_config
 from pipeline.train.input.cursor import EpochCursor
 from pipeline.train.input.dataplan import StepInputs
 from pipeline.train.input.feeder import feeder_plan_for
+from pipeline.train.input.ledger import Ledger
 from pipeline.train.input.prefetch import StepInput
-from pipeline.train.observe import mfu, sinks, stacks
+from pipeline.train.observe import goodput, mfu, sinks, stacks
 from pipeline.train.observe.metrics import (
     ACCURACIES,
     MetricsLog,
@@ -62,6 +63,7 @@ from pipeline.train.observe.metrics import (
     format_line,
     log_line,
 )
+from pipeline.train.observe.watchdog import Watchdog
 from pipeline.train.scoring import best
 from pipeline.train.scoring.probe import SCORES, ProbePlan, submit
 from pipeline.train.scoring.results import ProbeResults, wait_in_step
@@ -165,6 +167,7 @@ class Trainer:
     checkpointer, and the report in flight."""
 
     def __init__(self, loop_config: dict[str, Any], session: RaySession, watch: StepWatch | None = None):
+        started = time.time()  # the attempt's start, for the account of the run's time
         self.config = config = worker_config(loop_config)
         self.session, self.watch = session, watch or StepWatch()
         self.shards: list[str] = loop_config["shards"]  # every source's, for the log lines
@@ -192,6 +195,18 @@ class Trainer:
         self.cursor = self.resume_cursor()
         log = None if me.rank else MetricsLog(config.run_dir, self.state.step, watch=True)
         self.log = None if log is None else sinks.attach(log, config)
+        # Where the run's time goes, rank 0's rows carrying it (`pipeline.train.observe.goodput`), in the
+        # driver's session (an attempt run without one, in a test, is a session of its own).
+        resumed = None if self.resumed_from is None else self.state.step
+        self.clock = goodput.Clock(
+            None if log is None else config.run_dir,
+            loop_config.get("session") or goodput.new_session(started),
+            started=started,
+            workers=world,
+            resumed_step=resumed,
+            resumed_row=None if log is None or resumed is None else log.row(resumed),
+            price=config.run.price_per_device_hour,
+        )
         saved_config = {
             "train": config.to_dict(),
             "model_config": self.model_config.to_dict(),
@@ -225,6 +240,11 @@ class Trainer:
         self.first_step, self.run_start = self.state.step, time.perf_counter()
         self.upcoming: tuple[int, StepInputs] | None = None  # the next epoch's input, started ahead
         self.announce(peak_note)
+        # From here to the last step: no step finished within the bound is a hang (its stacks, one line,
+        # the attempt failed: `pipeline.train.observe.watchdog`); the loop says at which seam it stands.
+        self.hang = Watchdog(
+            me.rank, world, config.run_dir, config.run.hang_timeout, max_failures=config.run.max_failures
+        )
 
     # --- set up ----------------------------------------------------------------------------------
     def resume(self) -> TrainState:
@@ -260,10 +280,14 @@ class Trainer:
         """This rank's place in the epoch: the start, or what the checkpoint resumed from holds."""
         me, stream, position = self.me, self.plan.fingerprint, self.plan.position()
         layout = (me.rank, me.world, self.config.optim.micro_batch_size, stream, self.data_config)
+        state = self.state
+        ledger = Ledger.resume(self.shards, state.ledger, state.step, state.epoch)  # what each epoch consumed
         if self.resumed_from is None:
-            return EpochCursor.start(*layout, position=position)
-        done = self.state.step >= self.config.last_step
-        cursor, note = EpochCursor.resume(self.state, *layout, schedule_done=done, position=position)
+            return EpochCursor.start(*layout, position=position, ledger=ledger)
+        done = state.step >= self.config.last_step
+        cursor, note = EpochCursor.resume(
+            state, *layout, schedule_done=done, position=position, ledger=ledger
+        )
         if me.rank == 0 and self.state.world not in (None, me.world):
             log_line(resize_line(self.config, self.state.world, me.world, self.state.step))
         if me.rank == 0:
@@ -300,6 +324,7 @@ class Trainer:
         except StopRun as stop:
             error = str(stop)
         finally:
+            self.hang.close()
             self.preemption.close()
             if self.upcoming is not None:  # started ahead for an epoch the run did not reach
                 self.upcoming[1].close()
@@ -327,14 +352,16 @@ class Trainer:
                     preemption.stop(keep, self.checkpointer, self.me.rank)
                 if gradients is None:
                     break  # every rank's stream has run dry (or the schedule has ended)
+                staging = time.perf_counter()
                 self.checkpointer.staged()  # an asynchronous save's copy, before the update writes the state
+                self.clock.spent("checkpoint", staging, time.perf_counter())
                 self.update(gradients)
         finally:
             data.close()  # stops this epoch's Ray Data execution if it is still running
         if state.step >= self.config.last_step:
             return
         state.epoch += 1
-        self.cursor.next_epoch()
+        self.cursor.next_epoch(self.me.group)
 
     def next_step_input(self, data: StepInputs) -> tuple[StepInput | None, StepAgreement]:
         """Collective: this rank's input for the next step, and what every rank agrees on; after the
@@ -344,20 +371,24 @@ class Trainer:
         state, last_step = self.state, self.config.last_step
         if state.step >= last_step:
             return None, SCHEDULE_END
+        self.hang.at("input", state.step + 1)
         wait_start = time.perf_counter()
         step_input = data.next()
-        self.window.data_wait += time.perf_counter() - wait_start
+        waited = time.perf_counter()
+        self.window.data_wait += waited - wait_start
+        self.clock.spent("data_wait", wait_start, waited)
         if self.upcoming is None and state.step + 1 < last_step and (final := data.ran_dry()) is not None:
             self.upcoming = (
                 state.epoch + 1,
                 self.plan.epoch_input(state.epoch + 1, self.cursor, ahead=final),
             )
         i, notice = step_input, self.preemption.notice(state.step)
+        self.hang.at("agreement", state.step + 1)
         agreed = time.perf_counter()
         agreement = agree_on_step(i.samples, i.ran_dry, i.error, self.me.group, preempted=notice is not None)
         self.window.sync_wait += time.perf_counter() - agreed  # a rank ahead waits here for the others
         if agreement.error or not agreement.preempted:  # a preemption's checkpoint precedes this input
-            self.cursor.saw(step_input.bad_samples, step_input.counted)
+            self.cursor.saw(step_input.bad_samples, step_input.counted, step_input.tallied_bad)
         return step_input, agreement
 
     def no_full_step(self, agreement: StepAgreement) -> str:
@@ -375,10 +406,13 @@ class Trainer:
     ) -> Gradients:
         """The step's input on the device and its forward and backward passes queued (`TrainStep`)."""
         state, me = self.state, self.me
-        self.cursor.took(me.accum, step_input.bad_samples, step_input.consumed)  # places: same on all
+        # Its places (the same on all ranks), its samples by position and for the ledger.
+        self.cursor.took(me.accum, step_input.bad_samples, step_input.consumed, step_input.tallied)
         micro_batches = step_input.to_device(me.device)
         data.release(step_input)
         self.watch.taken(TakenStep(state.step + 1, state.epoch, step_input.keys, step_input.bad_samples))
+        self.hang.at("forward/backward", state.step + 1)
+        self.clock.began(state.step + 1)
         return self.step.forward_backward(
             state.step, micro_batches, global_count=agreement.samples, micro_steps=me.accum
         )
@@ -386,11 +420,14 @@ class Trainer:
     def update(self, gradients: Gradients) -> None:
         """The step's update queued, and its sums added to the window; at a log line, its report taken
         (and finished at the next step boundary), after an evaluation where one is due."""
+        self.hang.at("update", self.state.step + 1)
         stats = self.step.update(gradients)
         self.state.step += 1
         step, run = self.state.step, self.config.run
+        self.hang.finished(step)
         if step == self.first_step + 1:  # the optimizer's state made: the saves' buffers too
             self.checkpointer.warm()
+            self.clock.first_step()  # the attempt's start-up (or its restart) ends here
         if self.ema is not None:
             self.ema.update(step)
         self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
@@ -424,14 +461,16 @@ class Trainer:
             self.window.start += seconds
             return accuracy
 
-        scores = {}
-        if test:
-            scores["eval_accuracy"] = score(self.eval_shards)
-            if self.ema is not None:
-                with self.ema.applied():
-                    scores["eval_ema_accuracy"] = score(self.eval_shards, "EMA")
-        if val:
-            scores["val_accuracy"] = score(self.val_shards, split="val")
+        scores, evaluating = {}, time.perf_counter()
+        with self.hang.paused():  # a pass over the evaluation shards is no step
+            if test:
+                scores["eval_accuracy"] = score(self.eval_shards)
+                if self.ema is not None:
+                    with self.ema.applied():
+                        scores["eval_ema_accuracy"] = score(self.eval_shards, "EMA")
+            if val:
+                scores["val_accuracy"] = score(self.val_shards, split="val")
+        self.clock.spent("evaluation", evaluating, time.perf_counter())
         return scores
 
     # --- report and checkpoint -------------------------------------------------------------------
@@ -457,6 +496,7 @@ class Trainer:
         if self.pending is None:
             return
         p, self.pending = self.pending, None
+        self.hang.at("report", self.state.step + 1)
         counts = p.window.wait()
         error = self.skipped.check(
             self.state, p.step, counts, self.config.optim.max_skipped_steps, self.me.rank
@@ -477,6 +517,8 @@ class Trainer:
         )
         metrics.update(p.evaluation or {})
         metrics.update(self.plan.metrics(p.counts, self.me.group))  # mixed: where it is in each source
+        assert p.window.end is not None  # the window ended where the device ran its step (`wait`)
+        metrics.update(self.clock.row(p.step, p.window.end))  # its time, and the run's account then
         if p.checkpoint is None:
             self.session.report(metrics)
         else:
@@ -486,7 +528,9 @@ class Trainer:
                 self.log.flush(pending=metrics)
             try:  # the seconds training waited for the save
                 report = {**self.report_fields, **metrics}  # the score --keep-best ranks by, NaN until known
+                saving = time.perf_counter()
                 metrics["checkpoint_stall_s"] = self.checkpointer.save(self.state, p.checkpoint, report)
+                self.clock.spent("checkpoint", saving, time.perf_counter())
             except WeightsNotFinite as e:
                 raise StopRun(
                     f"{e} and were not saved; resume from the last checkpoint with a lower --lr or a smaller "
@@ -495,6 +539,8 @@ class Trainer:
         if self.log is not None:
             log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
             self.log.append(metrics, flush=p.checkpoint is not None)
+            if p.checkpoint is not None or self.config.run_dir.is_local:  # as metrics.jsonl is written
+                self.clock.store()
         if self.probes is not None:  # the probes that landed since the last line, into their rows
             if p.checkpoint is not None:
                 self.probes.expect(p.step)
@@ -524,13 +570,19 @@ class Trainer:
     def finish(self, error: str) -> dict[str, Any]:
         """Collective: the last checkpoint in storage, and its probe's record; merge every rank's bad
         samples; export the model (and with --keep-best the best checkpoint) unless the run failed."""
+        closing = time.perf_counter()
         self.checkpointer.close()
         if not error and self.probe is not None:  # every rank in step until rank 0 has them
+            waiting = time.perf_counter()
+            self.clock.spent("checkpoint", closing, waiting)
             wait_in_step(self.probes, 2 * self.probe.timeout, self.me.group)
+            closing = time.perf_counter()
+            self.clock.spent("evaluation", waiting, closing)  # the last checkpoint's probe
         me, merged = self.me, BadSamples.from_config(self.data_config)
         for counts in gather_bad_samples(self.cursor.counts, me.group):
             merged.merge(counts)
-        if not (error := error or lease.agreed_lost(self.lease, self.config.run_dir, me.rank, me.group)):
+        lost = lease.agreed_lost(self.lease, self.config.run_dir, me.rank, me.group)
+        if not (error := error or lost):
             if self.log is not None:  # the last checkpoint's stall, which followed its row's write
                 self.log.flush()
             self.export()
@@ -538,6 +590,7 @@ class Trainer:
                 self.best = best.keep(
                     self.config.scoring.keep_best, self.config.run_dir, self.log, self.export_extra
                 )
+        self.clock.spent("checkpoint", closing, time.perf_counter())  # the last save and the exports
         if self.log is not None:
             self.log.close()  # sinks held open for the probes that land after their rows
         summary = {"metrics": self.last_metrics, "bad_samples": merged.to_dict(), "error": error}
@@ -545,7 +598,9 @@ class Trainer:
             best_of = {"by": self.config.scoring.keep_best, **vars(self.best)} if self.best else None
             start = self.start or (self.probes.start if self.probes else None)
             summary.update(probe=self.probes.last if self.probes else None, best=best_of, start=start)
-        return {**summary, "resumed_from": self.resumed_from}
+        # The run's account at the attempt's end, which the driver closes its session with (nothing is
+        # written where another run took --out over).
+        return {**summary, "resumed_from": self.resumed_from, "goodput": self.clock.at_end(store=not lost)}
 
     def export(self) -> None:
         """Collective: the run directory's `final/` (and `final_ema/` with an EMA of the weights)."""

@@ -371,6 +371,21 @@ class RunConfig(settings.Settings):
     stop_at_step: int | None = setting(
         None, "end this run at that step (schedule unchanged); rerun to continue", ge=1, le=MAX_COUNT
     )
+    hang_timeout: float | None = setting(
+        None,
+        "seconds in which no worker finishing a step is a hang: every worker's stacks go to <out>/hangs/ and "
+        "the attempt fails, to restart from its latest checkpoint (default: 20 x the median step, at least "
+        "600; an attempt's first step: at least 600 whatever is set; 0: never)",
+        ge=0,
+        le=1e7,
+    )
+    price_per_device_hour: float | None = setting(
+        None,
+        "what a worker's device costs an hour: the time lost to failures is also given in money "
+        "(the summary, metrics.jsonl's goodput)",
+        ge=0,
+        le=1e9,
+    )
     tensorboard: bool = setting(False, "also write TensorBoard event files under <out>/tensorboard/")
     wandb: str | None = setting(
         None, "also log to this Weights & Biases project (WANDB_MODE=offline: no network)", metavar="PROJECT"

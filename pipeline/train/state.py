@@ -57,6 +57,9 @@ class TrainState:
     # and every rank's bad-sample counts (`BadSamples.to_dict`, one per rank).
     skipped_steps: int = 0
     bad_samples: list[dict[str, Any]] = field(default_factory=list)
+    # What every epoch consumed, per shard, summed over every rank and attempt: samples and a hash of their
+    # keys, the bad ones apart (`pipeline.train.input.ledger`; {}: not kept, a checkpoint that predates it).
+    ledger: dict[str, Any] = field(default_factory=dict)
 
     @property
     def world(self) -> int | None:

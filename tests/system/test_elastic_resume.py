@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.train.audit import AuditConfig, audit_run
 from pipeline.train.driver import fit
 from tests.configs import tiny_config
 
@@ -32,3 +33,5 @@ def test_a_run_stopped_on_two_workers_goes_on_by_sample_on_one(ray_session, tmp_
     rows = [json.loads(line) for line in (Path(config.run.out) / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["epoch"]) for r in rows] == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 1), (6, 1)]
     assert rows[3]["samples_seen"] == 64  # every sample of epoch 0 read once across the two runs
+    report = audit_run(AuditConfig(run=config.run.out))  # and trained once, as the ledger holds
+    assert report.ok and report.finished == 1, report.format()

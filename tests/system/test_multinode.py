@@ -29,6 +29,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.train.audit import AuditConfig, audit_run
+from pipeline.train.observe.goodput import BUCKETS
 from tests.system.test_cluster_e2e import head_ports, ray_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,10 +124,12 @@ CLUSTER = textwrap.dedent(
         result = {}
 
         def train():
+            began = time.time()
             try:
                 result["summary"] = fit(config, runs["shards"], worker_loop=recording_loop)
             except Exception as e:
                 result["failed"] = f"{type(e).__name__}: {e}"
+            result["wall"] = time.time() - began  # what the run's account of its time must add up to
 
         trainer = threading.Thread(target=train)
         trainer.start()
@@ -145,8 +149,11 @@ CLUSTER = textwrap.dedent(
                     event("grown", at_step=last_step(), attempts=attempts())
         hold.unlink(missing_ok=True)
         trainer.join(timeout=600)
-        event("trained", result={k: (v if k == "failed" else v.get("error")) for k, v in result.items()},
-              attempts=attempts(), alive=trainer.is_alive())
+        summary = result.get("summary") or {}
+        event("trained", result={k: (v if k == "failed" else v.get("error")) for k, v in result.items()
+                                 if k != "wall"},
+              attempts=attempts(), alive=trainer.is_alive(), wall=result.get("wall"),
+              goodput=summary.get("goodput"))
 
         # The embedding job as a user runs it, against the same cluster, losing a node while it runs.
         out = Path(runs["embeddings"])
@@ -284,8 +291,20 @@ def test_training_goes_on_through_a_node_loss_and_grows_back_when_a_node_joins(c
     rows = [
         json.loads(line) for line in (cluster_run["root"] / "run" / "metrics.jsonl").read_text().splitlines()
     ]
+    # Where its time went adds up to the wall clock of the run (within a second: the driver's clock read
+    # around the run and inside it), none of it below zero, and shows the node loss's work trained again.
+    goodput, wall = events["trained"]["goodput"], events["trained"]["wall"]
+    assert sum(goodput[f"{b}_s"] for b in BUCKETS) == pytest.approx(wall, abs=1.0), (goodput, wall)
+    assert (
+        goodput["wall_s"] == pytest.approx(wall, abs=1.0) and min(goodput[f"{b}_s"] for b in BUCKETS) > -1e-6
+    )
+    assert goodput["lost_steps"] >= 1 and goodput["lost_s"] > 0 and goodput["attempts"] >= 3, goodput
+    assert goodput["startup_s"] > 0 and goodput["productive_s"] > 0 and goodput["checkpoint_s"] > 0, goodput
+    assert (cluster_run["root"] / "run" / "goodput.png").stat().st_size > 10_000
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # one history, no step twice
     assert (cluster_run["root"] / "run" / "final" / "weights.safetensors").exists()
+    report = audit_run(AuditConfig(run=str(cluster_run["root"] / "run")))  # what its ledger holds, too
+    assert report.ok and report.finished == len(complete), report.format()
 
 
 def test_the_embedding_job_writes_every_key_once_through_a_node_loss(cluster_run):

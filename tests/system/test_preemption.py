@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import dcp
+from pipeline.train.audit import AuditConfig, audit_run
 from pipeline.train.checkpointing.preemption import TEST_HOOK
 from pipeline.train.driver import read_metrics
 from tests.system.conftest import TRAINING
@@ -143,6 +144,8 @@ def test_a_sigterm_and_a_drain_notice_each_checkpoint_the_next_step_and_ray_trai
         assert dcp.is_complete(out / dcp.checkpoint_name(n)), n
     # One line of the run's own for each preemption: no worker's traceback on the console.
     assert "Error in training function" not in output and "Preempted:" not in output, output[-5000:]
+    report = audit_run(AuditConfig(run=str(out)))  # every sample of its 3 epochs once, as its ledger holds
+    assert report.ok and report.finished == 2, report.format()
 
 
 def test_a_run_preempted_twice_ends_with_the_weights_of_a_straight_run(preempted_run):

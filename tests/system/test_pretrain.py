@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from pipeline import dcp
 from pipeline.train import presets
+from pipeline.train.audit import AuditConfig, audit_run
 from pipeline.train.checkpointing import checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import fit, read_metrics
@@ -163,6 +164,18 @@ def test_a_killed_worker_is_replaced_and_the_run_resumes_mid_epoch_as_if_never_s
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs from the uninterrupted run"
+    # Its audit, as a user runs it: every sample of its 3 epochs trained once.
+    audit = subprocess.run(
+        [sys.executable, "jobs/audit.py", "--run", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert audit.stdout.splitlines()[-1].startswith(
+        "ok: every good sample of 2 finished epoch(s) trained once"
+    )
 
 
 def test_shards_moved_to_another_directory_between_a_stop_and_its_resume_train_on_at_the_sample(
@@ -189,6 +202,8 @@ def test_shards_moved_to_another_directory_between_a_stop_and_its_resume_train_o
     a, b = final_weights(straight), final_weights(out)
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs from the run on the original shards"
+    report = audit_run(AuditConfig(run=str(out)))  # its ledger against the shards where they are now
+    assert report.ok and report.finished == 2, report.format()
 
 
 def test_two_worker_checkpoint_loads_in_one_process(killed_run):

@@ -42,7 +42,8 @@ FLAGS = {
     "--data-cpus-per-worker", "--shard-group-size", "--shared-out", "--no-shared-out",
     # run
     "--data", "--source-exhausted", "--eval-data", "--out", "--overwrite", "--no-overwrite", "--seed", "--eval-every", "--log-every", "--checkpoint-every",
-    "--keep-checkpoints", "--max-failures", "--stop-at-step", "--tensorboard", "--no-tensorboard", "--wandb",
+    "--keep-checkpoints", "--max-failures", "--stop-at-step", "--hang-timeout", "--price-per-device-hour",
+    "--tensorboard", "--no-tensorboard", "--wandb",
     "--async-checkpoint", "--no-async-checkpoint",
 }  # fmt: skip
 

@@ -25,10 +25,12 @@ import torch.distributed as dist
 
 from pipeline import dcp
 from pipeline.data.dataset import rebatch
+from pipeline.data.rows import sample_keys
 from pipeline.train.state import TrainState
 from tests.configs import tiny_config
 from tests.distributed import spawn
 from tests.native_rows import as_native
+from tests.train.test_audit import audited, sized
 from tests.train.test_loop import LocalSession
 
 SIZES = {f"mem://data/shard-{i}": n for i, n in enumerate((8, 9, 14, 7, 11, 10))}
@@ -240,6 +242,8 @@ def test_a_run_resumed_with_other_workers_trains_each_sample_of_the_epoch_once(
     # Each corrupt sample counted once an epoch across the resume: 3 by the end of epoch 0, 6 of 1 ...
     ends = bad_at_epoch_ends(stopped, resumed)
     assert all(ends[e] == len(CORRUPT) * (e + 1) for e in complete), ends
+    report = audited(tmp_path / "stopped", list(SIZES), sized(SIZES))  # and its ledger, against the shards
+    assert report.ok and report.finished == len(complete), report.format()
 
 
 def run_in_turn(*configs, watch=None) -> None:
@@ -283,6 +287,12 @@ def test_a_resume_at_another_micro_batch_size_goes_on_by_sample(
     assert collections.Counter(epochs(record)[0]) == collections.Counter(GOOD)
     assert bad_at_epoch_ends(record)[0] == len(CORRUPT)
     assert "the workers share the samples this epoch had not consumed, each once" in capsys.readouterr().out
+    report = audited(tmp_path, list(SIZES), sized(SIZES))
+    assert report.ok and report.lines[0] == "epoch 0: finished, 59 samples (3 bad): every one once", (
+        report.format()
+    )
+    if patches == "square":  # 2 steps, 1 bad read (native steps: as many images as fit)
+        assert report.lines[1] == "epoch 1: current, 17 samples (1 bad): every one once"
 
 
 def test_the_real_pipeline_goes_on_by_sample_at_another_micro_batch_size(
@@ -309,3 +319,7 @@ def test_the_real_pipeline_goes_on_by_sample_at_another_micro_batch_size(
     assert [e for e, _, _ in steps] == [0] * 6 + [1]
     assert sorted(epochs({"steps": steps})[0]) == sorted(synthetic_shards.keys)
     assert "the workers share the samples this epoch had not consumed" in capsys.readouterr().out
+    report = audited(tmp_path, synthetic_shards.urls, sample_keys)  # the ledger against the tar shards
+    assert report.ok and report.lines[0] == "epoch 0: finished, 48 samples (0 bad): every one once", (
+        report.format()
+    )

@@ -23,7 +23,7 @@ from pipeline.data.bad_samples import BadSamples
 from pipeline.train import loop
 from pipeline.train.input import feeder
 from pipeline.train.input.feeder import DeviceCopies, FeederInputs, FeederPlan
-from tests.train import test_golden
+from tests.train import test_golden, test_loop
 from tests.train.test_golden import data_of, keys_config, run, stream_of, use_stream
 from tests.train.test_loop import Seen
 
@@ -62,6 +62,8 @@ def test_a_feeder_killed_mid_epoch_fails_its_rank_and_the_run_resumes_with_the_s
     resumed = summary["resumed_from"]["step"]
     assert resumed in (3, 6)  # a checkpoint inside an epoch: the resume re-reads part of it
     assert seen.keys == recorded[resumed:]
+    report = test_loop.audited(cfg.run.out, test_loop.SHARDS, test_loop.FAKE_KEYS)  # what its ledger holds
+    assert report.ok and report.finished == 1, report.format()
 
 
 def reply(columns: dict[str, np.ndarray], micro_batches: int = 2) -> dict:
@@ -73,7 +75,8 @@ def reply(columns: dict[str, np.ndarray], micro_batches: int = 2) -> dict:
     return {
         "micro_batches": [dict(columns) for _ in range(micro_batches)], "keys": keys * micro_batches,
         "samples": len(keys) * micro_batches, "ran_dry": False, "error": "",
-        "bad_samples": BadSamples().to_dict(), "consumed": [], "counted": [], "dry": None,
+        "bad_samples": BadSamples().to_dict(), "consumed": [], "counted": [], "tallied": [], "tallied_bad": [],
+        "dry": None,
     }  # fmt: skip
 
 

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import dcp
+from pipeline.data.config import shard_order
 from pipeline.data.dataset import rebatch
 from pipeline.data.masking import mask_batch
 from pipeline.data.shards import shard_id
@@ -32,13 +33,18 @@ from pipeline.train.step.model import model_config
 from pipeline.train.step.train_step import StepStats, TrainStep
 from tests.configs import tiny_config
 from tests.native_rows import as_native
+from tests.train.test_audit import audited, sized
 
 SHARDS = [f"mem://shard-{i}" for i in range(4)]
 SAMPLES_PER_SHARD = 9
-# What a run measures rather than computes (mfu: images/s over the GPU's peak; None on CPU).
+FAKE_KEYS = sized(
+    dict.fromkeys(SHARDS, SAMPLES_PER_SHARD)
+)  # the keys of the shards `fake_micro_batches` reads
+# What a run measures rather than computes (mfu: images/s over the GPU's peak; None on CPU; time and
+# goodput: the row's wall-clock time and the account of the run's time then).
 TIMINGS = (
     "images_per_s", "images_per_s_per_worker", "data_wait_share", "memory_gib", "checkpoint_stall_s", "gc_s",
-    "run_images_per_s", "rank_step_s", "mfu",
+    "run_images_per_s", "rank_step_s", "mfu", "time", "goodput",
 )  # fmt: skip
 
 
@@ -364,6 +370,10 @@ def test_a_run_stopped_mid_epoch_and_resumed_trains_on_the_samples_of_a_straight
     assert seen.keys == straight_keys  # every sample of both epochs exactly once, in the same order
     assert resumed["bad_samples"] == summary["bad_samples"]  # the re-read part not counted twice
     assert_same_weights(straight, stopped, 8)
+    report = audited(tmp_path / "stopped", SHARDS, FAKE_KEYS)  # the run's ledger says so too
+    assert report.ok and report.lines[0] == "epoch 0: finished, 36 samples (4 bad): every one once", (
+        report.format()
+    )
 
 
 def test_a_resume_at_another_micro_batch_size_starts_the_epoch_again_and_says_so(
@@ -380,6 +390,12 @@ def test_a_resume_at_another_micro_batch_size_starts_the_epoch_again_and_says_so
     # After the stop, epoch 0 whole (steps 3-6: 4 shards, 4 bad) and half of epoch 1 (steps 7-8: 2
     # shards, 2 bad): the 2 shards read before the stop are not counted a second time.
     assert (summary["bad_samples"]["bad"], summary["bad_samples"]["total"]) == (6, 54), summary["bad_samples"]
+    # A run that exits 0 having trained samples twice: its audit names the shards read twice in epoch 0.
+    report = audited(tmp_path / "run", SHARDS, FAKE_KEYS)
+    first_two = sorted(shard_order(SHARDS, stopped.run.seed, 0)[:2])  # what steps 1 and 2 read
+    assert [f.text() for f in report.findings] == [
+        f"epoch 0: shard {url}: 17 counted (1 bad) of 9: 8 repeated" for url in first_two
+    ]
 
 
 def test_input_built_ahead_on_a_thread_trains_exactly_like_input_built_by_the_step(

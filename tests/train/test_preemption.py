@@ -219,6 +219,8 @@ def test_a_notice_checkpoints_the_step_and_the_resumed_run_ends_as_a_straight_on
     resumed = loop_tests().weights(cfg, 8)
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+    report = loop_tests().audited(cfg.run.out, loop_tests().SHARDS, loop_tests().FAKE_KEYS)
+    assert report.ok and report.finished == 1, report.format()
 
 
 def test_a_sigterm_during_a_step_checkpoints_that_step_and_the_resumed_run_ends_as_a_straight_one(
@@ -242,6 +244,8 @@ def test_a_sigterm_during_a_step_checkpoints_that_step_and_the_resumed_run_ends_
     resumed = loop_tests().weights(cfg, 8)
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+    report = loop_tests().audited(cfg.run.out, loop_tests().SHARDS, loop_tests().FAKE_KEYS)
+    assert report.ok and report.finished == 1, report.format()
     assert signal.getsignal(signal.SIGTERM) is not preemption._on_sigterm  # the handler before is back
 
 

@@ -29,6 +29,8 @@ def row(step: int) -> dict:
         "samples_seen": 64 * step,
         "bad_samples": 0,
         "memory_gib": 0.5,
+        "time": 1.8e9 + step,
+        "goodput": {"productive_share": 0.5, "lost_s": 2.0 + step, "attempt": 0},
     }
 
 
@@ -52,11 +54,14 @@ def read_scalars(logdir: Path) -> dict[str, dict[int, float]]:
     return found
 
 
-def test_scalars_take_every_number_but_the_step():
+def test_scalars_take_every_number_but_the_step_and_time_and_name_a_fields_own():
     values = scalars(row(20))
     assert "train/step" not in values and "train/mfu" not in values  # the x-axis; no value on CPU
-    expected = {k for k, v in row(20).items() if k != "step" and v is not None}
-    assert set(values) == {f"train/{k}" for k in expected}
+    assert "train/time" not in values  # a wall-clock time is no metric
+    expected = {k for k, v in row(20).items() if k not in ("step", "time") and isinstance(v, float | int)}
+    nested = {f"train/goodput/{k}" for k in row(20)["goodput"]}
+    assert set(values) == {f"train/{k}" for k in expected} | nested
+    assert values["train/goodput/lost_s"] == 22.0
     assert values["train/lr"] == pytest.approx(5e-4) and values["train/images_per_s"] == 320.0
 
 

@@ -24,9 +24,12 @@ what the rank has taken from it:
   samples of the steps this rank trained (`took`) and the bad ones it counted (`saw`), plus what the
   run had consumed when it resumed. An ``elastic`` cursor's stream is the shards it is dealt, minus
   their consumed samples (`deal`).
+- ``ledger``: what every epoch consumed, per shard, counted rather than united (`Ledger`): the same
+  moments add to it, so that a sample trained twice shows.
 
 A checkpoint holds the cursor of every rank as `TrainState.epoch_position`, `epoch_consumed` (the
-union of every rank's ``samples``), `bad_samples` and `epoch_bad_samples` (`save_into`).
+union of every rank's ``samples``), `bad_samples`, `epoch_bad_samples` and `ledger` (every rank's
+additions summed) (`save_into`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch.distributed as dist
 from pipeline.data.bad_samples import BadSamples
 from pipeline.data.config import DataConfig
 from pipeline.data.shards import shard_names
+from pipeline.train.input.ledger import Ledger, Tally
 from pipeline.train.input.position import EpochPosition
 from pipeline.train.input.source_position import SourcesPosition
 from pipeline.train.state import TrainState, gather_bad_samples
@@ -156,6 +160,7 @@ class EpochCursor:
     # Kept apart from ``samples``, which the steps change while the data thread deals a mixed run's
     # passes as it reaches them.
     dealt: Position | None = None
+    ledger: Ledger | None = None  # what every epoch consumed, per shard (None: not kept)
 
     @classmethod
     def start(
@@ -168,12 +173,15 @@ class EpochCursor:
         *,
         shards: list[str] | None = None,
         position: Position | None = None,
+        ledger: Ledger | None = None,
     ) -> EpochCursor:
         """A cursor at the start of a fresh run (over ``shards``, or a mixed run's sources given their
-        ``position``: also by sample)."""
+        ``position``: also by sample), keeping ``ledger``."""
         counts = BadSamples.from_config(data_config)
         samples = _empty(shards, position)
-        return cls(rank, world, micro_batch_size, stream, counts, _copy(counts), samples=samples)
+        return cls(
+            rank, world, micro_batch_size, stream, counts, _copy(counts), samples=samples, ledger=ledger
+        )
 
     @classmethod
     def resume(
@@ -188,17 +196,18 @@ class EpochCursor:
         schedule_done: bool = False,
         shards: list[str] | None = None,
         position: Position | None = None,
+        ledger: Ledger | None = None,
     ) -> tuple[EpochCursor, str]:
         """(The cursor a checkpoint's `TrainState` holds for this rank, a note for the resume's log line).
 
         At another world size or micro-batch size, or from another stream, the ranks' streams differ:
         where the checkpoint holds this epoch's position by sample for ``shards`` the cursor is
         ``elastic``; else the epoch's data starts again from its first sample (``taken`` 0). The note
-        says which, and why."""
+        says which, and why. ``ledger``: the checkpoint's (`Ledger.resume`), kept on."""
         counts = _counts_of(state.bad_samples, rank, world, data_config)
         # A checkpoint older than `epoch_bad_samples` has only the counts as of its step.
         start = _counts_of(state.epoch_bad_samples or state.bad_samples, rank, world, data_config)
-        cursor = cls(rank, world, micro_batch_size, stream, counts, start)
+        cursor = cls(rank, world, micro_batch_size, stream, counts, start, ledger=ledger)
         empty = _empty(shards, position)
         by_sample = None if empty is None else empty.resumed(state.epoch_consumed)
         cursor.samples = by_sample or empty
@@ -217,11 +226,15 @@ class EpochCursor:
             why = f"it was taken {changed_parts(saved.get('stream') or '', stream)}"
         else:
             cursor.taken = taken
+            if ledger is not None:  # the re-read counts the epoch's bad samples again (`replay_counts`)
+                ledger.forget_bad()
             return cursor, f"each worker re-reads the samples it had taken (up to {taken * micro_batch_size})"
         if by_sample is not None:
             cursor.elastic, cursor.dealt = True, empty.resumed(state.epoch_consumed)
             return cursor, f"{why}: the workers share the samples this epoch had not consumed, each once"
         # No position by sample of this data: a checkpoint that predates it, or of other shards or sources.
+        if ledger is not None:  # the epoch's bad samples are counted again from its start (`replay_counts`)
+            ledger.forget_bad()
         return (
             cursor,
             f"{why}, so this epoch's data starts again from its first sample (no position by sample)",
@@ -259,23 +272,37 @@ class EpochCursor:
         shards, skip = dealt.deal(order, self.rank, self.world)
         return shards, {"skip": skip}
 
-    def took(self, micro_batches: int, counts: BadSamples, consumed: Iterable[Any] = ()) -> None:
+    def took(
+        self, micro_batches: int, counts: BadSamples, consumed: Iterable[Any] = (), tallied: Tally = ()
+    ) -> None:
         """A step of ``micro_batches`` places (its accumulation count, on every rank alike) trained on
         what this rank's stream still had for them; ``counts`` as of its input; ``consumed``: its
-        samples (`StepInput.consumed`)."""
+        samples (`StepInput.consumed`), ``tallied`` them for the ledger (`StepInput.tallied`)."""
         self.taken += micro_batches
         self.counts = counts
         if self.samples is not None:
             self.samples.took(consumed, [])
+        if self.ledger is not None:
+            self.ledger.trained(tallied)
 
-    def saw(self, counts: BadSamples, counted: Iterable[tuple[str, int, int]] = ()) -> None:
+    def saw(
+        self, counts: BadSamples, counted: Iterable[tuple[str, int, int]] = (), tallied: Tally = ()
+    ) -> None:
         """The counts as of the latest step's input, trained or not (a rank that ran dry read them);
-        ``counted``: the bad samples its input counted, consumed with them (`StepInput.counted`)."""
+        ``counted``: the bad samples its input counted, consumed with them (`StepInput.counted`),
+        ``tallied`` for the ledger (`StepInput.tallied_bad`)."""
         self.counts = counts
         if self.samples is not None:
             self.samples.add(counted)
+        if self.ledger is not None:
+            self.ledger.counted(tallied)
 
-    def next_epoch(self) -> None:
+    def next_epoch(self, group: dist.ProcessGroup | None = None) -> None:
+        """The next epoch begins; with a ledger of a mixed run, collective: what the epoch consumed of
+        its sources' passes goes into the ledger (`Ledger.next_epoch`)."""
+        if self.ledger is not None:
+            mixed = isinstance(self.samples, SourcesPosition)
+            self.ledger.next_epoch(self.samples.gathered(group) if mixed else None)
         self.taken, self.elastic, self.dealt = 0, False, None
         self.at_epoch_start = _copy(self.counts)
         if self.samples is not None:
@@ -287,6 +314,7 @@ class EpochCursor:
         state.epoch_consumed = {} if self.samples is None else self.samples.gathered(group)
         state.bad_samples = gather_bad_samples(self.counts, group)
         state.epoch_bad_samples = gather_bad_samples(self.at_epoch_start, group)
+        state.ledger = {} if self.ledger is None else self.ledger.gathered(group)
 
     def position(self) -> dict[str, Any]:
         """What `TrainState.epoch_position` holds: the layout, the stream and the micro-batches taken."""

@@ -146,6 +146,8 @@ class Feeder:
             "bad_samples": step_input.bad_samples.to_dict(),
             "consumed": step_input.consumed,
             "counted": step_input.counted,
+            "tallied": step_input.tallied,
+            "tallied_bad": step_input.tallied_bad,
             "dry": None if dry is None else dry.to_dict(),
         }
 
@@ -300,7 +302,8 @@ class FeederInputs:
         return FedInput(
             micro_batches=tensors, keys=reply["keys"], samples=reply["samples"], ran_dry=reply["ran_dry"],
             error=reply["error"], bad_samples=BadSamples.from_dict(reply["bad_samples"]), buffers=buffers,
-            consumed=reply["consumed"], counted=reply["counted"], copy_stream=self.copy_stream,
+            consumed=reply["consumed"], counted=reply["counted"], tallied=reply["tallied"],
+            tallied_bad=reply["tallied_bad"], copy_stream=self.copy_stream,
         )  # fmt: skip
 
     def release(self, step_input: StepInput) -> None:

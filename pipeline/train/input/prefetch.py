@@ -35,6 +35,7 @@ import torch
 
 from pipeline.data.bad_samples import BadSampleBudgetError, BadSamples, LabelsMissingError
 from pipeline.data.dataset import Batch
+from pipeline.train.input.ledger import Tally, tally_batches, tally_keyed
 
 _DONE = object()  # the producer has stopped
 # The columns that name a sample for the data position; a mixed run's add its source and pass.
@@ -57,6 +58,10 @@ class StepInput:
     # a mixed run's also hold each sample's source and pass (`POSITION`).
     consumed: list[tuple[np.ndarray, ...]] = field(default_factory=list)
     counted: list[tuple[Any, ...]] = field(default_factory=list)
+    # For the ledger (`pipeline.train.input.ledger`): the micro-batches' samples and the bad samples
+    # counted while building this input, tallied by shard (and pass) on the data thread.
+    tallied: Tally = field(default_factory=list)
+    tallied_bad: Tally = field(default_factory=list)
 
     def to_device(self, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         """The micro-batches on `device`; on CUDA the copies are queued, not waited for."""
@@ -231,6 +236,8 @@ class Prefetcher:
             buffers=buffers,
             consumed=[tuple(b[c] for c in POSITION if c in b) for b in batches if "shard_size" in b],
             counted=self.bad_samples.take_counted(),
+            tallied=tally_batches(batches),
+            tallied_bad=tally_keyed(self.bad_samples.take_keyed()),
         )
 
 

@@ -6,8 +6,10 @@ TensorBoard event files under ``<out>/tensorboard/`` (``--tensorboard``) and a W
     log.append(row, flush)   # -> metrics.jsonl, then every sink; flush at checkpoints
 
 Every numeric field of a `metrics.jsonl` row becomes a scalar ``train/<field>`` at that row's step
-(learning rate ``train/lr``, throughput ``train/images_per_s`` among them); fields without a value
-(``mfu`` on CPU) are left out. A run resumed at step S drops what a sink logged past S, as
+(learning rate ``train/lr``, throughput ``train/images_per_s`` among them), and each number of a field
+that holds some by name ``train/<field>/<name>`` (where the time went, ``train/goodput/lost_share``;
+mixed sources, ``train/sources/<source>/share``); fields without a value (``mfu`` on CPU) and the row's
+wall-clock ``time`` are left out. A run resumed at step S drops what a sink logged past S, as
 `metrics.jsonl` does: TensorBoard through ``purge_step``; W&B keeps one run per ``--out`` and
 ignores steps it has already seen.
 
@@ -49,13 +51,22 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def scalars(row: dict[str, Any]) -> dict[str, float]:
-    """``{"train/<field>": value}`` for every finite number of a metrics row except its step."""
-    return {
-        f"train/{k}": float(v)
-        for k, v in row.items()
-        if k != "step" and isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)
-    }
+# A row's fields that are no metric: its x-axis, and its wall-clock time.
+NOT_SCALARS = ("step", "time")
+
+
+def scalars(row: dict[str, Any], prefix: str = "train/") -> dict[str, float]:
+    """``{"train/<field>": value}`` for every finite number of a metrics row except its step and time; a
+    field that holds numbers by name (``goodput``) gives ``train/<field>/<name>``."""
+    out = {}
+    for k, v in row.items():
+        if k in NOT_SCALARS and prefix == "train/":
+            continue
+        if isinstance(v, dict):
+            out.update(scalars(v, f"{prefix}{k}/"))
+        elif isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v):
+            out[f"{prefix}{k}"] = float(v)
+    return out
 
 
 class TensorBoardSink:
