@@ -47,8 +47,9 @@ from pipeline import dcp
 from pipeline.data.bad_samples import BadSamples
 from pipeline.train import finetune
 from pipeline.train.checkpointing import checkpoint, lease, preemption
+from pipeline.train.checkpointing.checkpoint import resize_line
 from pipeline.train.checkpointing.saver import Checkpointer, FiniteCheck, Saver, WeightsNotFinite
-from pipeline.train.config import TrainConfig, worker_config
+from pipeline.train.config import worker_config
 from pipeline.train.input.cursor import EpochCursor
 from pipeline.train.input.dataplan import StepInputs
 from pipeline.train.input.feeder import feeder_plan_for
@@ -81,6 +82,7 @@ from pipeline.train.step.model import build_model, model_config
 from pipeline.train.step.objective import objective_for
 from pipeline.train.step.optim import optimizer_kernels
 from pipeline.train.step.train_step import Gradients, StepStats, TrainStep
+from pipeline.train.watch import StepWatch, TakenStep
 
 # The boundary after the schedule's last step: no input is taken, and, as at an epoch's end, no step runs.
 SCHEDULE_END = StepAgreement(samples=0, someone_ran_dry=False, error="")
@@ -88,29 +90,6 @@ SCHEDULE_END = StepAgreement(samples=0, someone_ran_dry=False, error="")
 
 class StopRun(Exception):
     """The run ends on an error every rank agreed on; the message is the one line the driver shows."""
-
-
-@dataclass(frozen=True)
-class TakenStep:
-    """What a `StepWatch` sees of a step: its number, its epoch and this rank's input."""
-
-    step: int  # 1 for the run's first step
-    epoch: int
-    keys: list[str]  # this rank's samples, in the order the step takes them
-    bad_samples: BadSamples  # this rank's bad-sample counts as of this input (a copy)
-
-
-class StepWatch:
-    """What a test or a profiler sees of each step: subclass it, override either call, and hand it to the
-    loop (`Trainer`, `train_loop_per_worker`; through `pipeline.train.driver.fit`, a ``worker_loop`` that
-    passes it on). Both run on the training thread; neither may change what the step trains on."""
-
-    def taken(self, step: TakenStep) -> None:
-        """The step's input is taken and every rank agreed to run it; its forward is not queued yet."""
-
-    def trained(self, step: int, stats: StepStats) -> None:
-        """Step ``step``'s update is queued: ``stats`` hold its loss and gradient norm on the device
-        (reading them waits for the step)."""
 
 
 @dataclass(frozen=True)
@@ -136,25 +115,6 @@ def train_loop_per_worker(loop_config: dict[str, Any], watch: StepWatch | None =
     except (dcp.CheckpointRefusedError, finetune.HeadInitError) as e:  # every rank alike: a restart would too
         return {"metrics": {}, "bad_samples": {}, "error": str(e)}
     return trainer.train()
-
-
-def resize_line(config: TrainConfig, saved: int, world: int, step: int) -> str:
-    """The log line of a group resumed at another size than its checkpoint's: from how many workers to
-    how many, why, the step it resumes at, and the accumulation that keeps the global batch. Ray Train
-    tells a new group no reason; the sizes do: an elastic group smaller than its checkpoint's lost workers
-    (a node left, or a process died), a larger one found room that nodes brought."""
-    if isinstance(config.cluster.num_workers, int):
-        why = "--num-workers changed"
-    elif world < saved:
-        why = f"{saved - world} lost: a node left or a worker died"
-    else:
-        why = f"room for {world - saved} more: nodes joined"
-    micro, batch, before = config.optim.micro_batch_size, config.optim.batch_size, config.accumulation(saved)
-    return (
-        f"workers: from {saved} to {world} ({why}); resuming at step {step}, the batch kept at {batch} = "
-        f"{world} x {micro} x {config.accumulation(world)} accumulation"
-        + (f" (was x {before})" if before else "")
-    )
 
 
 class Trainer:
@@ -199,14 +159,10 @@ class Trainer:
         # driver's session (an attempt run without one, in a test, is a session of its own).
         resumed = None if self.resumed_from is None else self.state.step
         self.clock = goodput.Clock(
-            None if log is None else config.run_dir,
-            loop_config.get("session") or goodput.new_session(started),
-            started=started,
-            workers=world,
-            resumed_step=resumed,
+            None if log is None else config.run_dir, loop_config.get("session") or goodput.new_session(started),
+            started=started, workers=world, resumed_step=resumed, price=config.run.price_per_device_hour,
             resumed_row=None if log is None or resumed is None else log.row(resumed),
-            price=config.run.price_per_device_hour,
-        )
+        )  # fmt: skip
         saved_config = {
             "train": config.to_dict(),
             "model_config": self.model_config.to_dict(),
@@ -573,11 +529,9 @@ class Trainer:
         closing = time.perf_counter()
         self.checkpointer.close()
         if not error and self.probe is not None:  # every rank in step until rank 0 has them
-            waiting = time.perf_counter()
-            self.clock.spent("checkpoint", closing, waiting)
+            self.clock.spent("checkpoint", closing, waiting := time.perf_counter())
             wait_in_step(self.probes, 2 * self.probe.timeout, self.me.group)
-            closing = time.perf_counter()
-            self.clock.spent("evaluation", waiting, closing)  # the last checkpoint's probe
+            self.clock.spent("evaluation", waiting, closing := time.perf_counter())  # the last probe
         me, merged = self.me, BadSamples.from_config(self.data_config)
         for counts in gather_bad_samples(self.cursor.counts, me.group):
             merged.merge(counts)
@@ -627,11 +581,10 @@ class Trainer:
 
     # --- the best checkpoint (--keep-best) -------------------------------------------------------
     def score_start(self) -> None:
-        """Collective, before a fine-tuning's first step with --keep-best: its starting point (the
-        pretrained weights under the head it starts with) scored and exported as best/, so that best/ is
-        never worse than where the run started (`pipeline.train.scoring.best`). eval: the validation split's
-        accuracy, here; probe, knn: the checkpoint probe of best/, beside training (its record goes into
-        best/'s own); loss: no step has run, so no score. A resumed run has done it."""
+        """Collective, before a fine-tuning's first step with --keep-best: its starting point (the pretrained
+        weights under its first head) scored and exported as best/, so best/ is never worse than the start
+        (`pipeline.train.scoring.best`). eval: the validation split's accuracy, here; probe, knn: the probe
+        of best/ beside training (its record into best/'s own); loss: no score yet. Not again on resume."""
         kind = self.config.scoring.keep_best
         if kind in (None, "loss") or not self.config.arch.weights or self.resumed_from is not None:
             return

@@ -455,7 +455,7 @@ class ScoringConfig(settings.Settings):
     val_shards: str = setting(
         "",
         "held-out labeled shards the supervised head is scored on at every checkpoint, val_accuracy (with "
-        "--keep-best eval and none given: carved from --data, never --eval-data)",
+        "--keep-best eval and none given: carved from --data; the test set never)",
         flag="val-data",
     )
 

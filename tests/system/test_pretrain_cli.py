@@ -45,6 +45,9 @@ FLAGS = {
     "--keep-checkpoints", "--max-failures", "--stop-at-step", "--hang-timeout", "--price-per-device-hour",
     "--tensorboard", "--no-tensorboard", "--wandb",
     "--async-checkpoint", "--no-async-checkpoint",
+    # what the checkpoints are worth
+    "--probe-data", "--probe-eval-data", "--probe-label-key", "--probe-cpus", "--probe-gpu", "--no-probe-gpu",
+    "--probe-timeout", "--keep-best", "--val-data",
 }  # fmt: skip
 
 

@@ -10,8 +10,8 @@ import argparse
 import pytest
 
 from pipeline.train import driver
+from pipeline.train.checkpointing.checkpoint import resize_line
 from pipeline.train.config import TrainConfig
-from pipeline.train.loop import resize_line
 from pipeline.train.sections import worker_count
 from pipeline.train.state import TrainState
 from tests.configs import tiny_config

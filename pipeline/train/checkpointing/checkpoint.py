@@ -37,7 +37,7 @@ import pickle
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,9 @@ from pipeline.train.sections import OptimConfig
 from pipeline.train.step.ema import PREFIX as EMA_PREFIX
 from pipeline.train.step.ema import WeightEMA
 from vit.weights import WEIGHTS_FILE
+
+if TYPE_CHECKING:
+    from pipeline.train.config import TrainConfig
 
 
 def _rng_state() -> dict[str, str]:
@@ -341,3 +344,22 @@ def _gathered_to_rank0(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
         if dist.get_rank() == 0:
             full[name] = value.detach().to("cpu", copy=True)
     return full
+
+
+def resize_line(config: TrainConfig, saved: int, world: int, step: int) -> str:
+    """The log line of a group resumed at another size than its checkpoint's: from how many workers to
+    how many, why, the step it resumes at, and the accumulation that keeps the global batch. Ray Train
+    tells a new group no reason; the sizes do: an elastic group smaller than its checkpoint's lost workers
+    (a node left, or a process died), a larger one found room that nodes brought."""
+    if isinstance(config.cluster.num_workers, int):
+        why = "--num-workers changed"
+    elif world < saved:
+        why = f"{saved - world} lost: a node left or a worker died"
+    else:
+        why = f"room for {world - saved} more: nodes joined"
+    micro, batch, before = config.optim.micro_batch_size, config.optim.batch_size, config.accumulation(saved)
+    return (
+        f"workers: from {saved} to {world} ({why}); resuming at step {step}, the batch kept at {batch} = "
+        f"{world} x {micro} x {config.accumulation(world)} accumulation"
+        + (f" (was x {before})" if before else "")
+    )
