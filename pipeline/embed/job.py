@@ -276,8 +276,7 @@ def run_in_process(plan: EmbedPlan) -> EmbedSummary:
     (`preprocess_batch`), an `Embedder` holding the model (its ``--cpus-per-actor`` torch threads, its GPU
     with ``--gpu``), the same `ShardSink` and output; no Ray. The same rows, files and manifest as `run`
     (`Embedder` pads every forward to one shape), with the same errors. ``--decode gpu`` is `run`'s only."""
-    from pipeline.data.decode import preprocess_batch
-    from pipeline.data.rows import read_shard
+    import torch
 
     config, output, data = plan.config, plan.output, plan.data_config
     if config.decode != "cpu":
@@ -285,7 +284,23 @@ def run_in_process(plan: EmbedPlan) -> EmbedSummary:
     output.start(plan.work)
     bad = BadSamples.from_config(data)
     sink = ShardSink(plan, bad, None)
-    start = time.perf_counter()
+    start, threads = time.perf_counter(), torch.get_num_threads()
+    try:  # the Embedder sets the process's torch threads (--cpus-per-actor); the caller's come back after
+        embed_pending(plan, sink, data)
+    finally:
+        torch.set_num_threads(threads)
+    sink.close()
+    output.finish()
+    bad.check_budget(final=True)
+    return summary(plan, sink, bad, start)
+
+
+def embed_pending(plan: EmbedPlan, sink: ShardSink, data: DataConfig) -> None:
+    """`run_in_process`'s work: each pending shard read, decoded and embedded into ``sink``."""
+    from pipeline.data.decode import preprocess_batch
+    from pipeline.data.rows import read_shard
+
+    config = plan.config
     if plan.work.pending:
         embedder = Embedder(
             [pack_state_dict(plan.source.state_dict)],
@@ -303,10 +318,6 @@ def run_in_process(plan: EmbedPlan) -> EmbedSummary:
                     for column in table.column_names
                 }
                 sink.add(embedder(preprocess_batch(rows, config=data, train=False, epoch=0)))
-    sink.close()
-    output.finish()
-    bad.check_budget(final=True)
-    return summary(plan, sink, bad, start)
 
 
 def summary(plan: EmbedPlan, sink: ShardSink, bad: BadSamples, start: float) -> EmbedSummary:

@@ -78,7 +78,7 @@ NOISE = re.compile(
 METRICS_FIELDS = {
     "step", "epoch", "loss", "accuracy", "lr", "grad_norm", "images_per_s", "images_per_s_per_worker", "mfu",
     "data_wait_share", "samples_seen", "bad_samples", "skipped_steps", "memory_gib", "gc_s", "run_images_per_s",
-    "rank_step_s",
+    "rank_step_s", "time", "goodput",
 }  # fmt: skip
 
 

@@ -76,8 +76,10 @@ def train(cfg: TrainConfig, session: UploadingSession) -> dict:
     return loop.Trainer(loop_config, session).train()
 
 
-def train_and_kill(out: str) -> None:
-    """The killed run, in a subprocess of its own: 8 steps from scratch, killed inside checkpoint 8's copy."""
+def train_and_kill(out: str, threads: int) -> None:
+    """The killed run, in a subprocess of its own: 8 steps from scratch, killed inside checkpoint 8's copy;
+    on the test process's torch threads, so that its steps round as the straight run's do."""
+    torch.set_num_threads(threads)
     _, _, device = init_distributed()
     dataplan.micro_batches = fake_micro_batches
     session = UploadingSession(device, Path(out), kill_in=(dcp.checkpoint_name(8), SHARD_FILE))
@@ -94,7 +96,10 @@ def killed_and_straight(world, tmp_path_factory):
     """A run SIGKILLed inside checkpoint 8's copy (a subprocess) and, meanwhile, the same run straight."""
     root = tmp_path_factory.mktemp("kill")
     killed, straight = root / "killed", root / "straight"
-    code = f"from tests.train.test_checkpoint_kill import train_and_kill; train_and_kill({str(killed)!r})"
+    code = (
+        "from tests.train.test_checkpoint_kill import train_and_kill; "
+        f"train_and_kill({str(killed)!r}, {torch.get_num_threads()})"
+    )
     process = subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
