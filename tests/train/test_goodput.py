@@ -166,3 +166,25 @@ def test_an_account_is_each_bucket_and_its_share_idle_what_is_left():
     )
     assert row["lost_device_s"] == 80.0 and row["lost_cost"] == pytest.approx(0.08)
     assert Account.from_row(row).row(100.0) == {k: v for k, v in row.items() if k != "lost_cost"}
+
+
+def test_the_waits_kept_are_those_after_the_last_row_and_other_ranks_keep_none(tmp_path):
+    """A step's data wait is counted every step: rank 0 keeps only the waits no row has summed yet, and
+    a rank without the run's record (every other rank) none, however long the run."""
+    c = clock(record(a={"id": "a", "started": 100.0}), tmp_path, {"id": "a", "started": 100.0}, None, None)
+    c.first_step()
+    now = time.perf_counter()
+    for i in range(1000):
+        c.spent("data_wait", now + i, now + i + 0.5)
+    account = c.account(now + 600)  # a row's window ending after the first 600 waits
+    assert account.seconds["data_wait"] == pytest.approx(300.0)
+    assert account.seconds["productive"] == pytest.approx(now + 600 + c.offset - c.first - 300.0)
+    assert len(c.waits) == 400
+    assert c.account(now + 2000).seconds["data_wait"] == pytest.approx(500.0) and not c.waits
+    other = Clock(
+        None, {"id": "a", "started": 100.0}, started=0.0, workers=4, resumed_step=None, resumed_row=None
+    )
+    other.first_step()
+    for i in range(1000):
+        other.spent("data_wait", now + i, now + i + 0.5)
+    assert not other.waits

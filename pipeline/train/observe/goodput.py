@@ -30,6 +30,7 @@ the lost time in money: its seconds times the attempt's workers.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import time
@@ -173,7 +174,11 @@ class Clock:
         self.record = Record.read(run_dir, session["started"]) if run_dir is not None else None
         self.first: float | None = None  # the first step's end (wall-clock), once it is done
         self.prior = Account()  # the run's account at the first step's end
-        self.waits: list[tuple[float, str, float]] = []  # (end, bucket, seconds) since the first step
+        # The waits since the first step, rank 0's: those ended by the latest time accounted, summed per
+        # bucket; the later ones (end, bucket, seconds), in the order they ended. Bounded by a log line's
+        # steps, however long the run.
+        self.waited = Account()
+        self.waits: collections.deque[tuple[float, str, float]] = collections.deque()
         self.attempt: dict[str, Any] | None = None
         self.index = -1  # the attempt's place in the record
         self.begun = 0  # the latest step begun (its forward and backward queued)
@@ -184,8 +189,9 @@ class Clock:
 
     def spent(self, bucket: str, start: float, end: float) -> None:
         """The training thread waited from ``start`` to ``end`` (`time.perf_counter`) on ``bucket`` (one of
-        `WAITS`); before the attempt's first step it is start-up time, counted there."""
-        if self.first is not None and end + self.offset > self.first:
+        `WAITS`); before the attempt's first step it is start-up time, counted there. Other ranks keep no
+        account."""
+        if self.record is not None and self.first is not None and end + self.offset > self.first:
             self.waits.append((end + self.offset, bucket, end - start))
 
     def first_step(self) -> None:
@@ -245,17 +251,18 @@ class Clock:
 
     def account(self, at: float) -> Account:
         """The run's account at ``at`` (`time.perf_counter`): what came before this attempt's first step,
-        the waits since that had ended by then, and the steps the rest (`productive`)."""
+        the waits since that had ended by then, and the steps the rest (`productive`). Called at times that
+        only grow (each row's window ends after the last one's)."""
         at += self.offset
         account = self.prior.copy()
         if self.first is None or at <= self.first:
             return account
-        waited = 0.0
-        for end, bucket, seconds in self.waits:
-            if end <= at:
-                account.add(bucket, seconds)
-                waited += seconds
-        account.add("productive", at - self.first - waited)
+        while self.waits and self.waits[0][0] <= at:
+            _, bucket, seconds = self.waits.popleft()
+            self.waited.add(bucket, seconds)
+        for bucket, seconds in self.waited.seconds.items():
+            account.add(bucket, seconds)
+        account.add("productive", at - self.first - sum(self.waited.seconds.values()))
         return account
 
     def row(self, step: int, at: float) -> dict[str, Any]:
