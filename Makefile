@@ -20,11 +20,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python jobs/demo.py
 
+# The tests in two parts, both always run: first those of one process or the session's one local Ray in
+# TEST_PROCESSES pytest processes (pytest-xdist; on a 2-core machine one's waits are the other's time),
+# then the end-to-end ones of tests/system one at a time (each starts its own jobs, Rays and clusters and
+# times them, so they run on a quiet machine).
+TEST_PROCESSES ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	@status=0; \
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --ignore=tests/system || status=$$?; \
+	$(BIN)/python -m pytest tests/system || status=$$?; \
+	exit $$status
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) -m "not slow"
 
 # On a CUDA machine: the tests marked gpu (FSDP2 bf16 step, embedding actor, NCCL through Ray Train).
 # pip resolves torch to its CUDA build on a Linux GPU machine; without CUDA they are all skipped.
