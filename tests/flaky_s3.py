@@ -48,6 +48,7 @@ def upload_shards(endpoint: str, bucket: str, urls: list[str]) -> None:
 FAULTS = ("503", "stall", "500", "drop")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"}
 READ_TIMEOUT_S = 1.0
+STALL_S = 1.5 * READ_TIMEOUT_S
 _SLOW_DOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
@@ -145,7 +146,9 @@ def _handler(s3: FlakyS3) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
                 return
             if fault == "stall":
-                time.sleep(3 * READ_TIMEOUT_S)
+                # Past the read timeout of `storage_options`, so its clients time out; then closed, which
+                # a client configured through the environment alone (s3fs's 15 s) meets as a drop.
+                time.sleep(STALL_S)
                 self.close_connection = True
                 return
             if fault in ("503", "500"):
