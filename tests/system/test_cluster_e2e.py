@@ -149,7 +149,11 @@ def test_jobs_submitted_with_the_token_to_a_cluster_whose_nodes_join_after_submi
     }  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-c", CLUSTER, json.dumps(runs)],
-        env=ray_env(),
+        # The nodes of one machine share one session directory, where each node's runtime-env agent, on
+        # its first use of the job's --working-dir package, removes and unpacks it again: a worker that
+        # another node starts meanwhile fails its `cd` there, and the raylet waits out its registration
+        # (60 s by default; seen as a 51 s checkpoint stall). Each node of a real cluster has a disk of its own.
+        env=ray_env() | {"RAY_worker_register_timeout_seconds": "20"},
         cwd=ROOT,
         capture_output=True,
         text=True,
