@@ -20,16 +20,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python jobs/demo.py
 
-# The tests in two parts, both always run: first those of one process or the session's one local Ray in
-# TEST_PROCESSES pytest processes (pytest-xdist; on a 2-core machine one's waits are the other's time),
-# then the end-to-end ones of tests/system one at a time (each starts its own jobs, Rays and clusters and
-# times them, so they run on a quiet machine).
+# The tests in two parts, both always run: first all but the slow ones of tests/system, in TEST_PROCESSES
+# pytest processes (pytest-xdist; on a 2-core machine one's waits are the other's time), then those one at
+# a time (each starts its own jobs, Rays or clusters, and several hold them to timings).
 TEST_PROCESSES ?= 2
 
 test: $(STAMP)
 	@status=0; \
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --ignore=tests/system || status=$$?; \
-	$(BIN)/python -m pytest tests/system || status=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) -m "not (system and slow)" || status=$$?; \
+	$(BIN)/python -m pytest -m "system and slow" tests/system || status=$$?; \
 	exit $$status
 
 test-fast: $(STAMP)

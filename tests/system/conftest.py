@@ -17,6 +17,17 @@ import pytest
 
 from pipeline.data.writing import ShardSet
 
+SYSTEM = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test here is marked `system`. `make test` runs the ones also marked `slow` (each starts its own
+    jobs, Rays or clusters) one at a time, after the rest of the suite (in two processes)."""
+    for item in items:
+        if SYSTEM in item.path.parents:
+            item.add_marker(pytest.mark.system)
+
+
 # The flags every compared run shares: whatever a test adds may change when it logs and checkpoints, never
 # what it trains.
 TRAINING = [
