@@ -282,10 +282,9 @@ def test_native_rows_embed_each_image_whole_at_its_own_aspect_ratio(ray_session,
     np.testing.assert_allclose(rows["embedding"], direct[order], rtol=1e-5, atol=1e-5)
     assert manifest(out)["preprocessing"]["patches"] == "native"
     # The checkpoint probe's executor (`run_in_process`): the same native rows, bit for bit, in one process.
+    # The caller's own torch threads, which the Embedder's (its CPUs, fewer) must not outlive.
     threads = torch.get_num_threads()
-    torch.set_num_threads(
-        7
-    )  # the caller's own count, which the Embedder's (its CPUs, fewer) must not outlive
+    torch.set_num_threads(7)
     try:
         alone = read_rows(run_in_process(prepare(config.replace(out=str(tmp_path / "alone")))).out)
         assert torch.get_num_threads() == 7
