@@ -24,13 +24,12 @@ A step, N+1, on the host (top) beside the device (below), with step N a log line
   step follows (the epoch's or the schedule's end, a data error, a preemption notice).
 
 Every report is finished in one place (`finish_report`), so every row holds the values of its own step; the
-stop on too many skipped steps in a row, found when a row is finished, comes during the next step. The
-epoch's rules (unequal streams, the smaller last steps) are in docs/design.md, "Training"; where a rank
-stands in its epoch, and how a resume goes on at the sample, `pipeline.train.input.cursor`; a preemption
-notice's checkpoint, `pipeline.train.checkpointing.preemption`. With --probe-data every checkpoint is probed
-beside training (`pipeline.train.scoring`): rank 0 takes the probes' records into their rows in
-`finish_report`, without waiting, and the run's end waits for the last before it exports (with
---keep-best, `best/` too).
+stop on too many skipped steps in a row, found when a row is finished, comes during the next step. The epoch's
+rules (unequal streams, the smaller last steps) are in docs/design.md, "Training"; where a rank stands in its
+epoch, and how a resume goes on at the sample, `pipeline.train.input.cursor`; a preemption notice's
+checkpoint, `pipeline.train.checkpointing.preemption`. With --probe-data every checkpoint is probed beside
+training (`pipeline.train.scoring`): rank 0 takes the probes' records into their rows in `finish_report`,
+without waiting, and the run's end waits for the last before it exports (with --keep-best, `best/` too).
 """
 
 from __future__ import annotations
@@ -169,13 +168,9 @@ class Trainer:
             "data": self.data_config.to_dict(),
             **self.objective.checkpoint_meta(),
         }
+        asynchronous, probed = config.run.async_checkpoint, self.probe is not None
         saver = Saver(
-            session,
-            self.model,
-            self.step.optimizer,
-            self.ema,
-            asynchronous=config.run.async_checkpoint,
-            probed=self.probe is not None,
+            session, self.model, self.step.optimizer, self.ema, asynchronous=asynchronous, probed=probed
         )
         self.checkpointer = Checkpointer(saver, me, self.model, saved_config)
         # Rank 0 takes the probes' records into the rows (`pipeline.train.scoring.results`); a checkpoint's
@@ -478,31 +473,35 @@ class Trainer:
         if p.checkpoint is None:
             self.session.report(metrics)
         else:
-            # The history is stored before the checkpoint can register: a run killed after it keeps the row.
-            # That is the checkpoint's one write to an object store: its stall reaches it at the next flush.
-            if self.log is not None:
-                self.log.flush(pending=metrics)
-            try:  # the seconds training waited for the save
-                report = {**self.report_fields, **metrics}  # the score --keep-best ranks by, NaN until known
-                saving = time.perf_counter()
-                metrics["checkpoint_stall_s"] = self.checkpointer.save(self.state, p.checkpoint, report)
-                self.clock.spent("checkpoint", saving, time.perf_counter())
-            except WeightsNotFinite as e:
-                raise StopRun(
-                    f"{e} and were not saved; resume from the last checkpoint with a lower --lr or a smaller "
-                    "--grad-clip"
-                ) from e
+            metrics["checkpoint_stall_s"] = self.save(p.checkpoint, metrics)
         if self.log is not None:
             log_line(format_line(metrics, self.config.last_step, self.run_start, self.first_step))
             self.log.append(metrics, flush=p.checkpoint is not None)
             if p.checkpoint is not None or self.config.run_dir.is_local:  # as metrics.jsonl is written
                 self.clock.store()
         if self.probes is not None:  # the probes that landed since the last line, into their rows
-            if p.checkpoint is not None:
-                self.probes.expect(p.step)
             self.probes.poll()
         stacks.mark(p.step)
         self.last_metrics = metrics
+
+    def save(self, check: FiniteCheck, row: dict[str, Any], *, written: bool = False) -> float:
+        """Collective: this step's checkpoint, reported with its ``row`` (stored first unless ``written``: a
+        run killed once it registers keeps the row); the seconds training waited, stored at the next flush."""
+        if self.log is not None:
+            self.log.flush(pending=None if written else row)
+        try:
+            report = {**self.report_fields, **row}  # the score --keep-best ranks by, NaN until known
+            saving = time.perf_counter()
+            stall = self.checkpointer.save(self.state, check, report)
+            self.clock.spent("checkpoint", saving, time.perf_counter())
+        except WeightsNotFinite as e:
+            raise StopRun(
+                f"{e} and were not saved; resume from the last checkpoint with a lower --lr or a smaller "
+                "--grad-clip"
+            ) from e
+        if self.probes is not None:
+            self.probes.expect(self.state.step)
+        return stall
 
     def preempted(self) -> preemption.Stop:
         """Collective, at a step boundary where some rank has a preemption notice: every rank's notice
@@ -514,12 +513,14 @@ class Trainer:
             self.preemption, self.me, step, self.checkpointer, held=held, max_failures=run.max_failures
         )
         if keep.saves:
-            if self.pending is None:  # no log line at this step: a row of its own
-                assert self.last_stats is not None  # a step of this attempt (the one resumed is held)
-                self.take_report(self.last_stats, save=True)
-            else:  # this step's log line: its row goes with the checkpoint
+            if self.pending is not None:  # this step's log line: its row goes with the checkpoint
                 check = self.checkpointer.take(self.state, self.cursor)
                 self.pending = dataclasses.replace(self.pending, checkpoint=check)
+            elif self.last_metrics.get("step") == step:  # its row written already, at its epoch's end
+                self.save(self.checkpointer.take(self.state, self.cursor), self.last_metrics, written=True)
+            else:  # no log line at this step: a row of its own
+                assert self.last_stats is not None  # a step of this attempt (the one resumed is held)
+                self.take_report(self.last_stats, save=True)
         return keep
 
     # --- finish ----------------------------------------------------------------------------------

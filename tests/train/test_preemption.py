@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -247,6 +248,36 @@ def test_a_sigterm_during_a_step_checkpoints_that_step_and_the_resumed_run_ends_
     report = loop_tests().audited(cfg.run.out, loop_tests().SHARDS, loop_tests().FAKE_KEYS)
     assert report.ok and report.finished == 1, report.format()
     assert signal.getsignal(signal.SIGTERM) is not preemption._on_sigterm  # the handler before is back
+
+
+def test_a_sigterm_between_two_epochs_checkpoints_the_logged_edge_without_a_second_row(
+    world, fake_data, straight, monkeypatch, capsys, tmp_path
+):
+    """SIGTERM once epoch 0 has ended (step 4, its row already written at the epoch's last boundary) and
+    before epoch 1's first step: the checkpoint of step 4 is saved at epoch 1's first boundary, and the
+    history keeps step 4's one row (a loaded machine landed a signal there: a second row of step 4 followed,
+    of epoch 1, with no samples and a NaN loss)."""
+    from pipeline.train.input.cursor import EpochCursor
+
+    cfg = loop_tests().config(tmp_path / "run", log_every=1, checkpoint_every=8)
+    real_next_epoch, sent = EpochCursor.next_epoch, []
+
+    def next_epoch(self, *args, **kwargs):
+        if not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+        return real_next_epoch(self, *args, **kwargs)
+
+    monkeypatch.setattr(EpochCursor, "next_epoch", next_epoch)
+    message, log, summary = stopped_and_resumed(cfg, world, capsys)
+    assert message.startswith(f"preempted at step 4 (SIGTERM on rank 0): {dcp.checkpoint_name(4)} saved in ")
+    assert re.findall(r"^step (\d+)/8 \(", log, re.M) == ["1", "2", "3", "4"]  # step 4's line once
+    assert (summary["resumed_from"]["step"], summary["resumed_from"]["epoch"]) == (4, 1)
+    assert rows(cfg) == list(range(1, 9))  # step 4's row once
+    resumed = loop_tests().weights(cfg, 8)
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    report = loop_tests().audited(cfg.run.out, loop_tests().SHARDS, loop_tests().FAKE_KEYS)
+    assert report.ok and report.finished == 1, report.format()
 
 
 def test_no_checkpoint_is_tried_when_the_deadline_is_too_near_or_one_holds_the_step(
