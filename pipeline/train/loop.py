@@ -185,7 +185,7 @@ class Trainer:
         # device, the report in flight (finished at the next step boundary), and the last row made.
         self.window, self.skipped = MetricsWindow(me.device), SkippedSteps(me.device)
         self.pending: Pending | None = None
-        self.last_stats: StepStats | None = None  # for a row at a preemption notice
+        self.last_stats: tuple[StepStats, int] | None = None  # and its epoch: a row at a preemption notice
         self.last_metrics: dict[str, Any] = {}
         self.peak_tflops, peak_note = mfu.peak_tflops(me.device)
         self.first_step, self.run_start = self.state.step, time.perf_counter()
@@ -383,7 +383,7 @@ class Trainer:
             self.ema.update(step)
         self.window.add_step(stats.loss_sum, stats.correct, stats.count, stats.skipped)
         self.skipped.add(stats.skipped)
-        self.last_stats = stats
+        self.last_stats = stats, self.state.epoch
         self.watch.trained(step, stats)
         last = step == self.config.last_step
         save = step % run.checkpoint_every == 0 or last
@@ -391,7 +391,7 @@ class Trainer:
         validate = bool(self.val_shards) and save  # every checkpoint's, what --keep-best eval ranks by
         if save or evaluate or step % run.log_every == 0:
             scores = self.evaluate(test=evaluate, val=validate) if evaluate or validate else None
-            self.take_report(stats, save=save, evaluation=scores)
+            self.take_report(stats, self.state.epoch, save=save, evaluation=scores)
 
     def evaluate(self, *, test: bool = True, val: bool = False) -> dict[str, float]:
         """Collective: the row's top-1 accuracies (`finetune.evaluate_in_run`): with ``test``, over the
@@ -426,19 +426,17 @@ class Trainer:
 
     # --- report and checkpoint -------------------------------------------------------------------
     def take_report(
-        self, stats: StepStats, *, save: bool, evaluation: dict[str, float] | None = None
+        self, stats: StepStats, epoch: int, *, save: bool, evaluation: dict[str, float] | None = None
     ) -> None:
-        """Collective: this step's report, taken without waiting for the device (`Pending`; with ``save``,
-        a checkpoint's `Checkpointer.take`) and finished at the next step boundary (`finish_report`). A run
-        whose lease on --out was taken over stops here, before the row."""
+        """Collective: this step's report (``epoch``: the one it trained in), taken without waiting for the
+        device (`Pending`; with ``save``, a checkpoint's `Checkpointer.take`) and finished at the next step
+        boundary (`finish_report`). A run whose lease on --out was taken over stops here, before the row."""
         me, state = self.me, self.state
         if lost := lease.agreed_lost(self.lease, self.config.run_dir, me.rank, me.group):  # a rerun's?
             raise StopRun(lost)
         window, self.window = self.window, self.window.close(stats.grad_norm, self.skipped)
         check = self.checkpointer.take(state, self.cursor) if save else None
-        self.pending = Pending(
-            window, state.step, state.epoch, stats.lr, self.cursor.counts, evaluation, check
-        )
+        self.pending = Pending(window, state.step, epoch, stats.lr, self.cursor.counts, evaluation, check)
 
     def finish_report(self) -> None:
         """Collective: the `Pending` report, if any: wait for the device to have run its step (no later
@@ -520,7 +518,7 @@ class Trainer:
                 self.save(self.checkpointer.take(self.state, self.cursor), self.last_metrics, written=True)
             else:  # no log line at this step: a row of its own
                 assert self.last_stats is not None  # a step of this attempt (the one resumed is held)
-                self.take_report(self.last_stats, save=True)
+                self.take_report(*self.last_stats, save=True)
         return keep
 
     # --- finish ----------------------------------------------------------------------------------

@@ -250,16 +250,18 @@ def test_a_sigterm_during_a_step_checkpoints_that_step_and_the_resumed_run_ends_
     assert signal.getsignal(signal.SIGTERM) is not preemption._on_sigterm  # the handler before is back
 
 
-def test_a_sigterm_between_two_epochs_checkpoints_the_logged_edge_without_a_second_row(
-    world, fake_data, straight, monkeypatch, capsys, tmp_path
+@pytest.mark.parametrize("log_every", [1, 3])
+def test_a_sigterm_between_two_epochs_checkpoints_their_edge_with_one_row_of_the_epoch_it_trained(
+    world, fake_data, straight, monkeypatch, capsys, tmp_path, log_every
 ):
-    """SIGTERM once epoch 0 has ended (step 4, its row already written at the epoch's last boundary) and
-    before epoch 1's first step: the checkpoint of step 4 is saved at epoch 1's first boundary, and the
-    history keeps step 4's one row (a loaded machine landed a signal there: a second row of step 4 followed,
-    of epoch 1, with no samples and a NaN loss)."""
+    """SIGTERM once epoch 0 has ended at step 4 and before epoch 1's first step: the checkpoint of step 4
+    is saved at epoch 1's first boundary, and step 4 has one row, of epoch 0. Logged every step, its row
+    was written at the epoch's last boundary (a loaded machine landed a signal there: a second row of step
+    4 followed, of epoch 1, with no samples and a NaN loss); logged every 3, the checkpoint's row is its
+    own (it said epoch 1)."""
     from pipeline.train.input.cursor import EpochCursor
 
-    cfg = loop_tests().config(tmp_path / "run", log_every=1, checkpoint_every=8)
+    cfg = loop_tests().config(tmp_path / "run", log_every=log_every, checkpoint_every=8)
     real_next_epoch, sent = EpochCursor.next_epoch, []
 
     def next_epoch(self, *args, **kwargs):
@@ -270,9 +272,13 @@ def test_a_sigterm_between_two_epochs_checkpoints_the_logged_edge_without_a_seco
     monkeypatch.setattr(EpochCursor, "next_epoch", next_epoch)
     message, log, summary = stopped_and_resumed(cfg, world, capsys)
     assert message.startswith(f"preempted at step 4 (SIGTERM on rank 0): {dcp.checkpoint_name(4)} saved in ")
-    assert re.findall(r"^step (\d+)/8 \(", log, re.M) == ["1", "2", "3", "4"]  # step 4's line once
+    logged = [1, 2, 3, 4] if log_every == 1 else [3, 4]
+    assert re.findall(r"^step (\d+)/8 \(", log, re.M) == [str(n) for n in logged]  # step 4's line once
     assert (summary["resumed_from"]["step"], summary["resumed_from"]["epoch"]) == (4, 1)
-    assert rows(cfg) == list(range(1, 9))  # step 4's row once
+    history = [json.loads(line) for line in (Path(cfg.run.out) / "metrics.jsonl").read_text().splitlines()]
+    steps = list(range(1, 9)) if log_every == 1 else [3, 4, 6, 8]
+    assert [(r["step"], r["epoch"]) for r in history] == [(n, (n - 1) // 4) for n in steps]
+    assert history[steps.index(4)]["samples_seen"] == 36  # epoch 0's 36 samples, 4 of them bad
     resumed = loop_tests().weights(cfg, 8)
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
