@@ -9,7 +9,6 @@ batch 8 -> 4 steps an epoch, 8 steps in all; steps 3 and 5 are mid-epoch.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -22,6 +21,7 @@ import torch
 from pipeline import dcp
 from pipeline.train.checkpointing import preemption
 from pipeline.train.checkpointing.preemption import Notice, Plan, Preempted, PreemptionWatcher, decide
+from pipeline.train.driver import read_metrics
 from pipeline.train.state import StepAgreement, agree_on_step
 from pipeline.train.step.train_step import TrainStep
 from tests.distributed import spawn
@@ -195,9 +195,7 @@ def stopped_and_resumed(cfg, device, capsys) -> tuple[str, str, dict]:
 
 
 def rows(cfg) -> list[int]:
-    return [
-        json.loads(line)["step"] for line in (Path(cfg.run.out) / "metrics.jsonl").read_text().splitlines()
-    ]
+    return [row["step"] for row in read_metrics(cfg.run.out)]
 
 
 def test_a_notice_checkpoints_the_step_and_the_resumed_run_ends_as_a_straight_one(
@@ -275,7 +273,7 @@ def test_a_sigterm_between_two_epochs_checkpoints_their_edge_with_one_row_of_the
     logged = [1, 2, 3, 4] if log_every == 1 else [3, 4]
     assert re.findall(r"^step (\d+)/8 \(", log, re.M) == [str(n) for n in logged]  # step 4's line once
     assert (summary["resumed_from"]["step"], summary["resumed_from"]["epoch"]) == (4, 1)
-    history = [json.loads(line) for line in (Path(cfg.run.out) / "metrics.jsonl").read_text().splitlines()]
+    history = read_metrics(cfg.run.out)
     steps = list(range(1, 9)) if log_every == 1 else [3, 4, 6, 8]
     assert [(r["step"], r["epoch"]) for r in history] == [(n, (n - 1) // 4) for n in steps]
     assert history[steps.index(4)]["samples_seen"] == 36  # epoch 0's 36 samples, 4 of them bad
