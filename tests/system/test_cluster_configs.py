@@ -114,7 +114,7 @@ def decode_label() -> dict[str, str]:
 def test_decode_nodes_carry_the_label_that_decode_nodes_steers_to(name):
     """The CPU-only decode nodes carry the label of --decode-nodes' example, which Ray accepts as node
     labels (the launcher passes them to `ray start`); the GPU nodes do not carry it, so a job that passes
-    --decode-nodes decodes on the decode nodes alone (tests/system/test_decode_nodes.py)."""
+    --decode-nodes decodes on the decode nodes alone (tests/system/test_cluster_e2e.py)."""
     from ray._private.label_utils import validate_label_key, validate_label_value, validate_node_labels
 
     types = load(name)["available_node_types"]

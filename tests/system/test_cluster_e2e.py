@@ -1,5 +1,8 @@
-"""The two jobs on a real Ray cluster of three nodes on one machine: submitted through the job CLI with
-token authentication on, pretraining's workers on two nodes that join after the job was submitted."""
+"""The two jobs on a real Ray cluster of nodes on one machine: submitted through the job CLI with token
+authentication on, pretraining's workers on two nodes that join after the job was submitted; then, on
+the same cluster, --decode-nodes: a decode node joins, labelled as the shipped cluster configs label
+their CPU-only decode nodes (docs/scaling.md), and the read + decode tasks of a dataset run on it alone,
+never on the unlabelled nodes beside it, however many CPUs those have free."""
 
 from __future__ import annotations
 
@@ -49,8 +52,11 @@ def submit_command(address: str) -> list[str]:
 # The shipped autoscaling configs in small, as a user drives them: a head without CPUs for tasks (its
 # job server behind token authentication), a submission without the token refused, then pretraining
 # submitted through the job CLI, whose workers wait until two worker nodes join; the embedding job
-# submitted on the grown cluster; and on the same three nodes, pretraining with an --out only one
-# node's disk would hold: refused before any work.
+# submitted on the grown cluster; on the same three nodes, pretraining with an --out only one node's
+# disk would hold: refused before any work. Then a decode node joins (1 CPU, labelled) beside the two
+# unlabelled nodes of 3, and the driver reads a dataset twice: with the label selector, then without it
+# (where the unlabelled nodes take tasks too: the check can see it). Where each read task ran comes
+# from Ray's state API (the dashboard's), by node ID: every node here has the same IP address.
 CLUSTER = textwrap.dedent(
     """
     import json, os, subprocess, sys, time, urllib.error, urllib.request
@@ -88,7 +94,10 @@ CLUSTER = textwrap.dedent(
         train = submit("python", "jobs/pretrain.py", *runs["train"])
         # Ray's forwarded lines off: written from another thread, they could split this script's
         # lines, which the test parses.
-        ray.init(address=cluster.address, log_to_driver=False)
+        # Its own tasks (the dataset reads below) import the pipeline from this checkout; the submitted
+        # jobs bring theirs with --working-dir.
+        ray.init(address=cluster.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
         deadline = time.time() + 180
         while time.time() < deadline and train.poll() is None:
             if any(pg["state"] == "PENDING" for pg in ray.util.placement_group_table().values()):
@@ -107,6 +116,31 @@ CLUSTER = textwrap.dedent(
             capture_output=True, text=True, timeout=300,
         )
         print("refused:", refused.returncode, (refused.stderr.strip().splitlines() or [""])[-1], flush=True)
+
+        from ray.util.state import list_tasks
+        from pipeline.data.config import DataConfig
+        from pipeline.data.dataset import build_dataset
+
+        decode = cluster.add_node(num_cpus=1, labels={"vitray/role": "decode"})
+        cluster.wait_for_nodes()
+        mine, earlier = ray.get_runtime_context().get_job_id(), set()  # read tasks of the runs before
+        for run, label in (("labelled", "vitray/role=decode"), ("any", None)):
+            config = DataConfig(image_size=32, patch_size=8, decode_nodes=label)
+            rows = build_dataset(runs["decode"], config, train=False).take_all()
+            deadline = time.time() + 60
+            while True:  # task events reach the state API a little after the tasks end
+                finished = [t for t in list_tasks(filters=[("job_id", "=", mine)], limit=10_000, detail=True,
+                                                  raise_on_missing_output=False)
+                            if t.state == "FINISHED" and t.task_id not in earlier and "Read" in t.name]
+                tasks = {t.task_id: t.node_id for t in finished}
+                if len(tasks) >= len(runs["decode"]) or time.time() > deadline:
+                    break
+                time.sleep(1)
+            earlier |= set(tasks)
+            print(run, json.dumps({"rows": len(rows), "errors": sum(bool(r["error"]) for r in rows),
+                                   "nodes": sorted(set(tasks.values())), "tasks": len(tasks),
+                                   "names": sorted({t.name for t in finished})}), flush=True)
+        print("decode node", decode.node_id, flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -128,8 +162,18 @@ def head_ports(*more: str) -> dict[str, int]:
     return dict(zip(names, free_ports(len(names)), strict=True))
 
 
-def test_jobs_submitted_with_the_token_to_a_cluster_whose_nodes_join_after_submission(shards, tmp_path):
+def test_jobs_submitted_with_the_token_to_a_cluster_whose_nodes_join_and_decode_on_the_labelled_node(
+    shards, tmp_path, subtests
+):
+    """One cluster, two scenarios (each named where it fails): the jobs submitted through the job CLI, and
+    --decode-nodes on a labelled node joined after them."""
+    from pipeline.data.synthetic import write_synthetic_shards
+
     run, local, out = tmp_path / "run", tmp_path / "local", tmp_path / "embeddings"
+    # 12 shards of 4: a read task each, enough that the unlabelled nodes take some when they may.
+    decoded = write_synthetic_shards(
+        tmp_path / "decode", 48, samples_per_shard=4, image_size=32, num_classes=4, seed=3
+    )
     ports = head_ports("dashboard")
     dashboard = f"http://127.0.0.1:{ports.pop('dashboard')}"
     # Two nodes of one machine share its disk, which --shared-out declares.
@@ -146,6 +190,7 @@ def test_jobs_submitted_with_the_token_to_a_cluster_whose_nodes_join_after_submi
         ],
         "embed": ["--data", str(shards.dir), "--weights", str(run / "final"), "--out", str(out)],
         "refused": [*common, "--out", str(local)],
+        "decode": decoded.urls,
     }  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-c", CLUSTER, json.dumps(runs)],
@@ -162,34 +207,49 @@ def test_jobs_submitted_with_the_token_to_a_cluster_whose_nodes_join_after_submi
     console = result.stdout
     assert result.returncode == 0, console[-3000:] + result.stderr[-3000:]
 
-    # Without the token the job server refuses the submission, and nothing runs.
-    unauthenticated = re.search(r"^without the token: (\d+) (.*)$", console, re.M)
-    assert unauthenticated and int(unauthenticated[1]) != 0, console[-3000:]
-    assert "should not run" not in unauthenticated[2] and "authentication" in unauthenticated[2].lower()
+    with subtests.test(msg="jobs submitted with the token to a cluster whose nodes join after submission"):
+        # Without the token the job server refuses the submission, and nothing runs.
+        unauthenticated = re.search(r"^without the token: (\d+) (.*)$", console, re.M)
+        assert unauthenticated and int(unauthenticated[1]) != 0, console[-3000:]
+        assert "should not run" not in unauthenticated[2] and "authentication" in unauthenticated[2].lower()
 
-    # Pretraining as a submitted job: its workers asked while the cluster had no CPUs for them.
-    assert "train job exit: 0" in console, console[-4000:]
-    assert "succeeded" in console
-    assert "cluster CPUs when the workers asked: 0" in console
-    # 6 CPUs joined, 2 workers hold 1 each: 4 spare, 2 per worker (a budget frozen at submission: 1).
-    assert "epoch 0: 2 decode CPUs per worker (6 CPUs in the cluster now, 2 workers x 1" in console
-    # FSDP2's collectives and the checkpoint gathering crossed the node boundary.
-    assert "2 workers on 2 node(s)" in console
-    assert dcp.is_complete(run / dcp.checkpoint_name(4))
-    assert "finished at step 4" in console
+        # Pretraining as a submitted job: its workers asked while the cluster had no CPUs for them.
+        assert "train job exit: 0" in console, console[-4000:]
+        assert "succeeded" in console
+        assert "cluster CPUs when the workers asked: 0" in console
+        # 6 CPUs joined, 2 workers hold 1 each: 4 spare, 2 per worker (a budget frozen at submission: 1).
+        assert "epoch 0: 2 decode CPUs per worker (6 CPUs in the cluster now, 2 workers x 1" in console
+        # FSDP2's collectives and the checkpoint gathering crossed the node boundary.
+        assert "2 workers on 2 node(s)" in console
+        assert dcp.is_complete(run / dcp.checkpoint_name(4))
+        assert "finished at step 4" in console
 
-    # The embedding job, submitted on the grown cluster: one row per image.
-    assert "embed job exit: 0" in console, console[-4000:]
-    table = pq.read_table(out)
-    assert sorted(table.column("key").to_pylist()) == sorted(shards.keys)
+        # The embedding job, submitted on the grown cluster: one row per image.
+        assert "embed job exit: 0" in console, console[-4000:]
+        table = pq.read_table(out)
+        assert sorted(table.column("key").to_pylist()) == sorted(shards.keys)
 
-    # A local --out without --shared-out on the same cluster: exit 2 and one line, nothing written.
-    refused = re.search(r"^refused: (\d+) (.*)$", console, re.M)
-    assert refused, console[-3000:]
-    code, error = int(refused[1]), refused[2]
-    assert code == 2 and error.startswith("error: --out "), error
-    assert "the cluster has 3 nodes" in error and "--shared-out" in error, error
-    assert not local.exists()  # refused before the workers started
+        # A local --out without --shared-out on the same cluster: exit 2 and one line, nothing written.
+        refused = re.search(r"^refused: (\d+) (.*)$", console, re.M)
+        assert refused, console[-3000:]
+        code, error = int(refused[1]), refused[2]
+        assert code == 2 and error.startswith("error: --out "), error
+        assert "the cluster has 3 nodes" in error and "--shared-out" in error, error
+        assert not local.exists()  # refused before the workers started
+
+    with subtests.test(msg="--decode-nodes: read and decode on the labelled node only"):
+        reads = {m[1]: json.loads(m[2]) for m in re.finditer(r"^(labelled|any) (\{.*\})$", console, re.M)}
+        decode = re.search(r"^decode node (\w+)$", console, re.M)
+        assert decode and reads.keys() == {"labelled", "any"}, console[-3000:]
+        for read in reads.values():
+            assert read["rows"] == 48 and read["errors"] == 0, read
+            assert read["tasks"] == len(decoded.urls), read  # one read task per shard, each seen
+            # Read and decode fused into one task: decode ran where the read ran.
+            assert read["names"] == ["ReadTarShard->MapBatches(preprocess_batch)"], read
+        # With the label: every read + decode task on the decode node.
+        assert reads["labelled"]["nodes"] == [decode[1]], (reads, decode[1])
+        # Without it the unlabelled nodes take tasks too: the check above can fail.
+        assert set(reads["any"]["nodes"]) - {decode[1]}, (reads, decode[1])
 
 
 def test_the_ports_a_head_is_given_are_distinct():
